@@ -126,8 +126,8 @@ def main(args: argparse.Namespace) -> None:
     for k, (dot, magnitude, norm, sum_dot, sum_norm) in enumerate(new):
         mine = [i for i, (part, _) in enumerate(cuts) if part == k]
         was = [math.fsum(old[2 * i + j][0] for i in mine) for j in (0, 1)]
-        # The float64 dots' rounding bound (`scheduler.coordinator.sum_checks`): BLOCK·2^-53 of
-        # Σ|r·x|; of the sum, Σ|r·S| <= √n·‖S‖.
+        # The float64 dots' rounding bound (`scheduler.coordinator.trust.sum_checks`): BLOCK·2^-53
+        # of Σ|r·x|; of the sum, Σ|r·S| <= √n·‖S‖.
         n = sum(cuts[i][1].stop - cuts[i][1].start for i in mine)
         assert abs(dot - was[0]) <= 2 * BLOCK * 2.0**-53 * magnitude, (k, dot, was)
         assert abs(sum_dot - was[1]) <= 2 * BLOCK * 2.0**-53 * math.sqrt(n) * sum_norm, k

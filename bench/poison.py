@@ -68,7 +68,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from client.metrics import TrainerMetrics  # noqa: E402
 from client.trainer import PipelineTrainer  # noqa: E402
 from scheduler.coordinator import LocalCoordinator, gather_state  # noqa: E402
-from scheduler.coordinator.contributions import drawn_share  # noqa: E402
+from scheduler.coordinator.trust.contributions import drawn_share  # noqa: E402
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server  # noqa: E402
 from swarm.job.config import JobConfig, load_job  # noqa: E402
 from swarm.job.fingerprint import fingerprint  # noqa: E402

@@ -2,29 +2,30 @@
 is there (the scheduler's machine, a shared filesystem), else fetched from the scheduler (a
 friend's machine, joined by an invite: no shared path). A fetched file is kept under the cache
 directory by its sha256 (`<cache>/data/<sha256>`), the hash the scheduler pinned at submit, and
-checked against it while it is written: a second trainer of the job, or of a job on the same
-data, fetches nothing, and a file that does not match is never used."""
+checked against it while it is written (`swarm.rpc.fetch_file`, as each file of a starting
+checkpoint is: streamed, resumed from its partial file on a broken stream): a second trainer of
+the job, or of a job on the same data, fetches nothing, and a file that does not match is never
+used."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
-from swarm.errors import ConfigError
 from swarm.job.config import JobConfig, verify_data
 from swarm.job.schema import FILE_DATA
+from swarm.rpc.fetch_file import Source, cache_lock, fetch_file
 
 __all__ = ["Fetch", "local_data"]
 
 log = logging.getLogger(__name__)
 
-#: `fetch(validation)`: the job's data file (data.val_path with `validation`) in chunks.
-Fetch = Callable[[bool], AsyncIterator[bytes]]
+#: `fetch(validation, offset)`: the job's data file (data.val_path with `validation`) in chunks,
+#: from byte `offset` on.
+Fetch = Callable[[bool, int], AsyncIterator[bytes]]
 
 
 async def local_data(job: JobConfig, fetch: Fetch, cache: Path) -> JobConfig:
@@ -39,32 +40,18 @@ async def local_data(job: JobConfig, fetch: Fetch, cache: Path) -> JobConfig:
             continue  # there (verify_data checks it), or nothing pinned to check a copy by
         kept = cache / "data" / digest
         if not kept.is_file():
-            log.info("data.%s %s is not here: fetching it from the scheduler", key, path)
-            await _fetch(fetch(key == "val_path"), kept, digest, f"data.{key}")
+            async with cache_lock(cache / "locks" / f"data-{digest}"):
+                if not kept.is_file():  # not fetched by the one this waited for
+                    log.info("data.%s %s is not here: fetching it from the scheduler", key, path)
+                    source = _source(fetch, key == "val_path")
+                    await fetch_file(source, kept, sha256=digest, what=f"data.{key}")
         data = replace(data, val_path=kept) if key == "val_path" else replace(data, path=kept)
     job = replace(job, data=data)
     return await asyncio.to_thread(verify_data, job)  # reads the file: off the event loop
 
 
-async def _fetch(chunks: AsyncIterator[bytes], kept: Path, digest: str, what: str) -> None:
-    """Write `chunks` to `kept` through a temporary file, renamed only once its sha256 is
-    `digest`."""
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    part = kept.with_name(f".{kept.name}.{os.getpid()}.partial")
-    sha, size = hashlib.sha256(), 0
-    try:
-        with open(part, "wb") as f:
-            async for chunk in chunks:
-                sha.update(chunk)
-                size += len(chunk)
-                await asyncio.to_thread(f.write, chunk)
-        if sha.hexdigest() != digest:
-            raise ConfigError(
-                f"{what} fetched from the scheduler has sha256 {sha.hexdigest()}, not the "
-                f"{digest} pinned at submit: the file changed on the scheduler's machine since; "
-                "submit the job again"
-            )
-        os.replace(part, kept)
-        log.info("%s fetched: %d bytes, kept as %s", what, size, kept)
-    finally:
-        part.unlink(missing_ok=True)
+def _source(fetch: Fetch, validation: bool) -> Source:
+    def source(offset: int) -> AsyncIterator[bytes]:
+        return fetch(validation, offset)
+
+    return source

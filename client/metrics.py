@@ -54,7 +54,7 @@ class TrainerMetrics:
             labels,
             registry=reg,
         )
-        # Audits by re-execution (issue 55, `client.data_plane.audit`): their price is
+        # Audits by re-execution (issue 55, `client.audit.audits`): their price is
         # audit_runs / stage_runs, the compute they add to the training's own
         self.stage_runs = Counter(
             "swarm_trainer_stage_runs_total",

@@ -27,6 +27,7 @@ from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
+from swarm.rpc.init_fetch import is_local
 from swarm.rpc.lease import (
     Lease,
     MicrobatchResult,
@@ -102,9 +103,12 @@ class RemoteCoordinator:
         )
         return response.job
 
-    async def fetch_data(self, validation: bool) -> AsyncIterator[bytes]:
-        """The job's data file (its validation file) from the scheduler, in chunks."""
-        request = spb.SchedulerFetchDataRequest(job=self.job_id, validation=validation)
+    async def fetch_data(self, validation: bool, offset: int = 0) -> AsyncIterator[bytes]:
+        """The job's data file (its validation file) from the scheduler, in chunks, from byte
+        `offset` on."""
+        request = spb.SchedulerFetchDataRequest(
+            job=self.job_id, validation=validation, offset=offset
+        )
         try:
             async for part in self.stub.FetchData(request, timeout=FETCH_TIMEOUT_S):
                 yield part.data
@@ -212,7 +216,11 @@ async def run_remote_trainer(
         # either way with the contents pinned then (the spec's data.sha256): else a ConfigError
         # names the file and both hashes, before any work is leased.
         job = parse_job(status.spec, Path(status.base_dir), name=status.name, check_data=False)
-        job = verify_init(await local_data(job, remote.fetch_data, cache_dir()))
+        job = await local_data(job, remote.fetch_data, cache_dir())
+        # A trainer loads no weights (the stage servers do, and check the checkpoint against the
+        # pin then): its starting checkpoint is checked here only when it is here, else the
+        # pinned model.init_sha256 names it (a friend's trainer has no shared path).
+        job = verify_init(job) if is_local(job) else job
         metrics = TrainerMetrics(job_id)
         if metrics_port is not None:
             serve_metrics(metrics.registry, "127.0.0.1", metrics_port, token=metrics_token or token)

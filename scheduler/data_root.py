@@ -4,19 +4,30 @@ else the scheduler keeps: over the job store, the checkpoints (every job's train
 TLS key, it would let any job ship them out. Never a default, then (the working directory held
 all of those), and checked once, at start. A job names files under it only (`under_data_root`,
 at submit); its data file is read from there again when a trainer fetches it (`data_file`: a
-friend's trainer has no shared path)."""
+friend's trainer has no shared path), and so are the files of its starting checkpoint when a
+stage server fetches them (`checkpoint_files`, `checkpoint_file`: a friend's has no shared path
+either)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
+from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from swarm.job.config import JobConfig
+from swarm.job.manifest import Entry, encode, manifest_of, path_problem
 from swarm.job.schema import FILE_DATA
 
-__all__ = ["check_data_root", "data_file", "under_data_root"]
+__all__ = [
+    "check_data_root",
+    "checkpoint_file",
+    "checkpoint_files",
+    "checkpoint_manifest",
+    "data_file",
+    "under_data_root",
+]
 
 
 def check_data_root(root: Path | None, kept: Mapping[str, Path | None]) -> Path:
@@ -67,3 +78,41 @@ def data_file(job: JobConfig, validation: bool, root: Path) -> Path:
     if job.data.kind not in FILE_DATA or path is None:
         raise FailedPrecondition(f"job {job.name!r} has no data.{key}: nothing to fetch")
     return under_data_root(root, path, f"data.{key}")
+
+
+def checkpoint_files(directory: Path, root: Path) -> tuple[Entry, ...]:
+    """The manifest of the checkpoint `directory` (`swarm.job.manifest`), every file of which
+    must lie under `root` with its links resolved: a link inside a checkpoint to a file elsewhere
+    would have the scheduler read it, and send it to whoever fetches the checkpoint."""
+    real = under_data_root(root, directory, "model.init_from")
+    for top, _dirs, files in os.walk(real):
+        for name in files:
+            under_data_root(root, Path(top) / name, "a file of model.init_from")
+    return manifest_of(real)
+
+
+def checkpoint_file(job: JobConfig, path: str, root: Path) -> Path:
+    """The file `path` of `job`'s checkpoint (a path its manifest names), under `root` again."""
+    if job.model.init_from is None:
+        raise FailedPrecondition(f"job {job.name!r} has no model.init_from: nothing to fetch")
+    problem = path_problem(path)
+    if problem is not None:
+        raise InvalidArgument(f"{path!r} names no file of a checkpoint: {problem}")
+    directory = under_data_root(root, job.model.init_from, "model.init_from")
+    if path not in {e.path for e in checkpoint_files(directory, root)}:  # hashes remembered
+        raise NotFound(f"model.init_from {job.model.init_from} has no file {path!r}")
+    return under_data_root(root, directory / path, "a file of model.init_from")
+
+
+def checkpoint_manifest(job: JobConfig, root: Path) -> bytes:
+    """The manifest of `job`'s checkpoint, once its sha256 is still the pin: a checkpoint changed
+    on this machine since the submit is not served (the fetcher would refuse it anyway)."""
+    if job.model.init_from is None:
+        raise FailedPrecondition(f"job {job.name!r} has no model.init_from: nothing to fetch")
+    data = encode(checkpoint_files(job.model.init_from, root))
+    if hashlib.sha256(data).hexdigest() != job.model.init_sha256:
+        raise FailedPrecondition(
+            f"model.init_from {job.model.init_from} changed on the scheduler's machine since the "
+            f"job pinned it (model.init_sha256 = {job.model.init_sha256}): submit the job again"
+        )
+    return data

@@ -18,9 +18,9 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from scheduler import data_root as roots
 from scheduler.admission import Admission
 from scheduler.callers import Callers
-from scheduler.data_root import data_file, under_data_root
 from scheduler.job_status import job_status
 from scheduler.store import JobRecord, JobStore
 from scheduler.trusted_peers import TrustMode
@@ -32,6 +32,7 @@ from swarm.errors import (
 )
 from swarm.job.config import (
     FILE_DATA,
+    JobConfig,
     check_spec_size,
     parse_job,
     verify_data,
@@ -223,10 +224,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             spec = request.spec
             if job.data.kind in FILE_DATA:
                 assert job.data.path is not None  # required for file data
-                real = under_data_root(self.data_root, job.data.path, "data.path")
+                real = roots.under_data_root(self.data_root, job.data.path, "data.path")
                 val = job.data.val_path
                 if val is not None:
-                    val = under_data_root(self.data_root, val, "data.val_path")
+                    val = roots.under_data_root(self.data_root, val, "data.val_path")
                 # Off the event loop: hashing a large file would stall every other call.
                 checked = await asyncio.to_thread(
                     verify_data, replace(job, data=replace(job.data, path=real, val_path=val))
@@ -238,7 +239,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 if checked.data.val_sha256 is not None:
                     spec = pin(spec, "data", "val_sha256", checked.data.val_sha256)
             if job.model.init_from is not None:  # the initial checkpoint: read and pinned alike
-                real = under_data_root(self.data_root, job.model.init_from, "model.init_from")
+                real = roots.under_data_root(self.data_root, job.model.init_from, "model.init_from")
+                # every file under the root too: a friend's stage server fetches them all
+                await asyncio.to_thread(roots.checkpoint_files, real, self.data_root)
                 model = replace(job.model, init_from=real)
                 pinned = await asyncio.to_thread(verify_init, replace(job, model=model))
                 assert pinned.model.init_sha256 is not None
@@ -376,17 +379,14 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportRoutesResponse]:
             self.callers.identify(context).may_manage(self._job(request.job), "export")
             path = self.control.routes(request.job)
-            try:
-                f = await asyncio.to_thread(open, path, "rb")
-            except FileNotFoundError:
+            if not await asyncio.to_thread(path.is_file):
                 raise FailedPrecondition(
                     f'job {request.job!r} has no route record: only jobs with pool.mode = "local" '
                     '(or delayed_update with pool.overlap = "eager") keep one, from their first '
                     "step"
-                ) from None
-            with f:
-                while data := await asyncio.to_thread(f.read, self.chunk_bytes):
-                    yield scheduler_pb2.SchedulerExportRoutesResponse(data=data)
+                )
+            async for data in self._chunks(path, 0):
+                yield scheduler_pb2.SchedulerExportRoutesResponse(data=data)
 
         async for part in self._serving.stream("ExportRoutes", context, body()):
             yield part
@@ -395,16 +395,49 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerFetchDataRequest, context: Any
     ) -> AsyncIterator[scheduler_pb2.SchedulerFetchDataResponse]:
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerFetchDataResponse]:
-            record = self._job(request.job)
-            spec, base = record.spec, Path(record.base_dir)
-            job = await asyncio.to_thread(parse_job, spec, base, record.name, check_data=False)
-            path = data_file(job, request.validation, self.data_root)
-            with await asyncio.to_thread(open, path, "rb") as f:  # off the loop: a slow disk
-                while data := await asyncio.to_thread(f.read, self.chunk_bytes):
-                    yield scheduler_pb2.SchedulerFetchDataResponse(data=data)
+            job = await self._parsed(request.job)
+            path = roots.data_file(job, request.validation, self.data_root)
+            async for data in self._chunks(path, request.offset):
+                yield scheduler_pb2.SchedulerFetchDataResponse(data=data)
 
         async for part in self._serving.stream("FetchData", context, body()):
             yield part
+
+    async def FetchInit(
+        self, request: scheduler_pb2.SchedulerFetchInitRequest, context: Any
+    ) -> AsyncIterator[scheduler_pb2.SchedulerFetchInitResponse]:
+        """A file of the job's checkpoint, or its manifest (`path` empty): as FetchData."""
+
+        async def body() -> AsyncIterator[scheduler_pb2.SchedulerFetchInitResponse]:
+            job = await self._parsed(request.job)
+            if request.path:
+                path = await asyncio.to_thread(
+                    roots.checkpoint_file, job, request.path, self.data_root
+                )
+                async for data in self._chunks(path, request.offset):
+                    yield scheduler_pb2.SchedulerFetchInitResponse(data=data)
+                return
+            # the manifest: its files hashed off the loop, and checked against the pin
+            manifest = await asyncio.to_thread(roots.checkpoint_manifest, job, self.data_root)
+            for at in range(request.offset, len(manifest), self.chunk_bytes):
+                yield scheduler_pb2.SchedulerFetchInitResponse(
+                    data=manifest[at : at + self.chunk_bytes]
+                )
+
+        async for part in self._serving.stream("FetchInit", context, body()):
+            yield part
+
+    async def _parsed(self, job_id: str) -> JobConfig:
+        record = self._job(job_id)
+        spec, base = record.spec, Path(record.base_dir)
+        return await asyncio.to_thread(parse_job, spec, base, record.name, check_data=False)
+
+    async def _chunks(self, path: Path, offset: int) -> AsyncIterator[bytes]:
+        """`path`'s bytes from `offset` on, a chunk at a time (read off the loop: a slow disk)."""
+        with await asyncio.to_thread(open, path, "rb") as f:
+            f.seek(offset)
+            while data := await asyncio.to_thread(f.read, self.chunk_bytes):
+                yield data
 
 
 def _message(

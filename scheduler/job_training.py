@@ -36,6 +36,7 @@ from scheduler.coordinator.groups import Aggregator, Groups, Link, link_of
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.coordinator.replicas import grpc_replicas
+from scheduler.coordinator.trust.standing import Ban
 from scheduler.failure_domains import domains_of
 from scheduler.history import History
 from scheduler.rebalance_loop import Mover
@@ -110,7 +111,7 @@ class JobTraining:
     # signs the commit protocol's calls (`swarm.net.commit_auth`); None: they go unsigned
     signing: SchedulerKey | None = None
     # peer ids are bound to certificates (the embedded broker under --use-identity-as-username):
-    # a ban bars every id of the banned peer's certificate (`scheduler.coordinator.bans`)
+    # a ban bars every id of the banned peer's certificate (`scheduler.coordinator.trust.bans`)
     bans_bind_credentials: bool = False
 
     def vouched(self, job_id: str, peer: str) -> bool:
@@ -202,10 +203,10 @@ class JobTraining:
             self.history.record(job_id, "commit", text)
             await self.set_status(job_id, None, text)
 
-        async def banned(text: str) -> None:  # a peer an audit caught lying, with the evidence
-            bans.append(text.split(" ", 2)[1])  # "banned PEER (stage K): ..."
-            self.history.record(job_id, "ban", text)
-            await self.set_status(job_id, None, text)
+        async def banned(ban: Ban) -> None:  # a peer an audit caught lying, with the evidence
+            bans.append(ban.peer)
+            self.history.record(job_id, "ban", ban.text)
+            await self.set_status(job_id, None, ban.text)
 
         routes = None
         if rule_of(job).records_routes:  # appended: a resumed job's record goes on

@@ -1,6 +1,6 @@
 """A job's bans in the job store (issue 55): each peer an audit or its round's sum checks
 convicted, kept so that a restarted scheduler's coordinator starts with it banned
-(`scheduler.coordinator.bans`), and whether the rollback that took its work away has run.
+(`scheduler.coordinator.trust.bans`), and whether the rollback that took its work away has run.
 
 Bounded: a job keeps at most `MAX_BANS` (a ban costs the job a rollback, so an honest job has
 few; past that, a ban holds only as long as its coordinator and is said in the log), each reason

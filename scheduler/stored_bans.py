@@ -1,13 +1,13 @@
 """A job's `BanBook` in the scheduler's job store (`scheduler.store_bans`): the bans its
 coordinator makes, and when each member first was one, are kept there, and each coordinator
 built for the job afterwards (another attempt, a restarted scheduler) starts with them
-(`scheduler.coordinator.bans`)."""
+(`scheduler.coordinator.trust.bans`)."""
 
 from __future__ import annotations
 
 import logging
 
-from scheduler.coordinator.bans import Ban
+from scheduler.coordinator.trust.standing import Ban
 from scheduler.store import BanRow, JobStore, StoreError
 from scheduler.store_bans import MAX_BANNED_ID, MAX_BANS, MAX_MEMBERS
 

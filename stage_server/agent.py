@@ -53,6 +53,7 @@ from swarm.net.addresses import announced_host, host_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc import lan
+from swarm.rpc.init_fetch import InitSource, is_local, scheduler_init
 
 # PeerIdentity and persistent_peer_id live in stage_server.peer.identity; named here for importers.
 __all__ = ["PeerAgent", "PeerIdentity", "persistent_peer_id", "run_peer"]
@@ -96,13 +97,15 @@ class PeerAgent:
         relay_address: str = "",
         incarnation: str = "",
         host: str | None = None,
+        init: InitSource | None = None,
     ) -> None:
         """`incarnation`: this process's start id, as its last-will announces it (empty: a new
         one); `metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
         `limits`: the peer's (its stages' footprints); `facts`: its device's (free memory);
         `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
         it runs itself (`--relay`); `host`: the host id it announces (None: this machine's,
-        `stage_server.peer.host_id`)."""
+        `stage_server.peer.host_id`); `init`: where a job's starting checkpoint not on this
+        machine comes from (the scheduler, `--scheduler`; None: nowhere, the job is refused)."""
         self.running, self.bus, self.peer, self.path = running, bus, peer, path
         self.relay_address = relay_address
         self.incarnation = incarnation or new_incarnation()
@@ -126,6 +129,7 @@ class PeerAgent:
         self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
+        self.init = init
 
     def announcement(self) -> cpb.PeerAnnouncement:
         msg = cpb.PeerAnnouncement(
@@ -258,6 +262,20 @@ class PeerAgent:
                 return None
         return self._jobs[announcement.job]
 
+    async def _checkpoint(self, job_id: str, config: JobConfig) -> JobConfig:
+        """`config` with its starting checkpoint (`model.init_from`) on this machine: where it
+        names, else fetched from the scheduler into the cache (`swarm.rpc.init_fetch`)."""
+        if is_local(config):
+            return config
+        if self.init is None:
+            raise ConfigError(
+                f"model.init_from = {config.model.init_from} is not on this machine, and this "
+                "stage server knows no scheduler to fetch it from: give it --scheduler HOST:PORT "
+                "(a --join invite names it)"
+            )
+        self._jobs[job_id] = await self.init(job_id, config)
+        return self._jobs[job_id]
+
     async def _on_job(self, job: cpb.JobAnnouncement) -> None:
         if job.state in _ENDED:
             self._ended[job.job] = None
@@ -277,6 +295,11 @@ class PeerAgent:
                 return
             config = self._job(job)
             if config is None:
+                return
+            try:  # measuring and building the stage both load the checkpoint's weights
+                config = await self._checkpoint(job.job, config)
+            except Exception as e:  # not fetched: free for the other jobs, and said why
+                await self._refuse(job, e, failed="fetching its starting checkpoint")
                 return
             self.job_id = job.job
             self._show()  # measuring
@@ -446,9 +469,11 @@ async def run_peer(
     token: str | None = None,
     connect_timeout_s: float = 30.0,
     behind_nat: bool = False,
+    scheduler: str = "",
 ) -> None:
     """`swarm stage-server --broker URL`: join the swarm and serve what the scheduler assigns;
-    `behind_nat`: attach to a relay at once, not only once the scheduler finds it unreachable."""
+    `behind_nat`: attach to a relay at once, not only once the scheduler finds it unreachable;
+    `scheduler`: its job API, where a starting checkpoint not on this machine is fetched."""
     torch.set_num_threads(max(1, opts.threads))
     check_device(opts.device)
     identity = persistent_peer_id(cache_path().parent, opts.peer)
@@ -508,6 +533,7 @@ async def run_peer(
                 path=path,
                 relay_address=running.relay_address,
                 incarnation=incarnation,
+                init=scheduler_init(scheduler, token) if scheduler else None,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)

@@ -55,6 +55,13 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://...; a password there is this "
         "peer's own, sent instead of --token",
     )
+    add_flag(
+        p,
+        "scheduler",
+        "",
+        "the scheduler's job API, HOST:PORT: a job's starting checkpoint (model.init_from) that "
+        "is not on this machine is fetched from it (a --join invite names it)",
+    )
     p.add_argument("--job", type=Path, required=False, help="job file (TOML)")
     p.add_argument("--stage", type=int, help="stage index, 0..stages-1 (with --job)")
     add_flag(
@@ -242,7 +249,12 @@ def _run(args: argparse.Namespace) -> None:
         asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
     elif args.broker:
         joining = run_peer(
-            opts, args.broker, throttle=args.throttle, token=opts.token, behind_nat=args.behind_nat
+            opts,
+            args.broker,
+            throttle=args.throttle,
+            token=opts.token,
+            behind_nat=args.behind_nat,
+            scheduler=args.scheduler,
         )
         asyncio.run(joining)
     else:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # on the push plane the stages are redone from the replicas' records, a contribution's from its
-# neighbours' (`client.data_plane.push_contributions`)
+# neighbours' (`client.audit.push_contributions`)
 @pytest.mark.parametrize("plane", ["relay", "push"])
 async def test_an_honest_audited_job_accuses_nobody(
     tmp_path: Path, make_swarm: list[Swarm], plane: str
@@ -65,7 +65,7 @@ async def test_an_honest_audited_job_accuses_nobody(
     assert coordinator.metrics.bans._value.get() == 0
     # the price: every stage computation done twice more, every replica's contribution being
     # audited too (`audit_fraction` 1): its answers checked on one auditor, and its gradient
-    # digested on that one and a second (`scheduler.coordinator.contributions`)
+    # digested on that one and a second (`scheduler.coordinator.trust.contributions`)
     assert metrics.audit_runs._value.get() == 2 * metrics.stage_runs._value.get()
 
 

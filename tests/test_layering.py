@@ -11,6 +11,10 @@ module's source, so that a seeded violation can prove it bites:
 - one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
 - only the CLI dispatcher loads modules by name;
 - only `swarm.job` reads the keys that choose the training rule (`KNOWN_RULE_READS` aside);
+- trust has its rooms (`TRUST_ROOMS`: the trainer's audits, the coordinator's judges): a module
+  named for trust lives in one, and the concept map names it; a room imports none of the planes
+  it sits beside, and a module outside the rooms imports one only at a door (`TRUST_DOORS`, each
+  still used);
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it), and no Python file
@@ -62,6 +66,9 @@ KNOWN_SUBPACKAGE_IMPORTS: dict[tuple[str, str], str] = {
     ("client.data_plane", "client.metrics"): (
         "the data plane counts its hops and bytes in the trainer's series (`TrainerMetrics`), "
         "which the trainer serves and the scheduler's embedded trainer too (an ALLOWED edge)"
+    ),
+    ("client.audit", "client.metrics"): (
+        "the audits count their re-executions and outcomes in the trainer's series too"
     ),
 }
 """A role's subpackages (`stage_server.replica`, `stage_server.peer`, `scheduler.coordinator`,
@@ -166,6 +173,50 @@ KNOWN_RULE_READS: dict[str, str] = {
     # module: why it still reads a rule key. Each must still read one (a stale entry fails).
 }
 
+TRUST_ROOMS: dict[str, tuple[str, ...]] = {
+    # room: the modules it sits beside and never imports (a plane is wrapped, not threaded)
+    "client.audit": ("client.data_plane",),
+    "scheduler.coordinator.trust": (
+        "scheduler.coordinator.coordinator",
+        "scheduler.coordinator.commit",
+        "scheduler.coordinator.rollback",
+        "scheduler.coordinator.voids",
+    ),
+}
+"""Trust's rooms (DESIGN.md, "Trust"; docs/architecture.md's map): the trainer's audits and the
+coordinator's judges. Each is given what it acts through (a plane to wrap, a rollback and voids
+to call) where it is made, so it imports none of the modules it sits beside."""
+TRUST_NAMED = re.compile(
+    r"audit|\bbans?\b|banned|disput|liar|verdict|judge|sum_check|sent_word|norm_bound|"
+    r"round_check|contribution|standing"
+)
+"""A module of the trainer or the coordinator (`TRUST_HOMES`) named so is a trust concept: it
+lives in a room."""
+TRUST_HOMES = ("client", "scheduler.coordinator")
+TRUST_DOORS: dict[str, str] = {
+    # module outside the rooms that imports one: why. Each must still import one.
+    "client.data_plane.plane": (
+        "the composition point: `make_plane` wraps the carry plane in `Audited` and gives the "
+        "push plane its `PushAudits`"
+    ),
+    "scheduler.coordinator.coordinator": (
+        "builds the job's standing (the members filter) and its bans, given the rollback and "
+        "the voids"
+    ),
+    "scheduler.coordinator.commit": (
+        "asks `RoundChecks.passed` of each PREPARE's answers, and sends each member the "
+        "checksums it is judged by"
+    ),
+    "scheduler.coordinator.rounds": (
+        "a pool's round end (rounds between commits) checks its sums with the same judges, "
+        "not yet through `RoundChecks`"
+    ),
+    "scheduler.coordinator.eager_rounds": "the checksums its background sum is sent with",
+    "scheduler.coordinator.replicas": "the checksums a PREPARE carries on the wire",
+    "scheduler.job_training": "a `Ban` told to the job's history and `swarm status`",
+    "scheduler.stored_bans": "the job store keeps each `Ban` across restarts",
+}
+
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
     # A circle's modules, sorted: why it is left for now. Each must still be exactly a circle.
 }
@@ -202,6 +253,11 @@ OVERSIZE: dict[str, str] = {
     "scheduler.coordinator.rounds": (
         "one concept, the coordinator's side of a pool's rounds: PREPARE and APPLY of a round's "
         "end, its members' failures and who is dropped, read together as the two phases are"
+    ),
+    "scheduler.coordinator.coordinator": (
+        "the step coordinator's orchestrator: it builds its parts in the order each is given "
+        "what it needs (the standing, the views it filters, the voids and the rollback, then "
+        "the bans given both), and runs the step protocol over them"
     ),
     "swarm.rpc.stage_client": (
         "one concept, the client of StageService: one method per call of the service, each with "
@@ -718,6 +774,63 @@ def rule_key_violations(
     ]
 
 
+# Trust's rooms.
+
+
+def room_of(name: str) -> str | None:
+    """The trust room (`TRUST_ROOMS`) that holds module `name`, if any."""
+    return next((room for room in TRUST_ROOMS if within(name, (room,))), None)
+
+
+def trust_violations(
+    found: Iterable[Edge],
+    modules: Iterable[tuple[str, str]],
+    doors: Mapping[str, str] = TRUST_DOORS,
+) -> list[str]:
+    """Modules (name, path) named for trust outside a room; imports of a room from outside the
+    rooms but at a door; a room's imports of what it sits beside; and doors no longer used."""
+    bad: set[str] = set()
+    used: set[str] = set()
+    for name, path in modules:
+        named = TRUST_NAMED.search(name.rpartition(".")[2])
+        if named and within(name, TRUST_HOMES) and room_of(name) is None:
+            bad.add(
+                f"{path}:1: {name} is named for trust but lives outside its rooms "
+                f"({', '.join(TRUST_ROOMS)})"
+            )
+    for e in found:
+        room, there = room_of(e.importer), room_of(e.imported)
+        if there is not None and room is None:
+            if e.importer in doors:
+                used.add(e.importer)
+            else:
+                bad.add(
+                    f"{e.where}: {e.importer} imports {e.imported}: only a door (TRUST_DOORS) "
+                    "imports a trust room; wrap the plane, do not thread it"
+                )
+        if room is not None and within(e.imported, TRUST_ROOMS[room]):
+            bad.add(
+                f"{e.where}: {e.importer} imports {e.imported}: a trust room is given what it "
+                "acts through, and imports none of what it sits beside"
+            )
+    return [
+        *sorted(bad),
+        *(f"TRUST_DOORS {m}: imports no trust room; remove it" for m in doors if m not in used),
+    ]
+
+
+def unmapped_trust(modules: Iterable[tuple[str, str]], named: Iterable[str]) -> list[str]:
+    """Modules (name, path) of a trust room that the concept map does not name: trust's
+    modules are where the map says, whatever their size."""
+    named = set(named)
+    return [
+        f"{path}:1: {name} is a trust module: name it in {DOC_TABLES[0][0]}'s map "
+        f"('{DOC_TABLES[0][1]}')"
+        for name, path in sorted(modules)
+        if room_of(name) is not None and not path.endswith("__init__.py") and path not in named
+    ]
+
+
 # Import circles.
 
 
@@ -945,6 +1058,9 @@ def test_the_tables_name_real_modules() -> None:
         *GRPC_SHARED,
         *GRPC_ROLES,
         *(a for a, _ in PURE_EXTRAS),
+        *TRUST_ROOMS,
+        *(m for beside in TRUST_ROOMS.values() for m in beside),
+        *TRUST_DOORS,
     ]
     missing = sorted({m for m in named if not any(within(n, (m,)) for n in modules)})
     assert not missing, f"the tables name modules that do not exist: {missing}"
@@ -991,6 +1107,16 @@ def test_only_the_job_reads_the_rule_keys() -> None:
     bad = rule_key_violations(sources())
     if bad:
         pytest.fail(f"the training rule's keys read outside {RULE_HOME}:\n" + "\n".join(bad))
+
+
+def test_trust_has_its_rooms() -> None:
+    modules = [(n, str(p.relative_to(ROOT))) for n, p in project_modules().items()]
+    doc, heading, _ = DOC_TABLES[0]
+    rows = table((ROOT / doc).read_text(), heading)
+    named = [path for _, _, path, _ in map_paths(rows, lambda p: (ROOT / p).exists())]
+    bad = trust_violations(edges(), modules) + unmapped_trust(modules, named)
+    if bad:
+        pytest.fail("trust threaded through the planes:\n" + "\n".join(bad))
 
 
 def test_no_import_circles() -> None:
@@ -1298,6 +1424,49 @@ def test_the_concept_map_checker() -> None:
         "d.md:9: `nowhere/` (read as swarm/nowhere/) does not exist (the map is stale)",
     ]
     assert table(doc, "Layout") == []
+
+
+def test_the_trust_room_checker() -> None:
+    found = [
+        # the carry plane threading the audit through its loop: the violation issue 66 removed
+        *_edges_of("client.data_plane.carry", "from client.audit.audits import Audits, Work\n"),
+        # the wrapper reaching back into the plane it wraps
+        *_edges_of("client.audit.audited", "from client.data_plane.boundary import Answer\n"),
+        *_edges_of("scheduler.coordinator.trust.bans", "import scheduler.coordinator.commit\n"),
+    ]
+    fine = [  # the composition point; a room importing itself and the ledger it reads
+        *_edges_of("client.data_plane.plane", "from client.audit.audited import Audited\n"),
+        *_edges_of("client.audit.push_audit", "from client.audit.audits import Audits\n"),
+        *_edges_of("scheduler.coordinator.trust.bans", "import scheduler.coordinator.ledger\n"),
+    ]
+    modules = [
+        ("client.data_plane.push_audit", "client/data_plane/push_audit.py"),
+        ("scheduler.coordinator.bans", "scheduler/coordinator/bans.py"),
+        ("scheduler.coordinator.trust.bans", "scheduler/coordinator/trust/bans.py"),
+        ("scheduler.coordinator.ledger", "scheduler/coordinator/ledger.py"),
+        ("scheduler.store_bans", "scheduler/store_bans.py"),  # the store's: no trainer's
+    ]
+    doors = {"client.data_plane.plane": "composes", "client.trainer": "stale"}
+    assert trust_violations(found + fine, modules, doors) == [
+        "client/data_plane/push_audit.py:1: client.data_plane.push_audit is named for trust but "
+        "lives outside its rooms (client.audit, scheduler.coordinator.trust)",
+        "scheduler/coordinator/bans.py:1: scheduler.coordinator.bans is named for trust but "
+        "lives outside its rooms (client.audit, scheduler.coordinator.trust)",
+        "x.py:1: client.audit.audited imports client.data_plane.boundary: a trust room is given "
+        "what it acts through, and imports none of what it sits beside",
+        "x.py:1: client.data_plane.carry imports client.audit.audits: only a door (TRUST_DOORS) "
+        "imports a trust room; wrap the plane, do not thread it",
+        "x.py:1: scheduler.coordinator.trust.bans imports scheduler.coordinator.commit: a trust "
+        "room is given what it acts through, and imports none of what it sits beside",
+        "TRUST_DOORS client.trainer: imports no trust room; remove it",
+    ]
+    assert not trust_violations(fine, modules[2:], {"client.data_plane.plane": "composes"})
+    rooms = [*modules, ("client.audit", "client/audit/__init__.py")]
+    assert unmapped_trust(rooms, ["scheduler/coordinator/bans.py"]) == [
+        "scheduler/coordinator/trust/bans.py:1: scheduler.coordinator.trust.bans is a trust "
+        "module: name it in docs/architecture.md's map ('Where each concept lives')"
+    ]
+    assert not unmapped_trust(rooms, ["scheduler/coordinator/trust/bans.py"])
 
 
 def test_the_circle_checker() -> None:

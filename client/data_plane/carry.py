@@ -14,10 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from client.data_plane.audit import Audits, Work
-from client.data_plane.boundary import BoundaryCache
+from client.data_plane.boundary import Answer, BoundaryCache
 from client.data_plane.hops import StageHops
-from client.data_plane.reexecute import decoded
 from client.metrics import TrainerMetrics
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
@@ -25,7 +23,7 @@ from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.model.subspace import wire_tokens
 from swarm.proto import tensor_pb2
-from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task, Verdict
+from swarm.rpc.lease import MicrobatchResult, Replica, Task
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
 from swarm.wire import codec
 
@@ -39,10 +37,10 @@ class CarryPlane:
         hops: StageHops,
         metrics: TrainerMetrics,
         cache: BoundaryCache,
-        audits: Audits | None = None,
     ) -> None:
+        # What each stage was sent and answered is kept in `cache`: the audits read it there
+        # after the microbatch (`client.audit.audited.Audited` wraps this plane).
         self.job, self.hops, self.metrics, self.cache = job, hops, metrics, cache
-        self.audits = audits  # None: nothing is audited (`client.data_plane.audit`)
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass  # every hop reads the routes as they are when it is made
@@ -94,12 +92,10 @@ class CarryPlane:
         after = done.peer  # who answered the gradient the stage below is given
         before = [forward_peer[last - 1]] if last else []
         self.cache.remember(step, index, last, boundary[last], targets, before, tokens=tokens)
-        # what each stage from `lowest` up was given and answered, for the audit (all, or none)
-        works: list[Work] | None = None
-        if result is not None and self.audits is not None:
-            loss_sum = torch.tensor(result.loss_sum, dtype=torch.float64)
-            answer = (boundary[last], targets, loss_sum, decoded(result.grad_inputs))
-            works = [Work(last, *answer, forward_peer[last], forward_peer[last], tokens)]
+        if result is not None:  # its outputs are the loss; it answered both ways itself
+            peer = forward_peer[last]
+            answer = Answer(peer, peer, result.grad_inputs, loss_sum=result.loss_sum)
+            self.cache.answered(step, index, last, answer)
         # The loss is the same whichever replica computed it, accumulating or not.
         loss = result.loss_sum if last in stages and result is not None else None
         grad = result.grad_inputs if result is not None else None
@@ -125,53 +121,16 @@ class CarryPlane:
             after = done.peer
             result = done.result
             grad = result.grad_inputs if result is not None else None
-            if works is not None and result is not None and done.peer is not None:
-                outputs = decoded(boundary[k + 1])
-                assert outputs is not None
-                work = Work(
-                    k,
-                    boundary[k],
-                    g,
-                    outputs,
-                    decoded(grad),
-                    forward_peer[k],
-                    done.peer,
-                    tokens if k else None,
-                )
-                works.insert(0, work)
-            else:
-                works = None  # an answer the trainer does not hold: nothing to audit
+            if result is not None and done.peer is not None:
+                self.cache.answered(step, index, k, Answer(forward_peer[k], done.peer, grad))
         samples = int(ids.shape[0])
         if not local:
-            # Audited before it is reported: a liar caught is banned before its work commits.
-            verdicts, audit_runs, digests = await self._audited(step, index, works, task)
             touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
-            return MicrobatchResult(
-                step,
-                index,
-                holders,
-                loss,
-                samples,
-                verdicts=verdicts,
-                touched=touched,
-                stage_runs=len(works) if works is not None else 0,
-                audit_runs=audit_runs,
-                digests=digests,
-            )
+            return MicrobatchResult(step, index, holders, loss, samples, touched=touched)
         chain = tuple(forward_peer[k] for k in range(last + 1))
         return MicrobatchResult(
             step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
         )
-
-    async def _audited(
-        self, step: int, index: int, works: list[Work] | None, task: Task
-    ) -> tuple[tuple[Verdict, ...], int, tuple[GradientDigest, ...]]:
-        """The liars `works`' audit found, the re-executions it took, and the gradient digests
-        of the stages whose contribution `task` says is audited."""
-        if works is None or self.audits is None:
-            return (), 0, ()
-        verdicts, runs, digests = await self.audits.audited(step, index, works, task.audits)
-        return tuple(verdicts), runs, tuple(digests)
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

@@ -1,6 +1,8 @@
 """The seam between the trainer and how a microbatch travels (`DataPlane`), and the choice of
 plane a job names (`runtime.data_plane`). The trainer leases, reports and follows membership;
-a plane runs one task and says, per stage, which replica surely accumulated it."""
+a plane runs one task and says, per stage, which replica surely accumulated it. `make_plane`
+is the composition point of the planes and the trainer's audits (`client.audit`): no other
+module of `client.data_plane` imports them (tests/test_layering.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ from typing import Protocol
 
 import torch
 
-from client.data_plane.audit import Audits, tolerance_of
+from client.audit.audited import Audited
+from client.audit.audits import Audits, tolerance_of
+from client.audit.push_audit import PushAudits
+from client.audit.reexecute import StageReexecutor
 from client.data_plane.boundary import BoundaryCache
 from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
-from client.data_plane.push import PushPlane
-from client.data_plane.push_audit import PushAudits
-from client.data_plane.reexecute import StageReexecutor
+from client.data_plane.push import PushPlane, Unaudited
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -45,13 +48,15 @@ class DataPlane(Protocol):
 
 
 def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> DataPlane:
-    """The plane `job` names."""
+    """The plane `job` names, audited where the job audits: the one place the data planes and
+    the trainer's audits (`client.audit`) are put together."""
     audits = audits_of(job, hops, metrics)
     if job.runtime.data_plane == "push":
-        pushed = None if audits is None else PushAudits(job, audits, hops.routes)
+        pushed = Unaudited() if audits is None else PushAudits(job, audits, hops.routes)
         return PushPlane(job, hops, metrics, pushed)
     cache = BoundaryCache(job.runtime.boundary_cache_bytes, delays=rule_of(job).delays)
-    return CarryPlane(job, hops, metrics, cache, audits)
+    plane = CarryPlane(job, hops, metrics, cache)
+    return plane if audits is None else Audited(plane, cache, audits, job.training.stages)
 
 
 def audits_of(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> Audits | None:

@@ -8,22 +8,85 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
 from client.data_plane.hops import StageHops
-from client.data_plane.push_audit import PushAudits
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.data import DataSource
 from swarm.model.subspace import wire_targets
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.rpc.lease import (
+    ContributionAudit,
+    GradientDigest,
+    MicrobatchResult,
+    Replica,
+    Task,
+    Verdict,
+)
 from swarm.rpc.stage_client import named
 from swarm.wire import codec
 
-__all__ = ["PushPlane"]
+__all__ = ["PushPlane", "PushTrust", "Unaudited"]
+
+
+class PushTrust(Protocol):
+    """What the push plane asks of the trainer's audits (`client.audit.push_audit.PushAudits`;
+    `Unaudited` where the job audits nothing), composed in `client.data_plane.plane`."""
+
+    def run_id(self, drawn: Sequence[ContributionAudit]) -> int:
+        """The id of a microbatch's run at every replica of its path; 0: nothing recorded."""
+        ...
+
+    def set_aside(self) -> set[str]:
+        """Receivers a boundary dispute set aside."""
+        ...
+
+    def challenged(self) -> set[str]:
+        """Senders a boundary dispute challenges (routed through, to be seen again)."""
+        ...
+
+    async def audited(
+        self,
+        task: Task,
+        run: int,
+        chain: Sequence[str],
+        holders: dict[int, str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+        """Run `run` of `task` pushed through `chain` audited: the liars found, the
+        re-executions it took, and the drawn contributions' gradient digests."""
+        ...
+
+
+class Unaudited:
+    """The null `PushTrust`: nothing is recorded, set aside or audited."""
+
+    def run_id(self, drawn: Sequence[ContributionAudit]) -> int:
+        return 0
+
+    def set_aside(self) -> set[str]:
+        return set()
+
+    def challenged(self) -> set[str]:
+        return set()
+
+    async def audited(
+        self,
+        task: Task,
+        run: int,
+        chain: Sequence[str],
+        holders: dict[int, str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+        return (), 0, []
 
 
 class PushPlane:
@@ -32,10 +95,10 @@ class PushPlane:
         job: JobConfig,
         hops: StageHops,
         metrics: TrainerMetrics,
-        audits: PushAudits | None = None,
+        trust: PushTrust | None = None,
     ) -> None:
         self.job, self.hops, self.metrics = job, hops, metrics
-        self.audits = audits  # None: nothing is audited (`client.data_plane.push_audit`)
+        self.trust = trust or Unaudited()  # the trainer's audits (`client.audit.push_audit`)
         self._routes: list[pb.Route] = []  # per stage after the first: who serves it
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
@@ -53,9 +116,7 @@ class PushPlane:
     def _route(self) -> list[pb.Route]:
         """The routes, less the receivers a boundary dispute set aside (`Disputes.set_aside`),
         where their stage keeps another member, and through its challenged sender."""
-        disputes = self.audits.disputes if self.audits is not None else None
-        aside = disputes.set_aside() if disputes is not None else set()
-        challenged = disputes.challenged() if disputes is not None else set()
+        aside, challenged = self.trust.set_aside(), self.trust.challenged()
         if not aside and not challenged:
             return self._routes
         routes = []
@@ -89,7 +150,7 @@ class PushPlane:
         inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
         route, last, timeout = self._route(), self.job.training.stages - 1, self._timeout()
         # this run's records at each replica; 0: none kept, nothing to audit (`PushAudits`)
-        run = self.audits.run_id(task.audits) if self.audits is not None else 0
+        run = self.trust.run_id(task.audits)
         peer, result = await self.hops.accumulating(
             0,
             lambda c, a: c.push(
@@ -118,11 +179,10 @@ class PushPlane:
         samples = int(ids.shape[0])
         chain = (peer or "", *result.path)
         whole = len(chain) == last + 1 and all(chain)
-        if self.audits is not None and run and whole:
+        if run and whole:
             # Audited before it is reported: a liar caught is banned before its work commits.
-            drawn = self.audits.contributions.drawn(chain, holders, task.audits)
-            verdicts, runs, digests = await self.audits.audit(
-                step, index, run, chain, ids, labels, drawn, result.loss_sum
+            verdicts, runs, digests = await self.trust.audited(
+                task, run, chain, holders, ids, labels, result.loss_sum
             )
             done = MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
             touched, stage_runs = tuple(sorted(set(chain))), len(chain)

@@ -1,4 +1,4 @@
-"""One attempt at committing a step on every replica of every stage, and voids.
+"""One attempt at committing a step on every replica of every stage (its voids: `voids`).
 
 1. replicas that left (or hold a gradient they must not count) are *lost*: the ledger re-needs
    their microbatches at their stage, and trainers replay them;
@@ -31,17 +31,18 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from scheduler.coordinator.bans import Bans
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import GONE
-from scheduler.coordinator.round_checks import RoundAnswers, RoundChecks
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
 from scheduler.coordinator.round_strategy import Rounds
-from scheduler.coordinator.sum_checks import Checksums, checked, new_seed
-from swarm.errors import NonFiniteGradient, SwarmError
+from scheduler.coordinator.trust.bans import Bans
+from scheduler.coordinator.trust.round_checks import RoundAnswers, RoundChecks
+from scheduler.coordinator.trust.sum_checks import Checksums, checked, new_seed
+from scheduler.coordinator.voids import Voids
+from swarm.errors import NonFiniteGradient
 from swarm.model.optim import clip_scale
 from swarm.rpc.lease import Replica
 
@@ -51,57 +52,22 @@ log = logging.getLogger(__name__)
 
 
 class TwoPhaseCommit:
-    def __init__(self, context: RoundContext, rounds: Rounds, bans: Bans | None = None) -> None:
+    def __init__(
+        self, context: RoundContext, rounds: Rounds, voids: Voids, bans: Bans | None = None
+    ) -> None:
         """`context`: the job's, which its rounds share (`round_context`: its replicas,
         members, series, and how a pool's round group is made). `rounds`: the job's rule's
         rounds (`round_strategy`): whom a step's PREPARE averages with (what follows its APPLY
-        is the caller's: `attempt`). `bans`: the job's, with its audits of contributions."""
+        is the caller's: `attempt`). `voids`: the job's (a straggler's duplicate held while an
+        attempt decides). `bans`: the job's, with its audits of contributions."""
         self.clients, self.membership = context.clients, context.membership
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
-        self.bans = bans
+        self.voids, self.void, self.bans = voids, voids.void, bans
         self.checks = RoundChecks(context, bans, self._leave_out)  # of each PREPARE's answers
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
-        self._deciding: StepLedger | None = None  # whose PREPARE or APPLY is running
-        self._held: list[tuple[int, str]] = []  # voids of stragglers' duplicates that wait for it
-
-    async def void(self, ledger: StepLedger, stage: int, peer: str) -> None:
-        """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
-        drop them. A replica that cannot be reached is dropped from the members: if it comes
-        back (restarted, empty), it copies a live replica at a step boundary."""
-        lost = ledger.lose(peer, stage)
-        self.metrics.replays.inc(len(lost))
-        log.warning(
-            "step %d: voiding %s's gradients at stage %d (replaying %s)",
-            ledger.step,
-            peer,
-            stage,
-            lost,
-        )
-        replica = next((r for r in self.membership.replicas()[stage] if r.peer == peer), None)
-        if replica is not None:
-            try:
-                await self.clients.get(stage, replica).discard(ledger.step)
-            except GONE as e:
-                log.warning("discard on %s failed: %s", peer, e)
-                self.membership.drop(peer)
-            except SwarmError as e:  # it refused: the next commit's receipt check voids it again
-                log.warning("discard on %s failed: %s", peer, e)
-
-    async def void_duplicate(self, ledger: StepLedger, stage: int, peer: str) -> None:
-        """`peer` accumulated a gradient at `stage` that another replica's counts for (a
-        straggling trainer's). Voided at once (while the commit gathers receipts too: it sees
-        the ledger change and waits), unless this step's PREPARE or APPLY is running:
-        then a Discard would wipe what `peer` prepared, fail its APPLY and drop it from a step
-        that commits whole all the same (a replica averages a copy of its sums taken when it
-        prepares, so the duplicate never reaches them; one that landed before is refused by
-        PREPARE's receipt check). Held until the attempt ends; voided then if it failed."""
-        if self._deciding is ledger:
-            self._held.append((stage, peer))
-            return
-        await self.void(ledger, stage, peer)
 
     @asynccontextmanager
     async def attempt(self, ledger: StepLedger, round_id: str) -> AsyncIterator[bool]:
@@ -114,8 +80,7 @@ class TwoPhaseCommit:
             applied = await self._attempt(ledger, round_id)
             yield applied
         finally:
-            self._deciding = None
-            held, self._held = self._held, []
+            held = self.voids.decided()
         for stage, peer in held:
             if applied:
                 log.info(
@@ -143,7 +108,7 @@ class TwoPhaseCommit:
         retry, self._tried = self._tried is ledger, ledger
         if (ledger.suspect or retry) and not await self._receipts_match(ledger, members):
             return False
-        self._deciding = ledger  # from here on a straggler's duplicate is voided afterwards
+        self.voids.deciding(ledger)  # from here on a straggler's duplicate is voided afterwards
         where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
         reported = await self._prepare(ledger, members, where, round_id)
         if reported is None:

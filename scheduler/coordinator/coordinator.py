@@ -22,7 +22,6 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.coordinator.bans import BanBook, Bans
 from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.failures import CommitStalled
 from scheduler.coordinator.groups import Groups
@@ -45,6 +44,9 @@ from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_strategy import rounds_of
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
+from scheduler.coordinator.trust.bans import Bans, OnBan
+from scheduler.coordinator.trust.standing import BanBook, Standing
+from scheduler.coordinator.voids import Voids
 from swarm.clock import Clock, MonotonicClock
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -84,7 +86,7 @@ class LocalCoordinator:
         on_route: Callable[[Record], None] | None = None,
         checkpoint_every_s: float | None = None,
         groups: Groups | None = None,
-        on_ban: Callable[[str], Awaitable[None] | None] | None = None,
+        on_ban: OnBan | None = None,
         bans: BanBook | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now (from the peer registry).
@@ -94,10 +96,10 @@ class LocalCoordinator:
         `checkpoint_every_s`: checkpoint at least this often besides every `checkpoint_every`
         steps (with `checkpoint_dir`). `groups`: how each round's group is made: the parts by
         the members' links, the aggregators after the replicas (default: equal parts, none).
-        `on_ban(text)`: a peer was banned, and why; `bans`: the job's bans kept (`bans`)."""
+        `on_ban(ban)`: a peer was banned, and why (`Ban.text`); `bans`: the job's bans kept."""
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
-        self.bans = Bans(job_id, self.metrics, on_ban, job, bans)  # rollback, voids: bound below
-        members = self.bans.members(members)
+        standing = Standing(job_id, bans)  # who is banned: the one filter of every view
+        members = standing.members(members)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
@@ -125,14 +127,14 @@ class LocalCoordinator:
             on_admit=self._wake,
             grad_clip=job.training.grad_clip,
             on_joined=self._joined,
-            known=self.bans.first_seen.__contains__,  # the job's members before (kept)
+            known=standing.first_seen.__contains__,  # the job's members before (kept)
         )
         self.groups = groups or Groups(clock=self.clock)
         context = RoundContext(
             job, rule, self.clients, self.membership, self.metrics, self.groups, on_route, on_status
         )
         self.rounds = rounds_of(context)
-        self.two_phase = TwoPhaseCommit(context, self.rounds, self.bans)
+        self.voids = voids = Voids(context)
         self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
         self._rollback = Rollback(
             job,
@@ -148,7 +150,15 @@ class LocalCoordinator:
             wake=self._wake,
             fail=self._fail,
         )
-        self.bans.roll_back_to, self.bans.void = self._rollback.to, self.two_phase.void_duplicate
+        self.bans = Bans(
+            standing,
+            self.metrics,
+            roll_back_to=self._rollback.to,
+            void=voids.void_duplicate,
+            on_ban=on_ban,
+            job=job,
+        )
+        self.two_phase = TwoPhaseCommit(context, self.rounds, voids, self.bans)
         self._checked = -self._CHECK_EVERY_S
         self._receipts = LateReceipts(
             self.clients,
@@ -313,7 +323,7 @@ class LocalCoordinator:
         # Before the voids below await: a call cancelled there leaves no complete ledger uncommitted
         self._maybe_commit(ledger)
         for extra in extras:  # another trainer's gradient was accepted first: void this one
-            await self.two_phase.void_duplicate(ledger, extra.stage, extra.peer)
+            await self.voids.void_duplicate(ledger, extra.stage, extra.peer)
 
     async def report_and_lease(
         self,

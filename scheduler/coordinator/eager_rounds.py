@@ -22,7 +22,7 @@ from collections.abc import Awaitable
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.rounds import PoolRounds, RoundCall, peers
-from scheduler.coordinator.sum_checks import Checksums
+from scheduler.coordinator.trust.sum_checks import Checksums
 from swarm.job.rule import EagerOp
 from swarm.model.routes import Sync
 from swarm.rpc.lease import Replica

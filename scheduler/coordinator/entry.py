@@ -1,6 +1,6 @@
 """How fast new peers enter a job's pools (issue 64, item 3). With the shared token ids are free:
 a liar banned from a job comes back under a fresh id, and each ban costs the job a rollback of
-up to its doubt window (`scheduler.coordinator.bans`). So a peer the job has never had as a
+up to its doubt window (`scheduler.coordinator.trust.bans`). So a peer the job has never had as a
 member starts joining a stage only within that stage's entry rate: `ENTRY_BURST` at once, then
 one more each `ENTRY_EVERY_S` (a token bucket per stage). A liar cycling ids thus costs the job
 at most `ENTRY_BURST + 3600 / ENTRY_EVERY_S` bans a stage an hour, each rolling back no further

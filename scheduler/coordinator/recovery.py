@@ -199,7 +199,7 @@ class Recovery:
     def latest(self, at_most: int | None = None) -> int:
         """The step to roll back to: the last sealed checkpoint's (at or before `at_most`), else
         0. With `at_most`, the sealed ones after the step returned are deleted: they hold work
-        done after `at_most` (a banned peer's, `scheduler.coordinator.bans`)."""
+        done after `at_most` (a banned peer's, `scheduler.coordinator.trust.bans`)."""
         if not self.directory:
             return 0
         if at_most is None:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from scheduler.coordinator.sum_checks import Checksums
+from scheduler.coordinator.trust.sum_checks import Checksums
 from swarm.errors import NotFound, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp

@@ -2,7 +2,7 @@
 the states): once a stage that lost every replica has one again (no work can be exact without
 that stage's state), or at a start where every stage has members but some none with the trained
 state, or every one is behind the last checkpoint; or, once a peer is banned, to the last one
-before its first step (`to`: `scheduler.coordinator.bans`). One rollback at a time; one that
+before its first step (`to`: `scheduler.coordinator.trust.bans`). One rollback at a time; one that
 could not finish (a stage's replica failed to load) is tried again, backing off."""
 
 from __future__ import annotations

@@ -35,9 +35,14 @@ from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import StageReplica
 from scheduler.coordinator.round_context import RoundContext
-from scheduler.coordinator.sent_words import judged as sums_judged
-from scheduler.coordinator.sum_checks import Checksums, checked, new_seed, replicas_to_leave_out
-from scheduler.coordinator.sum_liars import convicted
+from scheduler.coordinator.trust.sent_words import judged as sums_judged
+from scheduler.coordinator.trust.sum_checks import (
+    Checksums,
+    checked,
+    new_seed,
+    replicas_to_leave_out,
+)
+from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.errors import NonFiniteGradient
 from swarm.model.routes import Join, StepRuns, Sync
 from swarm.model.transformer import stage_layout

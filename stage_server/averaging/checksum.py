@@ -1,6 +1,6 @@
 """A contributor's side of the linear checksum over every part of a round, an aggregator's or a
 replica's (issue 43, item 4; issue 55; the coordinator's side, and why, is
-`scheduler.coordinator.sum_checks`).
+`scheduler.coordinator.trust.sum_checks`).
 
 Summation is linear: for any vector r, r·(Σ_j x_j) = Σ_j r·x_j. The coordinator sends the
 replicas (never the aggregators) a secret seed with each PREPARE; each contributor j draws r from
@@ -8,7 +8,7 @@ it and reports, for every part, r·x_j over what it contributed, Σ_i |r_i·x_ji
 scales its roundings are bounded by), r·S and ‖S‖ over the sum it got back, and, of the part it
 owns, each sender's squared norm as its averager summed it (`received`: the norm bound's
 evidence) and its r·x and Σ|r·x| (`received_dots`, `received_magnitudes`: each contributor's
-word about what it sent is held to them, `scheduler.coordinator.sent_words`). An owner that
+word about what it sent is held to them, `scheduler.coordinator.trust.sent_words`). An owner that
 answers a sum S' ≠ S cannot make r·S' agree with the others' r·x without knowing r:
 r·(S' - S) is spread over about ‖S' - S‖.
 
@@ -26,7 +26,7 @@ values; the same r to the bit, so the same detection power).
 Lossy codecs are checked too (issue 54): x_j is then what the contributor sent, decoded (what the
 owner sums), and S the sum as every member decodes it. The owner's one encoding of the sum moves
 it by a vector whose norm the contributor bounds from the decoded sum (`encoding_error`, reported
-as `encoding`), which the coordinator's tolerance adds (`scheduler.coordinator.sum_checks`): a
+as `encoding`), which the coordinator's tolerance adds (`scheduler.coordinator.trust.sum_checks`): a
 codec's rounding passes, an error past it does not. The bound reported is never what the
 coordinator allows as such: it allows no more than the worst codec's share of the contributions'
 norms (`swarm.wire.hadamard.ERROR_SHARE`), whatever sum the owner answers (issue 64). And since
@@ -330,7 +330,8 @@ class PartChecks:
 class AuditedChecks(PartChecks):
     """The round's checksums, and the same of every slice with each seed of `audit_seeds`: other
     contributors' contributions are audited (issue 55), and this replica's reports, with the
-    others', give each one's r·x without a word from it (`scheduler.coordinator.contributions`)."""
+    others', give each one's r·x without a word from it
+    (`scheduler.coordinator.trust.contributions`)."""
 
     def __init__(self, seed: int, audit_seeds: Sequence[int]) -> None:
         super().__init__(seed)

@@ -128,7 +128,7 @@ class Averager:
 
     def received(self, round: RoundKey, part: int) -> list[float]:
         """The squared norm of each sender's values summed into `part` of `round` (the norm
-        bound's evidence: `scheduler.coordinator.norm_bound`), forgotten once read."""
+        bound's evidence: `scheduler.coordinator.trust.norm_bound`), forgotten once read."""
         return self._norms.get(round, {}).pop(part, [])
 
     def on_summing(self, round: RoundKey, summing: Summing | None) -> None:

@@ -28,7 +28,7 @@ from stage_server.replica.answering import Answering
 from stage_server.replica.handing import Outgoing, Outgoings, reply_header
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
-from stage_server.replica.push_records import Arrived, PushRecord, PushRecords, sent_digest
+from stage_server.replica.push_records import NO_RECORD, Arrived, PushRecords, Recording
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
@@ -40,7 +40,6 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
 from swarm.wire import codec
-from swarm.wire.digest import digest
 
 __all__ = ["PushPlane"]
 
@@ -119,7 +118,7 @@ class PushPlane:
         record = self._record(h, came, inputs, targets, None if rt.is_first else tokens)
         # A co-located caller's slot for the gradient; not where this replica keeps a record: it
         # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
-        into = h.reply if h.HasField("reply") and record is None else None
+        into = h.reply if h.HasField("reply") and not record.kept else None
         if rt.is_last:
             done = await self.answering.backward_here(
                 rt.forward_backward,
@@ -132,11 +131,9 @@ class PushPlane:
                 tokens=tokens,
                 into=into,
             )
-            if record is not None:
-                record.received("grad_outputs", targets, came.get("targets"))
-                loss = torch.tensor(done.loss, dtype=torch.float64)
-                record.sent("outputs", loss, digest(loss))
-                _sent_back(record, done.grad)
+            record.received("grad_outputs", targets, came.get("targets"))
+            record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
+            record.sent("grad_inputs", _first(done.grad))
             return pb.StagePushResponse(
                 tensors=done.grad,
                 receipts=[done.receipt] if done.receipt is not None else [],
@@ -167,8 +164,7 @@ class PushPlane:
                 msg = grad_outputs
                 grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
                 self.messages.took(msg, grad_outputs)
-            if record is not None:
-                record.received("grad_outputs", grad_outputs, msg)  # kept as it came
+            record.received("grad_outputs", grad_outputs, msg)  # kept as it came
             done = await self.answering.backward_here(
                 rt.backward,
                 h,
@@ -181,8 +177,7 @@ class PushPlane:
                 into=into,
             )
             grad = done.grad
-            if record is not None:
-                _sent_back(record, grad)
+            record.sent("grad_inputs", _first(grad))
             if done.receipt is not None:
                 receipts.append(done.receipt)
         return pb.StagePushResponse(
@@ -232,7 +227,7 @@ class PushPlane:
         accumulate: list[int],
         need_grad: bool,
         evaluate: bool = False,
-        record: PushRecord | None = None,
+        record: Recording = NO_RECORD,
     ) -> tuple[Pushed, float]:
         """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
         forward waited for the worker."""
@@ -245,7 +240,7 @@ class PushPlane:
         block_size = self.messages.limits.block_size
         made = Outgoings()  # released when this push ends, however it ends
 
-        def on_host(out: torch.Tensor) -> tuple[Outgoing, tensor_pb2.Tensor | None, bytes]:
+        def on_host(out: torch.Tensor) -> Outgoing:
             # On the worker thread: what it sends, and (where it keeps a record) what it commits
             # to and its digest: the same message, unless it is a liar that sends another.
             said = poison.outputs(step, out)
@@ -254,16 +249,18 @@ class PushPlane:
             outgoing = made.keep(
                 self.messages.hand_on(sent, "inputs", sent_as, "forward", near, far)
             )
-            if record is None:
-                return outgoing, None, b""
-            if forged is None:
-                committed = outgoing.wire()
-            else:
-                committed = codec.encode(said, "inputs", sent_as, block_size)
-            return outgoing, committed, sent_digest(committed)
+            record.sent(
+                "outputs",
+                lambda: (
+                    outgoing.wire()
+                    if forged is None
+                    else codec.encode(said, "inputs", sent_as, block_size)
+                ),
+            )
+            return outgoing
 
         try:
-            (outputs, said, said_digest), queued = await self.worker.run_then(
+            outputs, queued = await self.worker.run_then(
                 rt.forward,
                 on_host,
                 step,
@@ -272,8 +269,6 @@ class PushPlane:
                 evaluate=evaluate,
                 tokens=tokens,
             )
-            if record is not None and said is not None:
-                record.sent("outputs", said, said_digest)
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
             pushed = await self._next_hop.send(
                 step,
@@ -299,15 +294,15 @@ class PushPlane:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         tokens: torch.Tensor | None,
-    ) -> PushRecord | None:
-        """A new record of `h`'s microbatch, with what came in; None where the job audits
-        nothing (no fraction, or local steps: replicas differ, nobody can redo their work) or
+    ) -> Recording:
+        """A new record of `h`'s microbatch, with what came in; none (`NO_RECORD`) where the job
+        audits nothing (no fraction, or local steps: replicas differ, nobody can redo their work) or
         the trainer audits nothing of this run (`run` 0: no stage of its path has another
-        replica to redo its work, `client.data_plane.push_audit.PushAudits.run_id`; issue 69).
+        replica to redo its work, `client.audit.push_audit.PushAudits.run_id`; issue 69).
         It keeps each as it `came` (the first stage's token ids, made here: decoded)."""
         rt = self._runtime()
         if not h.run or not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
-            return None
+            return NO_RECORD
         record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index, h.run)
         self.messages.metrics.recorded()
         record.received("inputs", inputs, came.get("inputs"))
@@ -316,9 +311,9 @@ class PushPlane:
         return record
 
 
-def _sent_back(record: PushRecord, grad: list[tensor_pb2.Tensor]) -> None:
-    msg = grad[0] if grad else None
-    record.sent("grad_inputs", msg, sent_digest(msg))
+def _first(grad: list[tensor_pb2.Tensor]) -> Callable[[], tensor_pb2.Tensor | None]:
+    """The input gradient sent back (none asked for: nothing)."""
+    return lambda: grad[0] if grad else None
 
 
 def _deadline(left: float | None, rt: StageRuntime) -> float:

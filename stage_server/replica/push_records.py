@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -39,7 +40,7 @@ from swarm.proto import tensor_pb2
 from swarm.wire import codec
 from swarm.wire.digest import digest
 
-__all__ = ["Arrived", "PushRecord", "PushRecords"]
+__all__ = ["NO_RECORD", "Arrived", "NoRecord", "PushRecord", "PushRecords", "Recording"]
 
 
 Payload = bytes | memoryview | torch.Tensor  # as `swarm.wire.chunking.Received` holds one
@@ -76,6 +77,51 @@ class Arrived:
 
 
 Kept = torch.Tensor | tensor_pb2.Tensor | Arrived
+Sent = tensor_pb2.Tensor | torch.Tensor | None  # a message sent, a loss, or nothing
+
+
+class Recording(Protocol):
+    """What the push plane tells of one microbatch as it runs: kept where its run is audited
+    (`PushRecord`), nothing where it is not (`NO_RECORD`). The plane tells it the same either
+    way; what a record costs (digests, the tensors kept) is paid only by a record."""
+
+    #: a record is kept: a co-located caller's slot is not used for the gradient then (the
+    #: record commits to the gradient's bytes, which a slot's answer lacks)
+    kept: bool
+
+    def received(
+        self,
+        name: str,
+        tensor: torch.Tensor | None,
+        came: Arrived | tensor_pb2.Tensor | None = None,
+    ) -> None:
+        """`tensor` came in as `name`, decoded from `came` (None: decoded already)."""
+        ...
+
+    def sent(self, name: str, made: Callable[[], Sent]) -> None:
+        """What went out as `name`, made by `made` only where it is kept (its bytes can cost a
+        copy from the device): committed to as its receiver decodes it."""
+        ...
+
+
+class NoRecord:
+    """The null `Recording`: a run nobody audits (`run` 0, or a job that audits nothing)."""
+
+    kept = False
+
+    def received(
+        self,
+        name: str,
+        tensor: torch.Tensor | None,
+        came: Arrived | tensor_pb2.Tensor | None = None,
+    ) -> None:
+        pass
+
+    def sent(self, name: str, made: Callable[[], Sent]) -> None:
+        pass
+
+
+NO_RECORD = NoRecord()
 
 
 @dataclass
@@ -85,6 +131,7 @@ class PushRecord:
 
     commitment: pb.Commitment
     tensors: dict[str, Kept] = field(default_factory=dict)
+    kept = True
 
     def received(
         self,
@@ -99,11 +146,13 @@ class PushRecord:
             self.tensors[name] = tensor if came is None else came
             setattr(self.commitment, name, digest(tensor))
 
-    def sent(self, name: str, msg: tensor_pb2.Tensor | torch.Tensor | None, said: bytes) -> None:
-        """`msg` went out as `name` ("outputs", "grad_inputs"), committed to as `said` (an honest
-        replica: the digest of `msg` decoded)."""
+    def sent(self, name: str, made: Callable[[], Sent]) -> None:
+        """What `made` makes went out as `name` ("outputs", "grad_inputs"; a liar's: what it
+        says it sent), committed to as its receiver decodes it (a loss: itself)."""
+        msg = made()
         if msg is not None:
             self.tensors[name] = msg
+            said = digest(msg) if isinstance(msg, torch.Tensor) else sent_digest(msg)
             setattr(self.commitment, name, said)
 
     def messages(self, asked: bool = True) -> list[tensor_pb2.Tensor]:

@@ -71,8 +71,8 @@ def verify_init(job: JobConfig) -> JobConfig:
     if job.model.init_sha256 not in (None, digest):
         raise ConfigError(
             f"model.init_sha256 = {show(job.model.init_sha256)} is not the sha256 "
-            f"{show(digest)} of {show(job.model.init_from)}/model.safetensors: the checkpoint "
-            "changed since the job was pinned to it; restore it, or submit the job again"
+            f"{show(digest)} of {show(job.model.init_from)}'s files (their manifest): the "
+            "checkpoint changed since the job was pinned to it; restore it, or submit the job again"
         )
     return replace(job, model=replace(job.model, init_sha256=digest))
 

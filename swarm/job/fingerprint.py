@@ -15,12 +15,12 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from swarm.errors import ConfigError
 from swarm.job.coerce import show
+from swarm.job.manifest import digest, manifest_of
 from swarm.job.schema import (
     FILE_DATA,
     CompressionConfig,
@@ -125,48 +125,20 @@ def data_sha256(job: JobConfig, key: str = "path") -> str:
 
 
 _HASH_CHUNK = 1 << 20
-_MAX_INIT_HASHES = 64  # file versions remembered
-
-
-# A file's version -> its sha256, per process: (path, device, inode, size, mtime, ctime), all in
-# ns. Size and mtime alone are no version: whoever may write the file can swap its bytes and set
-# its mtime back (`touch -d`). ctime is the kernel's own stamp of any change to the file, which no
-# user can set, and a file renamed over it is another inode.
-_INIT_HASHES: dict[tuple[str, int, int, int, int, int], str] = {}
-# A file changed this recently may change again within the same tick of the (coarse) clock that
-# stamps ctime, leaving the stamp as it was: such a file is hashed every time, not remembered.
-_RACY_NS = 2_000_000_000
-
-
-def _version(path: Path) -> tuple[str, int, int, int, int, int]:
-    st = path.stat()
-    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def init_sha256(model: ModelConfig) -> str:
-    """Hex sha256 of `model.init_from`'s model.safetensors (remembered per file version: every
-    stage built in a process asks, and a checkpoint can be gigabytes; any change to the file,
-    even one that keeps its size and mtime, is a new version)."""
+    """Hex sha256 of `model.init_from`'s manifest (`swarm.job.manifest`): every file of the
+    checkpoint directory, its config as much as its weights, each file's hash remembered per
+    version (every stage built in a process asks, and a checkpoint can be gigabytes)."""
     assert model.init_from is not None
-    path = Path(model.init_from) / "model.safetensors"
+    weights = Path(model.init_from) / "model.safetensors"
     try:
-        before, started = _version(path), time.time_ns()
-        known = _INIT_HASHES.get(before)
-        if known is not None:
-            return known
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-        # Remembered only for a version that held still while it was read, and was settled
-        # before: else the next call reads it again.
-        if _version(path) == before and before[-1] < started - _RACY_NS:
-            if len(_INIT_HASHES) >= _MAX_INIT_HASHES:
-                del _INIT_HASHES[next(iter(_INIT_HASHES))]
-            _INIT_HASHES[before] = digest.hexdigest()
-        return digest.hexdigest()
+        weights.stat()  # the file every checkpoint has: its absence is said by name
+        return digest(manifest_of(Path(model.init_from)))
     except OSError as e:
         raise ConfigError(
-            f"model.init_from = {show(model.init_from)}: cannot read {path.name} ({e.strerror}); "
+            f"model.init_from = {show(model.init_from)}: cannot read "
+            f"{Path(e.filename or weights).name} ({e.strerror}); "
             "use a Hugging Face checkpoint directory (`swarm export --format hf` writes one)"
         ) from None

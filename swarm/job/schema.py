@@ -83,8 +83,9 @@ class ModelConfig(Section):
     #: a Hugging Face checkpoint directory (model.safetensors, config.json; relative to the job
     #: file) to start from instead of the seeded initialisation: each stage reads its own tensors
     init_from: Path | None = None
-    # Hex sha256 of init_from's model.safetensors: pinned at load (or by the scheduler at submit)
-    # so the fingerprint names the weights, and a changed file is refused.
+    # Hex sha256 of init_from's manifest (every file's path, size and sha256: swarm.job.manifest):
+    # pinned at load (or by the scheduler at submit) so the fingerprint names the checkpoint, a
+    # changed file is refused, and a machine without the directory fetches it by this name.
     init_sha256: str | None = None
     #: features per token crossing each stage boundary (`swarm.model.subspace`); 0: all d_model
     boundary_rank: int = _f(0, GE0)

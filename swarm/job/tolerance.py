@@ -1,7 +1,8 @@
 """How far apart two honest answers of a job's stage compute may be (issue 55): the rounding of
 another device's kernels in the arithmetic the job computes in. The trainer's audits hold
-re-executed answers to it (`client.data_plane.audit`), the coordinator two auditors' digests of
-a gradient (`scheduler.coordinator.digest_disputes`): within it, a disagreement convicts no one.
+re-executed answers to it (`client.audit.audits`), the coordinator two auditors' digests of
+a gradient (`scheduler.coordinator.trust.digest_disputes`): within it, a disagreement convicts no
+one.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class TrustConfig(Section):
 
     section: ClassVar[str] = "trust"
     #: share of the microbatches each stage re-executes on another replica and compares (either
-    #: plane; fraction, 0: off): the audit of stage compute, `client.data_plane.audit`; with the
+    #: plane; fraction, 0: off): the audit of stage compute, `client.audit.audits`; with the
     #: audit of contributions it costs about twice this (docs/jobs.md, "Trust": why 0.045)
     audit_fraction: float = _f(0.045, (lambda v: 0 <= v <= 1, "in [0, 1]"))
     clip: Literal["off", "norm_bound"] = "norm_bound"  #: how contributions are compared

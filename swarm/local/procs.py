@@ -241,6 +241,8 @@ class LocalSwarm:
                 str(threads),
                 "--peer",
                 f"peer{n}",
+                "--scheduler",  # where a starting checkpoint not at its path is fetched from
+                self.address,
                 *(extra or []),
             ],
             log_dir=self.log_dir,

@@ -3,7 +3,7 @@ item 4): the host it is dialled at. With the shared token a peer's id is its own
 failure-domain fields it announces (host id, router) too; the address the scheduler's dial-back
 reached it at is not. Two ids of one token holder on one machine share it, so they count as one
 host's seats: a stage holds at most `MAX_SEATS` of them (`scheduler.assignments`), and a
-conviction resting on one host's seats alone convicts no one (`scheduler.coordinator.bans`).
+conviction resting on one host's seats alone convicts no one (`scheduler.coordinator.trust.bans`).
 Only a public (global) address names a host here: loopback and private addresses are told apart
 by port (a test's swarm on one machine, a LAN's multi-GPU box: peers of one operator, not a
 stranger's ids). A multi-GPU machine at a public address serves one replica of a stage. A

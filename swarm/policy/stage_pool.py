@@ -3,16 +3,17 @@
 
 Cost. A choice is O(log n) amortised in the pool size n. Every eligible replica has exactly one
 *live* entry in a binary heap ordered by expected finish time; any change to a replica (a start, a
-finish, a load report, a ban, draining) stamps it with a fresh sequence number and pushes a new
+finish, a load report, a backoff, draining) stamps it with a fresh sequence number and pushes a new
 entry, which makes the old one stale without searching for it (lazy invalidation). A stale entry
-is discarded when it reaches the top, so each push pays for at most one later pop. Banned
-replicas have no live entry at all: they wait in a second heap ordered by ban expiry and are pushed
-back when the clock passes it, one pop and one push per ban, charged to the failure that caused it.
+is discarded when it reaches the top, so each push pays for at most one later pop. Replicas in
+backoff (the wiring's pause after a failed call; not an audit's ban) have no live entry at all:
+they wait in a second heap ordered by the backoff's end and are pushed back when the clock passes
+it, one pop and one push per backoff, charged to the failure that caused it.
 A replica left idle gets one entry in a third heap, the time it is due for a probe (below), one
 push and one pop charged to the finish that left it idle.
-A pool with 9,000 of 10,000 replicas banned therefore costs a choice no more than a pool of 1,000
-(but for the log factor). When stale entries outnumber live ones the heap is rebuilt (O(n) after
-at least n pushes, so O(1) amortised), which bounds memory. Ties are drawn uniformly from the
+A pool with 9,000 of 10,000 replicas in backoff therefore costs a choice no more than a pool of
+1,000 (but for the log factor). When stale entries outnumber live ones the heap is rebuilt (O(n)
+after at least n pushes, so O(1) amortised), which bounds memory. Ties are drawn uniformly from the
 entries equal to the top, which form a subtree at the root; reading at most _TIE_SCAN of them
 keeps that O(1). `choose` itself pushes nothing. `heap_operations` counts all of this work for
 the simulator's cost accounting and for the complexity test.
@@ -47,8 +48,8 @@ class _Replica:
     others: float = 0.0  # other trainers' samples queued there, from the last load report
     draining: bool = False
     failures: int = 0  # consecutive failures; a success resets it
-    banned_until: float = -math.inf
-    ban_seq: int = 0  # identifies the live entry in the ban heap
+    backoff_until: float = -math.inf
+    backoff_seq: int = 0  # identifies the live entry in the backoff heap
     entry_key: float | None = None  # while new (never started) or probed: 0, ahead of all
     probe_seq: int = 0  # identifies the live entry in the probe heap
     seq: int = 0  # identifies the live entry in the choice heap
@@ -87,7 +88,7 @@ class StagePool:
         self._task = float(task_samples)
         self._replicas: dict[str, _Replica] = {}
         self._heap: list[_Entry] = []
-        self._bans: list[tuple[float, int, str]] = []  # (banned_until, ban_seq, peer)
+        self._backoffs: list[tuple[float, int, str]] = []  # (backoff_until, backoff_seq, peer)
         self._probes: list[tuple[float, int, str]] = []  # (due, probe_seq, peer): idle replicas
         self._live = 0  # live entries in self._heap == eligible replicas
         self._seq = 0
@@ -167,7 +168,7 @@ class StagePool:
             _check_positive("task_samples", task_samples)
             self._task = float(task_samples)
             self._rebuild()
-        self._expire_bans()
+        self._expire_backoffs()
         top = self._top()
         if top is None:
             raise NoReplicaError(
@@ -220,7 +221,7 @@ class StagePool:
 
     def busy(self, peer: str, samples: float) -> None:
         """`peer` answered that its queue is full (the push plane's busy answer): not a failure,
-        so no ban; its `samples` leave this pool's own count, and it is believed that much more
+        so no backoff; its `samples` leave this pool's own count, and it is believed that much more
         loaded until its next load report says otherwise."""
         if peer not in self._replicas:
             return
@@ -228,10 +229,11 @@ class StagePool:
         self.finished(peer, samples, 0.0)
 
     def failed(self, peer: str, samples: float = 0.0) -> float:
-        """A call to `peer` failed; its `samples` leave the queue and the replica is banned for
-        ban_base_s * ban_factor**(failures - 1), at most ban_max_s. Returns the new ban's length in
-        seconds, or 0.0 if the replica was already banned: the other in-flight calls that fail with
-        it report the same outage and must not stretch the backoff. The ban outlives a late
+        """A call to `peer` failed; its `samples` leave the queue and the replica is in backoff
+        for backoff_base_s * backoff_factor**(failures - 1), at most backoff_max_s. Returns the
+        new backoff's length in seconds, or 0.0 if the replica was in backoff already: the other
+        in-flight calls that fail with it report the same outage and must not stretch the
+        backoff. The backoff outlives a late
         success (a reply sent before the crash) but that success resets the failure count."""
         _check_non_negative("samples", samples)
         replica = self._replicas.get(peer)
@@ -239,19 +241,20 @@ class StagePool:
             return 0.0
         replica.own = max(0.0, replica.own - samples)
         now = self._clock.now()
-        if replica.banned_until > now:
+        if replica.backoff_until > now:
             return 0.0
         config = self._config
         replica.failures += 1
         try:
             seconds = min(
-                config.ban_max_s, config.ban_base_s * config.ban_factor ** (replica.failures - 1)
+                config.backoff_max_s,
+                config.backoff_base_s * config.backoff_factor ** (replica.failures - 1),
             )
         except OverflowError:  # a long run of failures: the cap has long been reached
-            seconds = config.ban_max_s
-        replica.banned_until = now + seconds
-        replica.ban_seq = self._next_seq()
-        heapq.heappush(self._bans, (replica.banned_until, replica.ban_seq, peer))
+            seconds = config.backoff_max_s
+        replica.backoff_until = now + seconds
+        replica.backoff_seq = self._next_seq()
+        heapq.heappush(self._backoffs, (replica.backoff_until, replica.backoff_seq, peer))
         self.heap_operations += 1
         self._drop(replica)
         return seconds
@@ -260,7 +263,7 @@ class StagePool:
 
     def eligible(self) -> list[str]:
         """Peers that `choose` may return now, sorted (O(n): for metrics and tests)."""
-        self._expire_bans()
+        self._expire_backoffs()
         return sorted(p for p, r in self._replicas.items() if self._is_eligible(r))
 
     def expected_finish(self, peer: str, task_samples: float | None = None) -> float:
@@ -278,9 +281,9 @@ class StagePool:
         replica = self._replicas[peer]
         return replica.own + replica.others
 
-    def banned_until(self, peer: str) -> float | None:
-        """Clock time the peer's ban ends, or None if it is not banned now."""
-        until = self._replicas[peer].banned_until
+    def backoff_until(self, peer: str) -> float | None:
+        """Clock time the peer's backoff ends, or None if it is in none now."""
+        until = self._replicas[peer].backoff_until
         return until if until > self._clock.now() else None
 
     def __contains__(self, peer: object) -> bool:
@@ -314,7 +317,7 @@ class StagePool:
         return self._rng.random() - (1.0 if replica.entry_key is not None else 0.0)
 
     def _is_eligible(self, replica: _Replica) -> bool:
-        return not replica.draining and replica.banned_until == -math.inf
+        return not replica.draining and replica.backoff_until == -math.inf
 
     def _refresh(self, replica: _Replica, peer: str) -> None:
         """Re-key the replica after a change: stale its entry and push a live one if eligible."""
@@ -372,22 +375,22 @@ class StagePool:
         self.heap_operations += touched
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _expire_bans(self) -> None:
-        bans = self._bans
-        if not bans:
+    def _expire_backoffs(self) -> None:
+        backoffs = self._backoffs
+        if not backoffs:
             return
         now = self._clock.now()
-        while bans and bans[0][0] <= now:
-            _, ban_seq, peer = heapq.heappop(bans)
+        while backoffs and backoffs[0][0] <= now:
+            _, backoff_seq, peer = heapq.heappop(backoffs)
             self.heap_operations += 1
             replica = self._replicas.get(peer)
-            if replica is not None and replica.ban_seq == ban_seq:
-                replica.banned_until = -math.inf
+            if replica is not None and replica.backoff_seq == backoff_seq:
+                replica.backoff_until = -math.inf
                 self._refresh(replica, peer)
 
     def _expire_probes(self) -> None:
         """Every replica left idle past its probe time goes ahead of the others (key 0) until it
-        is tried, as a new one does; one busy, banned or draining meanwhile needs none."""
+        is tried, as a new one does; one busy, in backoff or draining meanwhile needs none."""
         probes, now = self._probes, self._clock.now()
         while probes and probes[0][0] <= now:
             _, probe_seq, peer = heapq.heappop(probes)

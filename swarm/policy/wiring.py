@@ -7,8 +7,8 @@ the same code with simulated peers. Time comes from an injected `Clock`, randomn
 injected `random.Random`, so tests and the simulator are reproducible.
 
 The rule (docs/architecture.md, "Policies"): send the task to the replica with the smallest expected
-finish time `(queued + task) / throughput`, ties broken at random, banned and draining replicas
-excluded; a replica not tried yet, or left idle `probe_after` times its expected task time, is
+finish time `(queued + task) / throughput`, ties broken at random, replicas in backoff and draining
+ones excluded; a replica not tried yet, or left idle `probe_after` times its expected task time, is
 tried next (only its own tasks can correct its figures). Each stage's replicas and the choice
 among them are a `StagePool` (`swarm.policy.stage_pool`, with the cost of a choice); `Wiring`
 holds one per stage of a job."""

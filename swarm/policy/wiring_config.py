@@ -1,5 +1,5 @@
-"""The wiring policy's tuning (`WiringConfig`): the throughput EMA's weight, the ban's backoff and
-when an idle replica is probed; validated once, shared by every stage's `StagePool`
+"""The wiring policy's tuning (`WiringConfig`): the throughput EMA's weight, the backoff after a
+failed call and when an idle replica is probed; validated once, shared by every stage's `StagePool`
 (`swarm.policy.stage_pool`) and the simulator's model."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ class WiringConfig:
 
     throughput_ema_alpha: float = 0.2
     """Weight (0, 1] of the newest measurement in the samples/s EMA; 1 keeps only the last one."""
-    ban_base_s: float = 1.0
-    """Seconds a replica is banned after its first failure."""
-    ban_factor: float = 2.0
-    """Each further consecutive failure multiplies the ban by this (>= 1)."""
-    ban_max_s: float = 60.0
-    """Cap on one ban, seconds (>= ban_base_s)."""
+    backoff_base_s: float = 1.0
+    """Seconds a replica is in backoff after its first failure."""
+    backoff_factor: float = 2.0
+    """Each further consecutive failure multiplies the backoff by this (>= 1)."""
+    backoff_max_s: float = 60.0
+    """Cap on one backoff, seconds (>= backoff_base_s)."""
     probe_after: float = 30.0
     """A measured replica left idle this many times its own expected task time is tried once
     more (> 0): its figures may be stale. One slow measurement (a busy machine, a cold start)
@@ -35,11 +35,13 @@ class WiringConfig:
             raise ConfigError(
                 f"throughput_ema_alpha={self.throughput_ema_alpha}: use a weight in (0, 1]"
             )
-        if not (math.isfinite(self.ban_base_s) and self.ban_base_s > 0.0):
-            raise ConfigError(f"ban_base_s={self.ban_base_s}: use a positive number of seconds")
-        if not (math.isfinite(self.ban_factor) and self.ban_factor >= 1.0):
-            raise ConfigError(f"ban_factor={self.ban_factor}: use a factor >= 1")
-        if not (math.isfinite(self.ban_max_s) and self.ban_max_s >= self.ban_base_s):
-            raise ConfigError(f"ban_max_s={self.ban_max_s}: use seconds >= ban_base_s")
+        if not (math.isfinite(self.backoff_base_s) and self.backoff_base_s > 0.0):
+            raise ConfigError(
+                f"backoff_base_s={self.backoff_base_s}: use a positive number of seconds"
+            )
+        if not (math.isfinite(self.backoff_factor) and self.backoff_factor >= 1.0):
+            raise ConfigError(f"backoff_factor={self.backoff_factor}: use a factor >= 1")
+        if not (math.isfinite(self.backoff_max_s) and self.backoff_max_s >= self.backoff_base_s):
+            raise ConfigError(f"backoff_max_s={self.backoff_max_s}: use seconds >= backoff_base_s")
         if not (math.isfinite(self.probe_after) and self.probe_after > 0.0):
             raise ConfigError(f"probe_after={self.probe_after}: use a positive factor")

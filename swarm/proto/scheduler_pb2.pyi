@@ -225,14 +225,32 @@ class SchedulerExportRoutesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerFetchDataRequest(_message.Message):
-    __slots__ = ("job", "validation")
+    __slots__ = ("job", "validation", "offset")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     job: str
     validation: bool
-    def __init__(self, job: _Optional[str] = ..., validation: _Optional[bool] = ...) -> None: ...
+    offset: int
+    def __init__(self, job: _Optional[str] = ..., validation: _Optional[bool] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class SchedulerFetchDataResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class SchedulerFetchInitRequest(_message.Message):
+    __slots__ = ("job", "path", "offset")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    path: str
+    offset: int
+    def __init__(self, job: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class SchedulerFetchInitResponse(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes

@@ -76,6 +76,11 @@ class SchedulerServiceStub:
                 request_serializer=_framing.serialize,
                 response_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchDataResponse),
                 _registered_method=True)
+        self.FetchInit = channel.unary_stream(
+                '/swarm.proto.SchedulerService/FetchInit',
+                request_serializer=_framing.serialize,
+                response_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchInitResponse),
+                _registered_method=True)
         self.LeaseMicrobatches = channel.unary_unary(
                 '/swarm.proto.SchedulerService/LeaseMicrobatches',
                 request_serializer=_framing.serialize,
@@ -139,6 +144,12 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchInit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LeaseMicrobatches(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -192,6 +203,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
             'FetchData': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchData,
                     request_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchDataRequest),
+                    response_serializer=_framing.serialize,
+            ),
+            'FetchInit': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchInit,
+                    request_deserializer=_framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchInitRequest),
                     response_serializer=_framing.serialize,
             ),
             'LeaseMicrobatches': grpc.unary_unary_rpc_method_handler(
@@ -421,6 +437,33 @@ class SchedulerService:
             '/swarm.proto.SchedulerService/FetchData',
             _framing.serialize,
             _framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchDataResponse),
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchInit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.proto.SchedulerService/FetchInit',
+            _framing.serialize,
+            _framing.deserializer(swarm_dot_proto_dot_scheduler__pb2.SchedulerFetchInitResponse),
             options,
             channel_credentials,
             insecure,

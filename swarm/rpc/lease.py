@@ -53,7 +53,7 @@ class Task:
 class ContributionAudit:
     """Replica `peer`'s contribution to a step's averaging at `stage` is audited: its
     microbatches' gradients digested with r drawn from `seed`, which it never learns
-    (`scheduler.coordinator.contributions`)."""
+    (`scheduler.coordinator.trust.contributions`)."""
 
     stage: int
     peer: str
@@ -74,7 +74,8 @@ class GradientDigest:
     auditors: str
     seed: int = 0  # the audit's: a straggler's digest of a step since replayed has another
     # One auditor's alone (`auditors` names it), the other's differing and reported beside it:
-    # the coordinator judges which is the gradient's (`scheduler.coordinator.digest_disputes`).
+    # the coordinator judges which is the gradient's
+    # (`scheduler.coordinator.trust.digest_disputes`).
     disputed: bool = False
 
 
@@ -99,13 +100,13 @@ class Lease:
 @dataclass(frozen=True)
 class Verdict:
     """A replica caught lying by an audit: its work contradicted by two re-executions on other
-    replicas of its stage (`client.data_plane.audit`); `evidence` says what differed."""
+    replicas of its stage (`client.audit.audits`); `evidence` says what differed."""
 
     peer: str
     stage: int
     evidence: str
     # the replicas whose agreeing re-executions contradict it (none: its own commitment does):
-    # the coordinator convicts on no single host's word (`scheduler.coordinator.bans`)
+    # the coordinator convicts on no single host's word (`scheduler.coordinator.trust.bans`)
     auditors: tuple[str, ...] = ()
 
 
@@ -124,7 +125,7 @@ class MicrobatchResult:
     back: tuple[tuple[int, str], ...] = ()
     verdicts: tuple[Verdict, ...] = ()  # replicas its audit caught lying (issue 55)
     # every replica whose answer this result rests on (carry plane; empty: not known): one
-    # banned meanwhile makes it void (`scheduler.coordinator.bans`)
+    # banned meanwhile makes it void (`scheduler.coordinator.trust.bans`)
     touched: tuple[str, ...] = ()
     # the audit's price: stage computations of this run, and re-executions its audit took
     stage_runs: int = 0

@@ -38,7 +38,7 @@ class _Scheduler:
     async def job(self) -> spb.JobStatus:
         return spb.JobStatus(job=self.job_id, name="test", steps=3, spec=render(BASE))
 
-    async def fetch_data(self, validation: bool) -> AsyncIterator[bytes]:
+    async def fetch_data(self, validation: bool, offset: int = 0) -> AsyncIterator[bytes]:
         raise AssertionError("the job's data is generated, not a file: nothing to fetch")
         yield b""  # an async generator, as the real one
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +16,7 @@ from stage_server.agent import REFUSED_RETRY_S, PeerAgent
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
 from swarm.device.oom import out_of_memory
+from swarm.job.config import JobConfig
 from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
 
@@ -259,3 +262,50 @@ def test_every_announcement_of_one_process_carries_its_incarnation(
     finally:
         executor.shutdown()
         executor2.shutdown()
+
+
+# -- issue 68 item 9: a starting checkpoint not on this machine ----------------------------------
+_FINETUNE = render(
+    {
+        **BASE,
+        "model": {**BASE["model"], "init_from": "/not/here", "init_sha256": "a" * 64},
+        "training": {**BASE["training"], "stages": 2},
+    },
+    "finetune",
+)
+
+
+async def test_a_checkpoint_not_here_is_fetched_before_the_stages_are_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    agent, _, executor = _agent(monkeypatch)
+    measured: list[Path | None] = []
+
+    def measure(job: JobConfig, *_: Any) -> dict[int, float]:
+        measured.append(job.model.init_from)
+        return {0: 1.0, 1: 1.0}
+
+    async def fetched(job_id: str, job: JobConfig) -> JobConfig:  # `InitSource`: the scheduler
+        return replace(job, model=replace(job.model, init_from=tmp_path / job_id))
+
+    monkeypatch.setattr("stage_server.agent.measure_job", measure)
+    agent.init = fetched
+    try:
+        await agent._on_job(_placing("j", _FINETUNE))
+        assert measured == [tmp_path / "j"] and agent.job_id == "j"
+        assert agent._jobs["j"].model.init_from == tmp_path / "j"  # what an assignment builds
+    finally:
+        executor.shutdown()
+
+
+async def test_a_checkpoint_not_here_with_no_scheduler_refuses_the_job_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent, _, executor = _agent(monkeypatch)
+    try:
+        await agent._on_job(_placing("j", _FINETUNE))
+        assert agent.job_id == "" and agent.speeds == {}
+        assert "give it --scheduler HOST:PORT" in caplog.text
+        assert "fetching its starting checkpoint failed" in caplog.text
+    finally:
+        executor.shutdown()

@@ -1,7 +1,7 @@
 """A stage of three replicas (`PEERS`) whose contributions are audited at step 5, as the
-coordinator's side of the contributions' audit sees it (`scheduler.coordinator.contributions`):
-each member's checksums of a round over given contributions, as its averaging takes them, and
-random microbatch gradients to digest."""
+coordinator's side of the contributions' audit sees it
+(`scheduler.coordinator.trust.contributions`): each member's checksums of a round over given
+contributions, as its averaging takes them, and random microbatch gradients to digest."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import cast
 
 import torch
 
-from scheduler.coordinator.contributions import Contributions
 from scheduler.coordinator.ledger import StepLedger
-from scheduler.coordinator.sum_checks import Checksums
+from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.sum_checks import Checksums
 from stage_server.averaging.checksum import AuditedChecks, dots
 from swarm.policy.parts import EQUAL_PARTS
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task

@@ -5,7 +5,7 @@ three stages of three replicas. Each replica commits to the digests of what it r
 (`stage_server.replica.push_records`); the trainer takes every commitment of the path before it
 draws what to audit (every stage here, so the catch is certain), checks that the two sides of
 every boundary agree, and has another replica re-execute a drawn stage from the tensors its
-record holds (`client.data_plane.push_audit`). The liar is banned with the evidence in the log,
+record holds (`client.audit.push_audit`). The liar is banned with the evidence in the log,
 the job rolls back to before its first step and replays without it: the final model equals
 `swarm local`'s within 1e-9."""
 
@@ -100,7 +100,7 @@ def test_a_push_replica_that_bends_its_contribution_is_caught_banned_and_replaye
     """Its pushes are honest (what it sends and commits to, forward and back); what it adds to
     its pool's averaging is its gradient sums bent within the norm bound, which no boundary
     check sees. Its microbatches, re-executed by the two others of its stage from the tensors
-    its neighbours committed to, must tell (`client.data_plane.push_contributions`)."""
+    its neighbours committed to, must tell (`client.audit.push_contributions`)."""
     poison = Fault(HOSTILE, Point.POISON_BENT, 1)
     job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, "push", poison)
     assert "fault injected: poison-bent@1" in liar_log  # it did lie

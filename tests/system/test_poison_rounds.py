@@ -2,8 +2,8 @@
 `stage_server.averaging.hostile`): one replica of a pool of three lies in every round from step
 1 on, and the job still ends with `swarm local`'s parameters (float64, within 1e-9): its round
 fails and its microbatches are replayed by the honest two. The sum liar's own sums convict it
-(`scheduler.coordinator.sum_liars`): it is banned, with the evidence, and never rejoins a round;
-the contribution liar is only left out (the norm bound is a yardstick an honest gradient may
+(`scheduler.coordinator.trust.sum_liars`): it is banned, with the evidence, and never rejoins a
+round; the contribution liar is only left out (the norm bound is a yardstick an honest gradient may
 pass: docs/decisions.md, "Sum liars banned")."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ this process, so every replica can be inspected) and a real PoolService aggregat
 side adds an error to every sum it answers (small and dense; under lossy codecs too, sparse, and
 with a seed it knows: issue 54). Every replica takes the same wrong sum, so the
 replicas stay identical and no check among them can see it: the coordinator's linear checksum
-(`scheduler.coordinator.sum_checks`) must. The round fails naming the aggregator, the retry runs
-without it, and nothing wrong is ever applied: the job equals `swarm local`."""
+(`scheduler.coordinator.trust.sum_checks`) must. The round fails naming the aggregator, the retry
+runs without it, and nothing wrong is ever applied: the job equals `swarm local`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from scheduler.coordinator import LocalCoordinator, gather_state, sum_checks
 from scheduler.coordinator import commit as commit_module
 from scheduler.coordinator.groups import Aggregator, Groups, Link, RoundGroup
-from scheduler.coordinator.sum_checks import Mismatch, mismatches
+from scheduler.coordinator.trust.sum_checks import Mismatch, mismatches
 from stage_server.averaging.checksum import PartChecks, weights
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer

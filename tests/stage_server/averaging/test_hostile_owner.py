@@ -2,12 +2,13 @@
 sums plus 1e4 (finite, the same to every member). Every replica takes the same wrong sum, so the
 pool stays bitwise identical and no comparison among its members can see it; the job
 "succeeded" 0.06 away from `swarm local`. Every part's sum is now checked (the linear checksum of
-`scheduler.coordinator.sum_checks`, a replica's part as an aggregator's): the round fails naming
-the owner, which is banned (its sum's norm convicts it: `scheduler.coordinator.sum_liars`) and
-its work replayed away, so the job equals `swarm local`. Another contributes its gradient times
-1e4 (every sum checks out): the norm bound refuses it, it is left out (never banned: an honest
-gradient may pass the bound) and its microbatches are replayed. Real stage servers on real
-ports, in this process (so one's averager or commit can lie)."""
+`scheduler.coordinator.trust.sum_checks`, a replica's part as an aggregator's): the round fails
+naming the owner, which is banned (its sum's norm convicts it:
+`scheduler.coordinator.trust.sum_liars`) and its work replayed away, so the job equals `swarm
+local`. Another contributes its gradient times 1e4 (every sum checks out): the norm bound refuses
+it, it is left out (never banned: an honest gradient may pass the bound) and its microbatches are
+replayed. Real stage servers on real ports, in this process (so one's averager or commit can
+lie)."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ async def test_a_member_lying_about_what_it_sent_leaves_alone_and_the_job_stays_
 ) -> None:
     """A replica of stage 0 sends honest values but reports r·x of what it sent each other
     owner off by 1e-3 of its magnitude. Its words disagree with both owners' about what they
-    received (`scheduler.coordinator.sent_words`): in a step's round it is banned, in a
+    received (`scheduler.coordinator.trust.sent_words`): in a step's round it is banned, in a
     local-steps round dropped, alone either way (before: every owner's r·S failed, and the
     honest owners were the ones left out), and the job equals `swarm local` within 1e-9."""
     pool = {} if mode == "step" else {"mode": "local", "sync_every": 2}

@@ -190,7 +190,7 @@ async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
 ) -> None:
     # b answered our site, so the second push is handed over; b refuses it (it could not take
     # the handle: HandoverRefused, it took nothing). Within that try the same push goes to b on
-    # the wire, b is not banned, and every later push to b goes on the wire though b still
+    # the wire, b is not in backoff, and every later push to b goes on the wire though b still
     # answers our site.
     calls, fake = FakeCalls(sites={"b": SITE}), FakeHandover()
     h, hop = next_hop(tmp_path, calls, fake)
@@ -202,7 +202,7 @@ async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
         done = await push(hop, refused, "b")
         later = outgoing(h, t)
         await push(hop, later, "b")
-        assert hop.routes.wiring[1].banned_until("b") is None, "b is not at fault"
+        assert hop.routes.wiring[1].backoff_until("b") is None, "b is not at fault"
     finally:
         await hop.close()
     assert isinstance(done, Pushed) and done.path == ["b"]
@@ -223,14 +223,14 @@ async def test_a_refused_handover_is_sent_again_on_the_wire_in_the_same_try(
 
 
 async def test_a_refusal_of_bytes_on_the_wire_is_a_failure_as_any(tmp_path: Path) -> None:
-    # Only a handed-over push is sent again: "refused" on the wire is a failure (b is banned).
+    # Only a handed-over push is sent again: "refused" on the wire is a failure (b is in backoff).
     calls = FakeCalls()
     h, hop = next_hop(tmp_path, calls, FakeHandover())
     calls.fail_next("b", HandoverRefused("handover refused: nothing was handed over"))
     try:
         with pytest.raises(PeerUnavailable, match="no replica took the microbatch"):
             await push(hop, outgoing(h, torch.ones(2, dtype=torch.float64)), "b")
-        assert hop.routes.wiring[1].banned_until("b") is not None
+        assert hop.routes.wiring[1].backoff_until("b") is not None
     finally:
         await hop.close()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_server.replica.push_records import Arrived, PushRecords, sent_digest
+from stage_server.replica.push_records import NO_RECORD, Arrived, PushRecords
 from swarm.errors import ActivationsNotCached
 from swarm.proto import stage_pb2 as pb
 from swarm.wire import codec
@@ -21,7 +21,7 @@ def test_a_record_commits_to_what_came_in_and_went_out() -> None:
     x = torch.randn(2, 3, dtype=torch.float64)
     record.received("inputs", x)
     out = codec.encode(x * 2, "inputs", codec.codec_from_name("bf16"))
-    record.sent("outputs", out, sent_digest(out))
+    record.sent("outputs", lambda: out)
     answer = records.answer(
         pb.StageRecordRequest(microbatch=pb.MicrobatchId(step=3, index=0), run=7, tensors_too=True)
     )
@@ -65,3 +65,15 @@ def test_a_tensor_is_kept_as_it_came_and_answered_as_it_crossed(form: str) -> No
     assert msg.data == sent.data and msg.nbytes == len(sent.data) < decoded.numel()
     assert (msg.codec, msg.block_size, msg.shape) == (sent.codec, sent.block_size, sent.shape)
     assert digest(codec.decode(msg)) == record.commitment.inputs == digest(decoded)
+
+
+def test_a_run_nobody_audits_keeps_nothing_and_makes_nothing() -> None:
+    """The null record (`NO_RECORD`): the push plane tells it the same, and it makes no message
+    (no copy from the device), computes no digest and keeps nothing."""
+
+    def made() -> None:
+        raise AssertionError("a run nobody audits made what it sent")
+
+    assert not NO_RECORD.kept
+    NO_RECORD.received("inputs", torch.zeros(1))
+    NO_RECORD.sent("outputs", made)

@@ -1,7 +1,7 @@
-"""`init_from`'s checkpoint is named by its sha256, remembered per file version so that every
-stage built in a process does not read gigabytes again. Whoever may write the file can swap its
-bytes and set its size and mtime back as they were: that is another version, and its hash is
-read anew (M9-hash)."""
+"""`init_from`'s checkpoint is named by the sha256 of its manifest, each file's hash remembered
+per file version so that every stage built in a process does not read gigabytes again. Whoever
+may write the file can swap its bytes and set its size and mtime back as they were: that is
+another version, and its hash is read anew (M9-hash)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm.job.fingerprint import init_sha256
+from swarm.job.manifest import Entry, digest
 from swarm.job.schema import ModelConfig
 
 pytestmark = pytest.mark.attack("M9-hash")
@@ -28,6 +29,11 @@ def _write(directory: Path, data: bytes) -> Path:
     return path
 
 
+def _named(data: bytes) -> str:
+    """The pin of a checkpoint directory holding `data` as its one file."""
+    return digest((Entry("model.safetensors", len(data), hashlib.sha256(data).hexdigest()),))
+
+
 def _swapped(path: Path, data: bytes) -> None:
     before = path.stat()
     _write(path.parent, data)
@@ -39,9 +45,9 @@ def test_a_swapped_file_of_the_same_size_and_mtime_is_hashed_anew(tmp_path: Path
     a, b = b"A" * 4096, b"B" * 4096
     model = ModelConfig(init_from=tmp_path)
     path = _write(tmp_path, a)
-    assert init_sha256(model) == hashlib.sha256(a).hexdigest()
+    assert init_sha256(model) == _named(a)
     _swapped(path, b)
-    assert init_sha256(model) == hashlib.sha256(b).hexdigest()
+    assert init_sha256(model) == _named(b)
 
 
 def test_a_remembered_hash_is_not_trusted_after_a_swap(tmp_path: Path) -> None:
@@ -50,6 +56,6 @@ def test_a_remembered_hash_is_not_trusted_after_a_swap(tmp_path: Path) -> None:
     model = ModelConfig(init_from=tmp_path)
     path = _write(tmp_path, a)
     time.sleep(2.5)  # past the window in which a change may leave the kernel's stamp as it was
-    assert init_sha256(model) == init_sha256(model) == hashlib.sha256(a).hexdigest()
+    assert init_sha256(model) == init_sha256(model) == _named(a)
     _swapped(path, b)
-    assert init_sha256(model) == hashlib.sha256(b).hexdigest()
+    assert init_sha256(model) == _named(b)

@@ -1,4 +1,4 @@
-"""Stochastic wiring: the choice rule, bans, draining, load merging, and the shares it gives
+"""Stochastic wiring: the choice rule, backoffs, draining, load merging, and the shares it gives
 replicas of unequal speed in a small discrete-event simulation."""
 
 from __future__ import annotations
@@ -187,20 +187,20 @@ def test_no_replica_error() -> None:
         pool.choose(1.0)
 
 
-# -- bans ------------------------------------------------------------------------------------------
+# -- backoffs --------------------------------------------------------------------------------------
 
 
-def test_bans_back_off_expire_and_reset_on_success() -> None:
-    pool, clock = make_pool(ban_base_s=1.0, ban_factor=2.0, ban_max_s=5.0)
+def test_backoffs_grow_expire_and_reset_on_success() -> None:
+    pool, clock = make_pool(backoff_base_s=1.0, backoff_factor=2.0, backoff_max_s=5.0)
     pool.add("a", 1.0)
     pool.add("b", 1.0)
 
-    def ban_of_a() -> float:
+    def backoff_of_a() -> float:
         start = clock.t
         assert pool.failed("a") > 0.0
         assert "a" not in pool.eligible()
         assert pool.choose(1.0) == "b"
-        until = pool.banned_until("a")
+        until = pool.backoff_until("a")
         assert until is not None
         clock.t = until - 1e-6
         assert "a" not in pool.eligible()
@@ -208,17 +208,17 @@ def test_bans_back_off_expire_and_reset_on_success() -> None:
         assert "a" in pool.eligible()  # expired by the clock: back in the pool
         return until - start
 
-    assert ban_of_a() == pytest.approx(1.0)
-    assert ban_of_a() == pytest.approx(2.0)  # doubles
-    assert ban_of_a() == pytest.approx(4.0)
-    assert ban_of_a() == pytest.approx(5.0)  # capped at ban_max_s
+    assert backoff_of_a() == pytest.approx(1.0)
+    assert backoff_of_a() == pytest.approx(2.0)  # doubles
+    assert backoff_of_a() == pytest.approx(4.0)
+    assert backoff_of_a() == pytest.approx(5.0)  # capped at backoff_max_s
     pool.started("a", 1.0)
     pool.finished("a", 1.0, 0.5)  # a success resets the count
-    assert ban_of_a() == pytest.approx(1.0)
+    assert backoff_of_a() == pytest.approx(1.0)
 
 
-def test_failures_of_one_outage_do_not_stretch_the_ban() -> None:
-    pool, clock = make_pool(ban_base_s=1.0, ban_factor=2.0)
+def test_failures_of_one_outage_do_not_stretch_the_backoff() -> None:
+    pool, clock = make_pool(backoff_base_s=1.0, backoff_factor=2.0)
     pool.add("a", 1.0)
     pool.started("a", 3.0)
     assert pool.failed("a", 1.0) == 1.0
@@ -226,7 +226,7 @@ def test_failures_of_one_outage_do_not_stretch_the_ban() -> None:
     assert pool.failed("a", 1.0) == 0.0
     assert pool.queued("a") == 0.0  # their samples left the queue
     clock.t = 1.0
-    assert pool.failed("a") == 2.0  # a new outage after the ban: the backoff grows
+    assert pool.failed("a") == 2.0  # a new outage after the backoff: it grows
 
 
 def test_removed_replica_stays_out_and_late_outcomes_are_ignored() -> None:
@@ -236,7 +236,7 @@ def test_removed_replica_stays_out_and_late_outcomes_are_ignored() -> None:
     pool.failed("a")
     assert pool.remove("a")
     clock.t = 100.0
-    assert pool.eligible() == ["b"]  # its ban expired, but it is gone
+    assert pool.eligible() == ["b"]  # its backoff expired, but it is gone
     pool.finished("a", 1.0, 1.0)  # a reply that arrives after removal
     pool.started("a", 1.0)
     assert pool.failed("a") == 0.0
@@ -299,9 +299,9 @@ def test_config_is_validated() -> None:
     for bad in (
         {"throughput_ema_alpha": 0.0},
         {"throughput_ema_alpha": 1.5},
-        {"ban_base_s": 0.0},
-        {"ban_factor": 0.5},
-        {"ban_base_s": 10.0, "ban_max_s": 1.0},
+        {"backoff_base_s": 0.0},
+        {"backoff_factor": 0.5},
+        {"backoff_base_s": 10.0, "backoff_max_s": 1.0},
     ):
         with pytest.raises(ConfigError):
             WiringConfig(**bad)
@@ -412,15 +412,15 @@ def test_three_trainers_need_the_reports() -> None:
 # -- cost ------------------------------------------------------------------------------------------
 
 
-def heap_work(replicas: int, banned_fraction: float) -> tuple[float, float]:
-    """Heap operations per call over a workload on a pool of `replicas`: bans of a fraction of
-    them, 2,000 choose/started/finished rounds, the bans expiring halfway. Returns (operations
+def heap_work(replicas: int, backoff_fraction: float) -> tuple[float, float]:
+    """Heap operations per call over a workload on a pool of `replicas`: backoffs of a fraction of
+    them, 2,000 choose/started/finished rounds, the backoffs expiring halfway. Returns (operations
     per call over everything, operations per call in the second half's rounds)."""
     pool, clock = make_pool(seed=1)
     for i in range(replicas):
         pool.add(f"p{i}", 1.0 + i % 7)
     start, calls = pool.heap_operations, 0
-    for i in range(int(replicas * banned_fraction)):
+    for i in range(int(replicas * backoff_fraction)):
         pool.failed(f"p{i}")
         calls += 1
 
@@ -432,7 +432,7 @@ def heap_work(replicas: int, banned_fraction: float) -> tuple[float, float]:
         return 3000
 
     calls += rounds()
-    clock.t = 1e6  # every ban expires: each banned replica returns once
+    clock.t = 1e6  # every backoff expires: each replica in backoff returns once
     pool.choose(1.0)
     calls += 1
     steady = pool.heap_operations
@@ -440,14 +440,14 @@ def heap_work(replicas: int, banned_fraction: float) -> tuple[float, float]:
     return (pool.heap_operations - start) / calls, (pool.heap_operations - steady) / 3000
 
 
-@pytest.mark.parametrize("banned_fraction", [0.0, 0.9])
-def test_choice_costs_a_constant_number_of_heap_operations(banned_fraction: float) -> None:
+@pytest.mark.parametrize("backoff_fraction", [0.0, 0.9])
+def test_choice_costs_a_constant_number_of_heap_operations(backoff_fraction: float) -> None:
     # A push or pop is O(log n) (heapq) and the rest of the counted work O(1), so a bounded
     # count per call, no larger at 10,000 replicas than at 1,000, is O(log n) per choice. A scan
     # would read every replica. Here many replicas tie (seven speeds, all idle), so each choice
     # also reads its full _TIE_SCAN of tied entries.
-    small_all, small_steady = heap_work(1_000, banned_fraction)
-    large_all, large_steady = heap_work(10_000, banned_fraction)
+    small_all, small_steady = heap_work(1_000, backoff_fraction)
+    large_all, large_steady = heap_work(10_000, backoff_fraction)
     assert small_all < 10.0 and small_steady < 10.0
     assert large_all < 10.0 and large_steady < 10.0
     assert large_steady <= small_steady + 1.0

@@ -1,0 +1,379 @@
+"""Audits by re-execution (issue 55): a replica's work is checked by running it again on another
+replica of its stage, from the very bytes it was given.
+
+On the carry plane the trainer holds, for every stage of a microbatch, what it sent there (the
+inputs, and the output gradient or the targets) and what came back (the outputs, or the loss, and
+the input gradient): a replica is committed to its answer once it gave it, before anyone drew
+what to audit. After the microbatch completes, and before it is reported, each stage is drawn
+with probability `[trust] audit_fraction`, from the operating system's randomness, so no replica
+can tell which of its answers will be checked. A drawn stage is re-executed on another replica of
+it (an *auditor*, also drawn) and compared: within `TOLERANCE` of the job's dtype, relative to
+the largest element (replicas of a stage hold bitwise the same parameters, so on the CPU honest
+answers agree bitwise: the largest difference seen is kept in a gauge).
+
+A disagreement is judged, not guessed: a second auditor re-executes too. The answer two of the
+three agree on is the truth; the one that differs is the liar, the audited replica or the first
+auditor alike, and comes back as a `Verdict` with the evidence. A replica that answered nothing
+(gone, refused) is no evidence: the audit is skipped. Where no second auditor exists (a stage of
+two), the disagreement is logged and counted, and nobody is banned on one word against another.
+
+A replica's contribution to its pool's averaging is audited too (`ContributionAudit`, drawn by
+the coordinator per step and stage; docs/decisions.md, "The parameter-gradient audit"): each
+microbatch whose stage it accumulated is re-executed on two others of the stage, which digest
+its parameter gradient with a seed the audited replica never learns; the two digests, equal bit
+for bit, go to the coordinator (`GradientDigest`), which holds their sum to the contribution.
+The second auditor's answers are held to the two others' there too, whoever agreed first. Two
+digests that differ are both reported (`GradientDigest.disputed`): the coordinator tells which
+is the gradient's from the round's q·x (`scheduler.coordinator.trust.digest_disputes`), so an
+auditor that lies in its digest alone is convicted there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from client.metrics import TrainerMetrics
+from swarm.errors import SwarmError
+from swarm.job.tolerance import TOLERANCE, tolerance_of
+from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
+from swarm.rpc.stage_client import TensorLike
+
+__all__ = [
+    "TOLERANCE",
+    "Audits",
+    "Redone",
+    "Reexecutor",
+    "StageAudit",
+    "Work",
+    "differs",
+    "tolerance_of",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one stage of a microbatch was given and answered, as the trainer holds it."""
+
+    stage: int
+    inputs: TensorLike
+    grad_outputs: TensorLike  # the last stage: the targets
+    outputs: torch.Tensor  # the last stage: its loss sum (a 0-d tensor)
+    grad_inputs: torch.Tensor | None  # None where none was asked for (stage 0, the lowest)
+    forward_peer: str  # who answered `outputs`
+    backward_peer: str  # who answered `grad_inputs` (and accumulated the stage's gradient)
+    # the microbatch's token ids, where a subspace boundary needs them (stages above 0)
+    tokens: TensorLike | None = None
+
+
+@dataclass(frozen=True)
+class Redone:
+    """The same work, re-executed on an auditor."""
+
+    outputs: torch.Tensor
+    grad_inputs: torch.Tensor | None
+    digest: tuple[float, float, float] | None = None  # where asked: r·g, Σ|r_i·g_i|, ‖g‖
+
+
+@dataclass(frozen=True)
+class StageAudit:
+    """One stage's audit of one microbatch: the liars found, the gradient digests (two
+    auditors', or each one's where they differ) and the re-executions it took (counted here,
+    not read off the trainer's counter, which concurrent audits share)."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    digests: list[GradientDigest] = field(default_factory=list)
+    runs: int = 0
+
+
+class Reexecutor(Protocol):
+    """Runs a stage's work again on a chosen replica, accumulating nothing (the seam: gRPC in
+    `client.audit.reexecute`, fakes in unit tests)."""
+
+    def peers(self, stage: int) -> list[str]:
+        """The replicas of `stage` that can audit now."""
+        ...
+
+    async def redo(
+        self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
+    ) -> Redone:
+        """`digest_seed`: the digest of the parameter gradient too (`Redone.digest`)."""
+        ...
+
+
+def differs(claimed: torch.Tensor | None, honest: torch.Tensor | None) -> float:
+    """How far `claimed` is from `honest`: the largest difference relative to `honest`'s
+    largest element (inf for another shape, a NaN or one missing; 0.0 when bitwise equal)."""
+    if claimed is None or honest is None:
+        return 0.0 if claimed is None and honest is None else float("inf")
+    if claimed.shape != honest.shape:
+        return float("inf")
+    a, b = claimed.double(), honest.double()
+    if torch.equal(a, b):
+        return 0.0
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    gap = float((a - b).abs().max())
+    return gap / scale if scale > 0 and gap == gap else float("inf")
+
+
+_ITEMS = ("outputs", "input gradients")
+
+
+class Audits:
+    """The audits of one trainer: `fraction` of the stages of every microbatch it completes."""
+
+    def __init__(
+        self,
+        fraction: float,
+        tolerance: float,
+        redo: Reexecutor,
+        metrics: TrainerMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.fraction, self.tolerance, self.reexecutor, self.metrics = (
+            fraction,
+            tolerance,
+            redo,
+            metrics,
+        )
+        # Unpredictable to every replica: drawn after their answers, from the OS's randomness.
+        self.rng = rng or random.SystemRandom()
+
+    def auditors(self, stage: int, producers: Iterable[str]) -> list[str]:
+        """The replicas of `stage` that could re-execute work `producers` did (none: a pool of
+        one, or every other replica gone)."""
+        excluded = set(producers)
+        return [p for p in self.reexecutor.peers(stage) if p not in excluded]
+
+    def drawn(self, stages: Iterable[int]) -> list[int]:
+        """The stages of one microbatch to audit, each with probability `fraction`."""
+        return [k for k in stages if self.fraction > 0 and self.rng.random() < self.fraction]
+
+    async def audit(
+        self, step: int, index: int, works: Sequence[Work]
+    ) -> tuple[list[Verdict], int]:
+        """Audit the drawn stages of microbatch `(step, index)`: the liars found, and the
+        re-executions it took."""
+        verdicts, runs, _ = await self.audited(step, index, works)
+        return verdicts, runs
+
+    async def audited(
+        self,
+        step: int,
+        index: int,
+        works: Sequence[Work],
+        contributions: Sequence[ContributionAudit] = (),
+    ) -> tuple[list[Verdict], int, list[GradientDigest]]:
+        """`audit`, and the stages whose accumulating replica's contribution is audited
+        (`contributions`) audited whatever the draw, their gradients digested."""
+        self.metrics.stage_runs.inc(len(works))
+        drawn = set(self.drawn(range(len(works))))
+        chosen = []
+        for k, work in enumerate(works):
+            seed = next(
+                (
+                    a.seed
+                    for a in contributions
+                    if (a.stage, a.peer) == (work.stage, work.backward_peer)
+                ),
+                0,
+            )
+            if k in drawn or seed:
+                chosen.append((work, seed))
+        # The stages at once, each on its own auditors: the microbatch's report waits for them.
+        done = await asyncio.gather(*(self._audit(step, index, w, seed) for w, seed in chosen))
+        verdicts: dict[str, Verdict] = {}
+        for found in done:
+            for v in found.verdicts:
+                verdicts.setdefault(v.peer, v)
+        digests = [d for found in done for d in found.digests]
+        return list(verdicts.values()), sum(found.runs for found in done), digests
+
+    def _close(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        return differs(a, b) <= self.tolerance
+
+    async def _redo(
+        self, peer: str, step: int, index: int, work: Work, seed: int = 0
+    ) -> Redone | None:
+        try:
+            done = await self.reexecutor.redo(peer, step, index, work, seed)
+        except SwarmError as e:  # gone, or the step moved on: no evidence either way
+            log.info("audit of (%d, %d) at stage %d on %s: %s", step, index, work.stage, peer, e)
+            return None
+        self.metrics.audit_runs.inc()
+        return done
+
+    async def judge(self, step: int, index: int, work: Work, seed: int = 0) -> StageAudit:
+        """Re-execute `work` on another replica of its stage (and, if they disagree, on a
+        second): the liars found, with the evidence; with `seed`, its gradient digested by two
+        auditors at once, or each one's digest where they differ (the push plane's
+        contributions' audit: `client.audit.push_contributions`)."""
+        return await self._audit(step, index, work, seed)
+
+    async def _audit(self, step: int, index: int, work: Work, seed: int = 0) -> StageAudit:
+        """The liars found in `work`; with `seed`, its gradient's digest by two auditors (or
+        each one's, where they differ)."""
+        claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
+        producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
+        others = self.auditors(work.stage, producer.values())
+        first = self.rng.choice(others) if others else None
+        if first is None:
+            self.metrics.audited("skipped")
+            return StageAudit()
+        second = None
+        if seed:  # a digest needs two: both asked at once, neither waits for the other
+            second = self._second(others, first)
+            a, b = await asyncio.gather(
+                self._redo(first, step, index, work, seed),
+                self._redo(second, step, index, work, seed) if second else _nothing(),
+            )
+        else:
+            a, b = await self._redo(first, step, index, work), None
+        runs = (a is not None) + (b is not None)
+        if a is None:
+            self.metrics.audited("skipped")
+            return StageAudit(runs=runs)
+        if not seed:
+            second = self._second(others, first)
+        digest = _digest(work, seed, first, a, second, b)
+        redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
+        gaps = {item: differs(claimed[item], redone_a[item]) for item in _ITEMS}
+        wrong = [item for item in _ITEMS if gaps[item] > self.tolerance]
+        where = f"microbatch ({step}, {index}) at stage {work.stage}"
+        if not wrong:
+            if second is not None and b is not None:  # asked for the digest: its answers too
+                lied = self._outvoted(work, where, first, redone_a, second, b)
+                if lied is not None:
+                    return StageAudit([lied], digest, runs)
+            self.metrics.agreed(max(gaps.values()))
+            return StageAudit([], digest, runs)
+        if b is None and second is not None:
+            b = await self._redo(second, step, index, work)
+            runs += b is not None
+        if second is None or b is None:
+            self.metrics.audited("undecided")
+            log.warning(
+                "audit: %s: %s answered %s that %s's re-execution contradicts (by %.3g); no "
+                "second auditor to arbitrate: nobody is banned",
+                where,
+                producer[wrong[0]],
+                wrong[0],
+                first,
+                gaps[wrong[0]],
+            )
+            return StageAudit([], digest, runs)
+        redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
+        verdicts = []
+        for item in wrong:
+            by = differs(claimed[item], redone_b[item])
+            if self._close(redone_a[item], redone_b[item]) and by > self.tolerance:
+                liar, accusers, evidence = (
+                    producer[item],
+                    (first, second),
+                    (
+                        f"its {item} of {where} differ by {by:.3g} (relative) from those "
+                        f"re-executed by {first} and {second}, which agree"
+                    ),
+                )
+            elif by <= self.tolerance:
+                liar, accusers, evidence = (
+                    first,
+                    (producer[item], second),
+                    (
+                        f"auditing {where}, it re-executed {item} that differ by {gaps[item]:.3g} "
+                        f"(relative) from those of {producer[item]} and of {second}, which agree"
+                    ),
+                )
+            else:
+                self.metrics.audited("undecided")
+                log.warning("audit: %s: no two of three answers of its %s agree", where, item)
+                continue
+            self.metrics.audited("caught")
+            log.warning("audit: %s caught lying: %s", liar, evidence)
+            verdicts.append(Verdict(liar, work.stage, evidence, accusers))
+        return StageAudit(verdicts, digest, runs)
+
+    def _second(self, others: Sequence[str], first: str) -> str | None:
+        """The auditor that arbitrates, or digests beside `first` (None: no other replica)."""
+        seconds = [p for p in others if p != first]
+        return self.rng.choice(seconds) if seconds else None
+
+    def _outvoted(
+        self,
+        work: Work,
+        where: str,
+        first: str,
+        redone_a: dict[str, torch.Tensor | None],
+        second: str,
+        b: Redone,
+    ) -> Verdict | None:
+        """The second auditor, asked at once for a contribution's digest while the first agreed
+        with the answers: convicted where its own answers differ from those two, which agree
+        (otherwise a lying second auditor would go unseen: nobody compared what it said)."""
+        claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
+        producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
+        redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
+        for item in _ITEMS:
+            by = differs(redone_b[item], claimed[item])
+            if by > self.tolerance and not self._close(redone_b[item], redone_a[item]):
+                evidence = (
+                    f"auditing {where}, it re-executed {item} that differ by {by:.3g} "
+                    f"(relative) from those of {producer[item]} and of {first}, which agree"
+                )
+                self.metrics.audited("caught")
+                log.warning("audit: %s caught lying: %s", second, evidence)
+                return Verdict(second, work.stage, evidence, (producer[item], first))
+        return None
+
+
+def _digest(
+    work: Work, seed: int, first: str, a: Redone, second: str | None, b: Redone | None
+) -> list[GradientDigest]:
+    """The gradient's digest of `work` where two auditors agree on it bit for bit; where both
+    answered one and they differ, each one's, `disputed` (the coordinator judges between them);
+    none where not asked or a second is missing (the coordinator skips that contribution's
+    audit)."""
+    if not seed:
+        return []
+    if second is None or b is None or a.digest is None or b.digest is None:
+        log.warning(
+            "audit of the contribution of %s at stage %d: no two re-executions digested its "
+            "gradient (%s: %s, %s: %s)",
+            work.backward_peer,
+            work.stage,
+            first,
+            a.digest,
+            second,
+            None if b is None else b.digest,
+        )
+        return []
+    if a.digest == b.digest:
+        return [
+            GradientDigest(work.stage, work.backward_peer, *a.digest, f"{first} and {second}", seed)
+        ]
+    log.warning(
+        "audit of the contribution of %s at stage %d: its auditors' digests of its gradient "
+        "differ (%s: %s, %s: %s): the coordinator judges between them",
+        work.backward_peer,
+        work.stage,
+        first,
+        a.digest,
+        second,
+        b.digest,
+    )
+    return [
+        GradientDigest(work.stage, work.backward_peer, *d, peer, seed, disputed=True)
+        for peer, d in ((first, a.digest), (second, b.digest))
+    ]
+
+
+async def _nothing() -> None:
+    return None

@@ -1,0 +1,234 @@
+"""Audits by re-execution on the push plane (issue 55), where the trainer holds no boundary.
+
+Each replica of a microbatch's path committed, as it computed, to the digests of what it received
+and sent (`stage_server.replica.push_records`). After the push returns, and before anything is
+drawn, the trainer asks every replica of the path for its commitment, each over its own channel
+(no replica carries another's word, so none can forge a later stage's). Then:
+
+- **Every boundary, every microbatch**: the two sides must agree about what crossed it (the
+  activations and their gradient, the targets, the token ids), and stage 0 about what the trainer
+  itself sent it. Stage 0 contradicting the trainer is caught at once; two replicas disagreeing
+  is a dispute (`client.audit.disputes`), which names the liar once two replicas of one
+  stage say the same of it. That is what catches a replica that commits to one tensor and sends
+  another.
+- **A sample of stages, re-executed**: `[trust] audit_fraction` of the stages, drawn from the
+  operating system's randomness after the commitments, are asked for their record (the tensors
+  themselves); a record that is not what its replica committed to is a lie told twice by one
+  replica, caught at once; one that is goes to `Audits.judge`, which re-executes it on another
+  replica of the stage, a second arbitrating, as on the carry plane.
+
+- **Contributions**: the stages whose replica's contribution the coordinator drew
+  (`Task.audits`) are redone from their neighbours' records with its seed
+  (`client.audit.push_contributions`), whatever the draw above.
+
+A replica that answers nothing (gone, its record dropped) is no evidence either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from client.audit.audits import Audits, Work
+from client.audit.disputes import Dispute, Disputes
+from client.audit.push_contributions import PushContributions
+from client.audit.push_fetch import fetched_record
+from swarm.errors import SwarmError
+from swarm.job.config import JobConfig
+from swarm.model.subspace import wire_tokens
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
+from swarm.rpc.routes import Routes
+from swarm.wire import codec
+from swarm.wire.digest import digest
+
+__all__ = ["PushAudits"]
+
+# What crosses the boundary between stages k and k+1: (the field of k's commitment, k+1's, what)
+log = logging.getLogger(__name__)
+
+_CROSSING = (
+    ("outputs", "inputs", "activations"),
+    ("grad_outputs", "grad_inputs", "input gradient"),
+    ("targets", "targets", "targets"),
+)
+
+
+class PushAudits:
+    """One trainer's audits of the push plane."""
+
+    def __init__(self, job: JobConfig, audits: Audits, routes: Routes) -> None:
+        self.job, self.audits, self.routes = job, audits, routes
+        self.disputes = Disputes()
+        self.contributions = PushContributions(job, audits, routes)
+
+    def run_id(self, drawn: Sequence[ContributionAudit]) -> int:
+        """The id of a microbatch's run at every replica of its path (`StagePushRequest.run`),
+        chosen once per run from the membership: a random one where some stage has a second
+        replica to redo its work (or the coordinator `drawn` a contribution to audit), so every
+        replica keeps a record; else 0, and none keeps one, nothing is asked for, fetched or
+        digested: nothing is paid for an audit that cannot run (issue 69; the price comes back
+        with a second replica, and goes with it). The whole path records where any stage can
+        be audited: a stage's neighbours' records redo its contribution, and its neighbours'
+        commitments settle a boundary's dispute."""
+        redo = self.audits.reexecutor
+        if drawn or any(len(redo.peers(k)) > 1 for k in range(self.job.training.stages)):
+            return secrets.randbits(63) | 1  # never 0
+        return 0
+
+    def set_aside(self) -> set[str]:
+        return self.disputes.set_aside()
+
+    def challenged(self) -> set[str]:
+        return self.disputes.challenged()
+
+    async def audited(
+        self,
+        task: Task,
+        run: int,
+        chain: Sequence[str],
+        holders: dict[int, str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+        """The push plane's audit of run `run` of `task` (`client.data_plane.push.PushTrust`):
+        the contributions `task` names drawn from the stages `holders` accumulated, then
+        `audit`."""
+        drawn = self.contributions.drawn(chain, holders, task.audits)
+        return await self.audit(task.step, task.index, run, chain, ids, labels, drawn, loss)
+
+    async def audit(
+        self,
+        step: int,
+        index: int,
+        run: int,
+        chain: Sequence[str],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        contributions: dict[int, int] | None = None,
+        loss: float = 0.0,
+    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+        """Audit run `run` of microbatch `(step, index)`, pushed through `chain` (the replica of
+        each stage, in order; its `ids` and `labels`, the `loss` it answered), and the
+        contributions of the stages `contributions` names (stage -> seed: `PushContributions`):
+        the liars found, the re-executions it took, and the gradients' digests."""
+        contributions = contributions or {}
+        self.audits.metrics.stage_runs.inc(len(chain))
+        said = await asyncio.gather(
+            *(self._commitment(step, index, run, k, p) for k, p in enumerate(chain))
+        )
+        found: dict[str, Verdict] = {}
+        for v in self._boundaries(step, index, said, ids, labels):
+            found.setdefault(v.peer, v)
+        works: dict[int, Work] = {}
+        for k in self.audits.drawn(range(len(chain))):  # drawn now, after every commitment
+            # fetched whichever the contributions' draw: its replica must not tell it from this
+            lied, work = await self._fetched(step, index, run, said[k])
+            for v in lied:
+                found.setdefault(v.peer, v)
+            if work is not None:
+                works[k] = work
+        lied, digests, redone, runs = await self.contributions.audit(
+            step, index, run, said, contributions, ids, labels, loss
+        )
+        # redone once: by the contribution's audit, which compares too
+        judged = await asyncio.gather(
+            *(self.audits.judge(step, index, w) for k, w in works.items() if k not in redone)
+        )
+        for audited in judged:
+            lied.extend(audited.verdicts)
+            runs += audited.runs
+        for v in lied:
+            found.setdefault(v.peer, v)
+        return tuple(found.values()), runs, digests
+
+    async def _commitment(
+        self, step: int, index: int, run: int, stage: int, peer: str
+    ) -> pb.Commitment | None:
+        client = self.routes.clients.get(peer)
+        if client is None or client.stage != stage:
+            return None
+        try:
+            c, _ = await client.record(step, index, run, tensors=False)
+        except SwarmError as e:  # gone, or its record dropped: no evidence either way
+            log.info("push audit: no commitment of (%d, %d) from %s: %s", step, index, peer, e)
+            return None
+        if (c.stage, c.microbatch.step, c.microbatch.index, c.run) != (stage, step, index, run):
+            return None
+        c.peer = peer  # named as the trainer's routes name it (a verdict names it so)
+        return c
+
+    def _boundaries(
+        self,
+        step: int,
+        index: int,
+        said: Sequence[pb.Commitment | None],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> Iterator[Verdict]:
+        """The liars the boundaries show: stage 0 against the trainer, each pair of neighbours
+        against each other."""
+        first = said[0]
+        for name, sent in (("inputs", ids), ("targets", labels)):
+            if first is not None and getattr(first, name) != digest(sent):
+                yield Verdict(
+                    first.peer,
+                    0,
+                    f"it committed to {name} of microbatch ({step}, {index}) other than the "
+                    "trainer sent it",
+                )
+        tokens = self._tokens(ids)
+        for k in range(len(said) - 1):
+            a, b = said[k], said[k + 1]
+            if a is None or b is None:
+                continue
+            checks = [(getattr(a, x), getattr(b, y), what) for x, y, what in _CROSSING]
+            if k:  # the token ids as received
+                checks.append((a.tokens, b.tokens, "token ids"))
+            elif tokens is not None:  # as stage 0 made them from the ids
+                checks.append((tokens, b.tokens, "token ids"))
+            for left, right, what in checks:
+                if left != right:
+                    yield from self.disputes.add(
+                        Dispute(a.peer, a.stage, b.peer, b.stage, what, step, index)
+                    )
+
+    def _tokens(self, ids: torch.Tensor) -> bytes | None:
+        """The digest of the token ids stage 0 sends on under a subspace boundary."""
+        if not self.job.model.boundary_rank:
+            return None
+        return digest(wire_tokens(ids, self.job.model.vocab_size))
+
+    async def _fetched(
+        self, step: int, index: int, run: int, c: pb.Commitment | None
+    ) -> tuple[list[Verdict], Work | None]:
+        """Stage `c.stage`'s record fetched and checked against `c`: the liar it shows, or the
+        work to re-execute elsewhere (None: nothing to redo, or nobody to redo it)."""
+        # Nobody to redo it (a pool of one): its record, the stage's tensors of the microbatch,
+        # is not fetched. Its bytes would cross the trainer's link for nothing: on a home link
+        # they were most of what it carried (issue 52's shaped bench).
+        if c is None or not self.audits.auditors(c.stage, [c.peer]):
+            self.audits.metrics.audited("skipped")
+            return [], None
+        tensors, lied = await fetched_record(self.routes, step, index, run, c)
+        if lied:
+            self.audits.metrics.audited("caught")
+            return lied, None
+        if tensors is None or not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
+            self.audits.metrics.audited("skipped")  # gone, or no backward ran there: no redo
+            return [], None
+        return [], Work(
+            c.stage,
+            tensors["inputs"],  # sent on as they came (the client relabels them)
+            tensors["grad_outputs"],
+            codec.decode(tensors["outputs"]),
+            codec.decode(tensors["grad_inputs"]) if "grad_inputs" in tensors else None,
+            c.peer,
+            c.peer,
+            tensors.get("tokens"),
+        )

@@ -1,0 +1,171 @@
+"""The contributions' audit on the push plane (issue 55, item 1; docs/decisions.md, "The
+parameter-gradient audit"): what a replica adds into its gradient sums, held to its microbatches
+re-executed by two others of its stage, as on the carry plane.
+
+The coordinator draws the audited replicas and their seeds per step (`Task.audits`,
+`scheduler.coordinator.trust.contributions`) and judges at the round; the trainer's part is, for
+each microbatch an audited replica accumulated, a `GradientDigest` agreed bit for bit by two others
+of its stage that redid it with `digest_seed` = q. On the carry plane the trainer holds the
+stage's bytes; here they passed between replicas, and the audited one must not learn it is drawn
+before the round, where it sends its contribution (it would send an honest one exactly when
+drawn). So its own record is never asked for on its account: its **neighbours'** are.
+
+- **The stage's bytes from either side of it**: its inputs and token ids from the trainer (stage
+  0) or the stage before (what it sent), the gradient of its outputs from the stage after (what
+  it sent back) or the trainer's targets (the last stage); what it answered from the stage after
+  (the outputs it received) or the push's loss (the last), and from the stage before (the input
+  gradient it received).
+- **Vouched for by both sides**: each neighbour's tensors must be what it committed to (else it
+  is caught, a lie told twice), and every tensor must hash to what the audited replica itself
+  committed to having received and sent. A gap anywhere: no digest, and the coordinator skips
+  that contribution's audit (no evidence either way; the boundary checks name whom they can).
+- **Re-executed as the carry plane does** (`Audits.digested`): its answers are compared too, so
+  a stage drawn for both audits is redone once, from this (from its own record where this could
+  not be); its own record is still fetched for the answers' audit (`PushAudits`), so what it
+  sees does not depend on this draw.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from client.audit.audits import Audits, Work
+from client.audit.push_fetch import fetched_record
+from swarm.job.config import JobConfig
+from swarm.model.subspace import wire_tokens
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
+from swarm.rpc.routes import Routes
+from swarm.wire import codec
+from swarm.wire.digest import digest
+
+__all__ = ["PushContributions"]
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, tensor_pb2.Tensor]
+
+
+class PushContributions:
+    """One trainer's share of the contributions' audit on the push plane."""
+
+    def __init__(self, job: JobConfig, audits: Audits, routes: Routes) -> None:
+        self.job, self.audits, self.routes = job, audits, routes
+
+    def drawn(
+        self, chain: Sequence[str], holders: dict[int, str], drawn: Sequence[ContributionAudit]
+    ) -> dict[int, int]:
+        """The stages of `chain` whose accumulating replica's contribution is audited: stage ->
+        its seed."""
+        return {
+            a.stage: a.seed
+            for a in drawn
+            if a.stage < len(chain) and chain[a.stage] == a.peer == holders.get(a.stage)
+        }
+
+    async def audit(
+        self,
+        step: int,
+        index: int,
+        run: int,
+        said: Sequence[pb.Commitment | None],
+        seeds: dict[int, int],
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> tuple[list[Verdict], list[GradientDigest], set[int], int]:
+        """The stages `seeds` names of run `run` of microbatch `(step, index)` (`said`: the
+        path's commitments), re-executed with their seeds: the liars found, the digests, the
+        stages redone (their answers compared too) and the re-executions it took."""
+        verdicts: list[Verdict] = []
+        digests: list[GradientDigest] = []
+        redone: set[int] = set()
+        runs = 0
+        records: dict[int, Tensors | None] = {}
+
+        async def record(k: int) -> Tensors | None:
+            if k not in records:
+                got, lied = await fetched_record(self.routes, step, index, run, said[k])
+                if lied:
+                    self.audits.metrics.audited("caught")
+                verdicts.extend(lied)
+                records[k] = got
+            return records[k]
+
+        for k, seed in sorted(seeds.items()):
+            before = await record(k - 1) if k > 0 else None
+            after = await record(k + 1) if k < len(said) - 1 else None
+            work = self._work(k, said, before, after, ids, labels, loss)
+            if work is None:
+                c = said[k]
+                log.warning(
+                    "push audit: the contribution of %s at stage %d: the tensors of microbatch "
+                    "(%d, %d) around it are not all what it committed to: not digested",
+                    c.peer if c is not None else "?",
+                    k,
+                    step,
+                    index,
+                )
+                continue
+            found = await self.audits.judge(step, index, work, seed)
+            redone.add(k)
+            verdicts.extend(found.verdicts)
+            digests.extend(found.digests)
+            runs += found.runs
+        return verdicts, digests, redone, runs
+
+    def _work(
+        self,
+        k: int,
+        said: Sequence[pb.Commitment | None],
+        before: Tensors | None,
+        after: Tensors | None,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> Work | None:
+        """Stage `k`'s work from its neighbours' records (`before`, `after`) and the trainer's
+        own, where every tensor is what stage `k` committed to (None otherwise)."""
+        c, last = said[k], len(said) - 1
+        if c is None or (k > 0 and before is None) or (k < last and after is None):
+            return None
+        inputs: tensor_pb2.Tensor | torch.Tensor | None = (
+            before.get("outputs") if before is not None else codec.encode(ids, "inputs")
+        )
+        tokens = None
+        if k > 0 and self.job.model.boundary_rank:
+            tokens = wire_tokens(ids, self.job.model.vocab_size)
+        grad_outputs = after.get("grad_inputs") if after is not None else labels
+        if after is not None:
+            got = after.get("inputs")
+            outputs = None if got is None else codec.decode(got)
+        else:
+            outputs = torch.tensor(loss, dtype=torch.float64)
+        grad_inputs = None
+        if before is not None:
+            got = before.get("grad_outputs")
+            grad_inputs = None if got is None else codec.decode(got)
+        if inputs is None or grad_outputs is None or outputs is None:
+            return None
+        if k > 0 and grad_inputs is None:
+            return None
+        committed = {
+            "inputs": _decoded(inputs),
+            "tokens": tokens,
+            "grad_outputs": _decoded(grad_outputs),
+            "outputs": outputs,
+            "grad_inputs": grad_inputs,
+        }
+        if any(getattr(c, name) != digest(t) for name, t in committed.items()):
+            return None
+        if isinstance(grad_outputs, torch.Tensor):  # the last stage's targets, as the trainer sent
+            grad_outputs = codec.encode(grad_outputs, "targets")
+        return Work(k, inputs, grad_outputs, outputs, grad_inputs, c.peer, c.peer, tokens)
+
+
+def _decoded(t: tensor_pb2.Tensor | torch.Tensor) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else codec.decode(t)

@@ -1,0 +1,46 @@
+"""A push-plane replica's record fetched for an audit (`client.audit.push_audit`,
+`client.audit.push_contributions`): its tensors of one run of a microbatch, which must be
+what it committed to before anything was drawn (`stage_server.replica.push_records`)."""
+
+from __future__ import annotations
+
+import logging
+
+from swarm.errors import SwarmError
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import tensor_pb2
+from swarm.rpc.lease import Verdict
+from swarm.rpc.routes import Routes
+from swarm.wire import codec
+from swarm.wire.digest import digest
+
+__all__ = ["RECORDED", "fetched_record"]
+
+log = logging.getLogger(__name__)
+
+RECORDED = ("inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets")
+
+
+async def fetched_record(
+    routes: Routes, step: int, index: int, run: int, c: pb.Commitment | None
+) -> tuple[dict[str, tensor_pb2.Tensor] | None, list[Verdict]]:
+    """The tensors of the record `c` commits to, asked of its replica (`c.peer`): None where it
+    answers nothing (gone, its record dropped: no evidence either way), and with a verdict where
+    they are not what it committed to (a lie told twice by one replica)."""
+    client = None if c is None else routes.clients.get(c.peer)
+    if c is None or client is None:
+        return None, []
+    try:
+        again, tensors = await client.record(step, index, run, tensors=True)
+        again.peer = c.peer
+    except SwarmError as e:
+        log.info("push audit: no record of (%d, %d) from %s: %s", step, index, c.peer, e)
+        return None, []
+    decoded = {n: codec.decode(t) for n, t in tensors.items() if n in RECORDED}
+    wrong = [n for n in RECORDED if getattr(c, n) != digest(decoded.get(n))]
+    if again != c or wrong:
+        where = f"microbatch ({step}, {index}) at stage {c.stage}"
+        what = ", ".join(wrong) or "its commitment"
+        evidence = f"its record of {where} is not what it committed to ({what})"
+        return None, [Verdict(c.peer, c.stage, evidence)]
+    return tensors, []

@@ -1,0 +1,83 @@
+"""A stage's work run again on a chosen replica, for an audit (`client.audit.audits`): the
+same calls the carry plane makes, from the same bytes, with nothing accumulated. Not a hop (no
+retry elsewhere, nothing fed to the wiring): the audit wants this replica's answer, or none."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+
+import torch
+
+from client.audit.audits import Redone, Work
+from swarm.errors import ActivationsNotCached, PeerUnavailable
+from swarm.job.config import JobConfig
+from swarm.rpc.routes import Routes
+from swarm.rpc.stage_client import BackwardResult, TensorLike
+from swarm.wire import codec
+
+__all__ = ["StageReexecutor", "decoded"]
+
+
+def decoded(value: TensorLike | None) -> torch.Tensor | None:
+    """A tensor as sent or received (encoded or not) as a tensor."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return codec.decode(value)
+
+
+class StageReexecutor:
+    """Re-executes on the members the trainer's routes follow."""
+
+    def __init__(self, job: JobConfig, routes: Routes) -> None:
+        self.last, self.routes = job.training.stages - 1, routes
+
+    def peers(self, stage: int) -> list[str]:
+        return sorted(p for p, c in self.routes.clients.items() if c.stage == stage)
+
+    async def redo(
+        self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
+    ) -> Redone:
+        client = self.routes.clients.get(peer)
+        if client is None:  # left the stage (banned by another trainer's audit) since drawn
+            raise PeerUnavailable(f"{peer} is no longer a member of stage {work.stage}")
+        grads = work.grad_inputs is not None  # asked for above the run's lowest stage only
+        if work.stage == self.last:
+            done = await client.forward_backward(
+                step,
+                index,
+                work.inputs,
+                work.grad_outputs,
+                accumulate=False,
+                need_grad_inputs=grads,
+                tokens=work.tokens,
+                digest_seed=digest_seed,
+            )
+            return Redone(
+                torch.tensor(done.loss_sum, dtype=torch.float64),
+                decoded(done.grad_inputs),
+                _digest(done),
+            )
+        outputs = codec.decode(await client.forward(step, index, work.inputs, tokens=work.tokens))
+
+        def backward(inputs: TensorLike | None) -> Awaitable[BackwardResult]:
+            return client.backward(
+                step,
+                index,
+                inputs,
+                work.grad_outputs,
+                accumulate=False,
+                need_grad_inputs=grads,
+                tokens=work.tokens if inputs is not None else None,
+                digest_seed=digest_seed,
+            )
+
+        try:  # its activations are cached there now
+            back = await backward(None)
+        except ActivationsNotCached:  # evicted meanwhile: send the inputs again
+            back = await backward(work.inputs)
+        return Redone(outputs, decoded(back.grad_inputs), _digest(back))
+
+
+def _digest(done: BackwardResult) -> tuple[float, float, float] | None:
+    d = done.digest
+    return None if d is None else (d.dot, d.magnitude, d.norm)

@@ -1,0 +1,259 @@
+"""The audit of a replica's contribution to its pool's averaging (issue 55, item 1;
+docs/decisions.md, "The parameter-gradient audit"): what it added into its gradient sums, which
+no trainer sees, held to its microbatches re-executed by others of its stage.
+
+- **Drawn per step**, once per step's ledger (a rollback's replay draws anew): each replica of
+  a stage of three or more with probability `drawn_share(audit_fraction)` (about half of
+  `[trust] audit_fraction`, all at 1: each of its microbatches runs twice more, so the
+  contributions' audit costs what the answers' audit does), from the operating system's
+  randomness, with a seed q of its own. The trainers learn them with their tasks
+  (`Task.audits`); an audited replica never learns its own.
+- **Its contribution, without a word from it**: every other member of its round is sent q with
+  its PREPARE and reports, for every part k, q·x_ik of what it sent and q·S_k of the sum it took
+  back, and of its own part q·x of what each sender sent it (`Checksums.audit_reports`,
+  `SumCheck.received_dots`). Of another replica's part k, j's share is owner k's word about
+  what it received from j (`sent_words`: no member's word moves it); of j's own part (and an
+  aggregator's), each sum being the sum of the contributions, q·S_k - Σ_{i≠j} q·x_ik, up to the
+  owners' rounding. The audited replica knew r (the round's seed) and could have hidden an error
+  from it, not from q. The members' words about what they sent j's own part stand alone: no
+  one but j sees those values, and j must not learn q (docs/decisions.md, "What it does not
+  cover").
+- **Its microbatches, re-executed**: for each microbatch it accumulated at the stage, the
+  trainer had two other replicas redo it and digest the parameter gradient with q; their two
+  digests, equal bit for bit, are reported (`GradientDigest`) and add up to q·x_j up to the
+  rounding of its own accumulation.
+- **Judged**: a gap past the rounding bans it (`Bans`: the evidence in the log and the job's
+  history, the rollback and the replay that make the job `swarm local`'s again). A microbatch
+  without a digest (an auditor gone, a replay from the cache) skips the audit: no evidence
+  either way. Two auditors that disagreed are judged between by q·x_j (`digest_disputes`).
+
+Step rounds only, on either plane (a local-steps or eager round is not audited).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
+
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.trust.digest_disputes import DigestDisputes
+from scheduler.coordinator.trust.sum_checks import (
+    DOT_BLOCK,
+    SIGMAS,
+    Checksums,
+    new_seed,
+    owner_words,
+)
+from swarm.job.config import JobConfig
+from swarm.job.rule import rule_of
+from swarm.job.tolerance import tolerance_of
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Replica, Task
+
+__all__ = ["Contributions", "drawn_share"]
+
+log = logging.getLogger(__name__)
+
+_EPS64 = 2.0**-53
+
+
+def drawn_share(fraction: float) -> float:
+    """The probability a replica's contribution is audited at a step, for a job's
+    `audit_fraction` f: f / (2 - f). An audited replica's microbatches run twice more (two
+    auditors), the others' are drawn for the answers' audit with probability f, so a
+    microbatch-stage is re-executed 2c + f(1 - c) = 2f times on average: the two audits spend
+    alike, and the whole costs twice `audit_fraction` (docs/jobs.md, "Trust"). At 1, everything,
+    as before."""
+    return fraction / (2.0 - fraction) if fraction > 0 else 0.0
+
+
+class Contributions:
+    def __init__(
+        self, fraction: float, rng: random.Random | None = None, tolerance: float = 0.0
+    ) -> None:
+        """`fraction`: the probability each replica is audited at a step (`drawn_share`);
+        `tolerance`: two honest devices' relative gap (`DigestDisputes`)."""
+        self.fraction = fraction
+        self.rng = rng or random.SystemRandom()  # unpredictable to every replica
+        # step -> (the ledger it was drawn for, its audits)
+        self._drawn: dict[int, tuple[StepLedger, tuple[ContributionAudit, ...]]] = {}
+        # (step, stage, audited peer) -> microbatch index -> its digest
+        self._digests: dict[tuple[int, int, str], dict[int, GradientDigest]] = {}
+        self.disputes = DigestDisputes(tolerance)  # two auditors' digests that differ
+        # the host a peer's seat is on (`Bans` binds `swarm.net.seats`'): two auditors of one
+        # host convict no one; unbound, each peer is a host of its own
+        self.seat: Callable[[str], str] = str
+
+    @classmethod
+    def of(cls, job: JobConfig | None) -> Contributions:
+        """A job's: on where rounds are steps' (`[trust] audit_fraction`), on either plane
+        (the push plane's trainer redoes a stage from its neighbours' records:
+        `client.audit.push_contributions`); off otherwise."""
+        if job is None or rule_of(job).rounds:
+            return cls(0.0)
+        return cls(drawn_share(job.trust.audit_fraction), tolerance=tolerance_of(job))
+
+    def tasks(
+        self, ledger: StepLedger, tasks: list[Task], members: Sequence[Sequence[Replica]]
+    ) -> list[Task]:
+        """`tasks` of `ledger`'s step, with its audits (drawn now if not yet)."""
+        audits = self._draw(ledger, members)
+        return [t if t.evaluate or not audits else replace(t, audits=audits) for t in tasks]
+
+    def _draw(
+        self, ledger: StepLedger, members: Sequence[Sequence[Replica]]
+    ) -> tuple[ContributionAudit, ...]:
+        drawn = self._drawn.get(ledger.step)
+        if drawn is not None and drawn[0] is ledger:
+            return drawn[1]
+        audits = tuple(
+            ContributionAudit(k, r.peer, new_seed())
+            for k, stage in enumerate(members)
+            for r in stage
+            if self.fraction > 0 and len(stage) >= 3 and self.rng.random() < self.fraction
+        )
+        self._drawn[ledger.step] = (ledger, audits)
+        for key in [key for key in self._digests if key[0] == ledger.step]:
+            del self._digests[key]
+        for step in [s for s in self._drawn if s < ledger.step - 8]:  # long committed
+            del self._drawn[step]
+            for key in [key for key in self._digests if key[0] == step]:
+                del self._digests[key]
+        self.disputes.forget(lambda step: step == ledger.step or step < ledger.step - 8)
+        return audits
+
+    def _audits(self, step: int, stage: int) -> list[ContributionAudit]:
+        drawn = self._drawn.get(step)
+        return [a for a in drawn[1] if a.stage == stage] if drawn else []
+
+    def record(self, result: MicrobatchResult) -> None:
+        """Keep `result`'s digests of the contributions its step audits."""
+        for d in result.digests:
+            if not any(
+                (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
+            ):
+                continue
+            if d.disputed:  # one of two auditors' that differ: judged between at the round
+                self.disputes.record(result.step, result.index, d)
+            else:
+                self._digests.setdefault((result.step, d.stage, d.peer), {})[result.index] = d
+
+    def seeds_for(self, step: int, stage: int, peer: str) -> tuple[int, ...]:
+        """The audits' seeds for `peer`'s PREPARE at `stage`: every other audited one's."""
+        return tuple(a.seed for a in self._audits(step, stage) if a.peer != peer)
+
+    def judge(
+        self,
+        step: int,
+        stage: int,
+        peers: Sequence[str],
+        checks: Mapping[int, Checksums],
+        held: Mapping[str, Sequence[int]],
+    ) -> list[tuple[str, str]]:
+        """The audited contributors of `stage`'s round (`peers`: the contributors by index,
+        `checks` their checksums, `held` the microbatches each took) whose contribution is not
+        their re-executed microbatches', with the evidence (none where it cannot be told)."""
+        found = []
+        for audit in self._audits(step, stage):
+            if audit.peer not in peers:
+                continue
+            j = peers.index(audit.peer)
+            by = {i: checks[i].audit_checks(audit.seed) for i in checks if i != j}
+            others = list(by.values())
+            mine = held.get(audit.peer, [])
+            digests = self._digests.get((step, stage, audit.peer), {})
+            if len(others) != len(peers) - 1 or not all(others):
+                continue
+            if not mine or any(index not in digests for index in mine):  # disputed, or missing
+                # (two auditors' devices apart: the dispute allows for them, `_apart`)
+                compare = partial(_compare, by, j, members=len(peers))
+                found += self.disputes.judge(
+                    step, audit, mine, digests, compare, partial(_agreed, others)
+                )
+                continue
+            agreed = [digests[i] for i in mine]
+            got, expected, tol = _compare(by, j, agreed, len(peers), self.disputes.tolerance)
+            if abs(got - expected) <= tol or not _agreed(others, tol):
+                continue
+            auditors = sorted({digests[i].auditors for i in mine})
+            if not any(len({self.seat(a) for a in pair.split(" and ")}) > 1 for pair in auditors):
+                log.warning(
+                    "step %d stage %d: %s's contribution is not judged: its re-executions are all "
+                    "by seats of one host (%s), whose word alone convicts no one (issue 64)",
+                    step,
+                    stage,
+                    audit.peer,
+                    ", ".join(auditors),
+                )
+                continue
+            found.append(
+                (
+                    audit.peer,
+                    f"its contribution to step {step}'s averaging, q·x = {got:.17g} under a seed "
+                    f"it never saw, is not its {len(mine)} microbatches' re-executed by "
+                    f"{', '.join(auditors)} ({expected:.17g}; rounding {tol:.3g})",
+                )
+            )
+        return found
+
+
+def _agreed(others: Sequence[Sequence[pb.SumCheck]], tol: float) -> bool:
+    """Whether the others took back the same sums (their q·S agree): a member that says
+    otherwise lies, and with its word the contribution cannot be told (the round's own sum
+    checks name an owner that answered members different sums)."""
+    sums: dict[int, list[float]] = {}
+    for c in (c for o in others for c in o):
+        sums.setdefault(c.part, []).append(c.sum_dot)
+    return all(max(s) - min(s) <= tol for s in sums.values())
+
+
+def _compare(
+    others: Mapping[int, Sequence[pb.SumCheck]],
+    j: int,
+    digests: Sequence[GradientDigest],
+    members: int,
+    tolerance: float = 0.0,
+) -> tuple[float, float, float]:
+    """(q·x_j, Σ of its microbatches' digests, the rounding allowed). `others`: each other
+    member's reports under q, by its place; `tolerance`: the job's relative gap between two
+    honest devices' answers (`swarm.job.tolerance.tolerance_of`), held to each microbatch's
+    gradient as a digest dispute is (`DigestDisputes`; issue 64: under tf32 or bf16-mixed an
+    honest replica on another kind of device was convicted by its own gradients' rounding).
+    Of another replica's part, j's share is what its owner says it received from j
+    (`sent_words`): no member's word about what it sent moves it. Of a part whose owner said
+    no such words (j's own, whose owner must not learn q; an aggregator's), the sum less what
+    the others say they sent."""
+    sums: dict[int, float] = {}
+    sent: dict[int, list[float]] = {}
+    reports = [c for o in others.values() for c in o]
+    for c in reports:
+        sums.setdefault(c.part, c.sum_dot)  # every member took the same sum back
+        sent.setdefault(c.part, []).append(c.dot)
+    shares = []
+    for part, total in sums.items():
+        own = next((c for c in others.get(part, ()) if c.part == part), None)
+        words = None if own is None else owner_words({part: own}, part, members)
+        if words is not None:
+            shares.append(words[j][0])
+        else:
+            shares.append(total - math.fsum(sent[part]))
+    got = math.fsum(shares)
+    expected = math.fsum(d.dot for d in digests)
+    unit = max((c.unit for c in reports), default=0.0)
+    n = len(digests)
+    norms = math.fsum(c.norm for c in reports) + math.fsum(d.norm for d in digests)
+    magnitudes = math.fsum(c.magnitude for c in reports) + math.fsum(d.magnitude for d in digests)
+    # Its own accumulation of n gradients, and the owners' sums of every member's (q unknown
+    # to either: `sum_checks`' argument), then the float64 dots of every report and digest.
+    summing = SIGMAS * (n + members) * unit * norms
+    dotting = 2 * (n + members + 1) * DOT_BLOCK * _EPS64 * magnitudes
+    # Its device computed its microbatches' gradients g, the auditors' theirs: apart by some
+    # Δg of at most the job's tolerance of ‖g‖, which does not depend on q (secret to both), so
+    # |q·Δg| ≤ SIGMAS·‖Δg‖ as the owners' rounding is held (`sum_checks`). Not the worst case,
+    # tolerance·Σ|q·g|: that would let a contribution scaled 2x pass.
+    devices = SIGMAS * tolerance * math.fsum(d.norm for d in digests)
+    return got, expected, summing + dotting + devices

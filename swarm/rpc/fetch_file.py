@@ -1,0 +1,163 @@
+"""One file fetched from the scheduler into a machine's cache, the mechanism both fetches share
+(a job's data file, `FetchData`; each file of its starting checkpoint, `FetchInit`).
+
+The bytes are written to `<kept>.partial` as they come and hashed on the way, never held whole:
+a chunk at a time is all the memory a file of any size costs. A stream that breaks (the link
+drops, the scheduler restarts) or ends short is asked again from the partial file's size, a
+bounded number of times, each failure logged with its cause; so is a fetch a killed process left
+half done, continued by the next one. The file is renamed to `kept` only once its size and sha256
+are the pinned ones; one that is not is refused with both hashes named, and its partial removed.
+Callers fetching into one cache at once take `cache_lock` first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from swarm.errors import ConfigError, PeerUnavailable
+from swarm.policy.backoff import Backoff
+
+__all__ = ["FETCH_ATTEMPTS", "Source", "cache_lock", "fetch_file"]
+
+log = logging.getLogger(__name__)
+
+#: `source(offset)`: the file's bytes from `offset` on, in chunks.
+Source = Callable[[int], AsyncIterator[bytes]]
+#: How many times one file's stream is asked for before the fetch gives up.
+FETCH_ATTEMPTS = 8
+_READ_CHUNK = 1 << 20
+
+
+class _Short(Exception):
+    """The stream ended before the file's size: asked again from where it stopped."""
+
+
+async def fetch_file(
+    source: Source,
+    kept: Path,
+    *,
+    sha256: str,
+    size: int | None = None,
+    max_size: int | None = None,
+    what: str,
+    attempts: int = FETCH_ATTEMPTS,
+    backoff: Backoff | None = None,
+) -> None:
+    """The file `source` serves, kept at `kept` once its sha256 is `sha256` (and its size `size`,
+    when known; at most `max_size` bytes, when bounded). ConfigError for a file that does not
+    match (its partial removed); the source's last error once `attempts` streams broke."""
+    backoff = backoff or Backoff(first_s=0.5, cap_s=10.0)
+    limit = size if size is not None else max_size
+    part = await asyncio.to_thread(_resume, kept.with_name(kept.name + ".partial"), limit, what)
+    for attempt in range(1, attempts + 1):
+        try:
+            await _append(source, part, limit, what)
+            if size is not None and part.size < size:
+                raise _Short(f"the stream ended at {part.size} of {size} bytes")
+            break
+        except (PeerUnavailable, _Short) as e:
+            if attempt == attempts:
+                log.error(
+                    "%s: fetch failed %d times, the last at byte %d: %s",
+                    what,
+                    attempts,
+                    part.size,
+                    e,
+                )
+                raise
+            delay = backoff.next()
+            log.warning(
+                "%s: fetch broke at byte %d (%s); going on from there in %.1f s (try %d of %d)",
+                what,
+                part.size,
+                e,
+                delay,
+                attempt + 1,
+                attempts,
+            )
+            await asyncio.sleep(delay)
+    got = part.sha.hexdigest()
+    if got != sha256 or (size is not None and part.size != size):
+        part.path.unlink(missing_ok=True)
+        sized = f", {part.size} bytes, not {size}" if size is not None and part.size != size else ""
+        raise ConfigError(
+            f"{what} fetched from the scheduler has sha256 {got}{sized}, not the {sha256} pinned "
+            "at submit: refused and removed (the file changed on the scheduler's machine since, "
+            "or the bytes were damaged on the way); submit the job again"
+        )
+    os.replace(part.path, kept)
+    log.info("%s fetched: %d bytes, kept as %s", what, part.size, kept)
+
+
+@dataclass
+class _Partial:
+    """The partial file, the hash of what it holds, and its size: what a next stream goes on
+    from. Updated chunk by chunk, so a stream that breaks leaves it true."""
+
+    path: Path
+    sha: hashlib._Hash
+    size: int
+
+
+def _resume(path: Path, limit: int | None, what: str) -> _Partial:
+    """What `path` already holds (a fetch broken off in an earlier process), hashed, to go on
+    from; a partial longer than the file may be is started again."""
+    part = _Partial(path, hashlib.sha256(), 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        have = path.stat().st_size
+    except FileNotFoundError:
+        return part
+    if limit is not None and have > limit:
+        log.warning("%s: %s holds %d bytes, over %d: fetching it anew", what, path, have, limit)
+        path.unlink()
+        return part
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            part.sha.update(chunk)
+            part.size += len(chunk)
+    log.info("%s: going on from byte %d of %s", what, part.size, path)
+    return part
+
+
+async def _append(source: Source, part: _Partial, limit: int | None, what: str) -> None:
+    """Append what `source(part.size)` streams to the partial file, hashing it. Every chunk is on
+    the disk before the next is asked for, so `part` always says what the file holds."""
+    with open(part.path, "ab") as f:
+        async for chunk in source(part.size):
+            if limit is not None and part.size + len(chunk) > limit:
+                part.path.unlink(missing_ok=True)
+                raise ConfigError(
+                    f"{what} from the scheduler is longer than the {limit} bytes it may have: "
+                    "refused and removed"
+                )
+            await asyncio.to_thread(_write, f, chunk)
+            part.sha.update(chunk)
+            part.size += len(chunk)
+
+
+def _write(f: BinaryIO, chunk: bytes) -> None:
+    f.write(chunk)
+    f.flush()
+
+
+@contextlib.asynccontextmanager
+async def cache_lock(path: Path) -> AsyncIterator[None]:
+    """Hold `path` (a lock file) exclusively: two processes of one machine (or two tasks of one)
+    fetching the same thing wait for each other, and the second finds it fetched. Released with
+    the descriptor, even if the process dies; waited for off the event loop."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,134 @@
+"""The push plane's audits (`client.audit.push_audit`) with replicas faked behind the
+routes' `ClientFactory` seam: a stage drawn whose pool has nobody else to re-execute its work
+(a pool of one) has its record's tensors left where they are. Fetching them crossed the
+trainer's link for nothing: on issue 52's shaped bench (one replica a stage, home-link rates)
+they were most of the bytes the trainer's link carried, and its steps ran 0.71x unshaped."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client.audit.audits import Audits
+from client.audit.push_audit import PushAudits
+from client.audit.reexecute import StageReexecutor
+from client.metrics import TrainerMetrics
+from swarm.clock import MonotonicClock
+from swarm.job.config import JobConfig
+from swarm.policy.wiring import Wiring
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import ContributionAudit, Replica
+from swarm.rpc.routes import Routes
+from swarm.wire import codec
+from swarm.wire.digest import digest
+from tests.support.jobs import make_job
+
+IDS = torch.zeros(2, 4, dtype=torch.long)  # the microbatch's token ids, and its targets
+
+
+class Recorded:
+    """A replica's client that keeps what `Record` was asked; its commitment is honest: the
+    token ids and targets the trainer sent (`IDS`), nothing else recorded."""
+
+    def __init__(self, address: str, stage: int) -> None:
+        self.address, self.stage = address, stage
+        self.asked: list[bool] = []  # `tensors` of each Record call
+
+    async def record(self, step: int, index: int, run: int, *, tensors: bool) -> Any:
+        self.asked.append(tensors)
+        commitment = pb.Commitment(
+            inputs=digest(IDS) if self.stage == 0 else b"",
+            targets=digest(IDS),
+            stage=self.stage,
+            microbatch=pb.MicrobatchId(step=step, index=index),
+            run=run,
+        )
+        held = {"inputs": IDS} if self.stage == 0 else {}
+        held["targets"] = IDS
+        return commitment, {n: codec.encode(t, n) for n, t in held.items()} if tensors else {}
+
+
+def _push_audits(
+    job: JobConfig, pools: list[list[str]], fraction: float = 1.0
+) -> tuple[PushAudits, dict[str, Recorded]]:
+    made: dict[str, Recorded] = {}
+
+    def factory(
+        address: str, job: JobConfig, job_id: str, stage: int, token: Any, /, **_: Any
+    ) -> Any:
+        made[address] = Recorded(address, stage)
+        return made[address]
+
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    routes = Routes(job, "job", None, wiring, client_factory=factory)
+    for stage, peers in enumerate(pools):
+        routes.follow(stage, [Replica(p, p) for p in peers])
+    audits = Audits(
+        fraction, 0.0, StageReexecutor(job, routes), TrainerMetrics("job"), random.Random(0)
+    )
+    return PushAudits(job, audits, routes), made
+
+
+def _skipped(p: PushAudits) -> float:
+    return p.audits.metrics._audits.labels(job="job", outcome="skipped")._value.get()
+
+
+async def test_a_stage_no_one_could_redo_is_not_fetched(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, [["s0"], ["s1"]])  # every stage drawn (fraction 1)
+    verdicts, runs, digests = await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
+    assert (verdicts, runs, digests) == ((), 0, [])
+    assert made["s0"].asked == [False] and made["s1"].asked == [False]  # commitments only
+    assert _skipped(push) == 2
+
+
+async def test_a_stage_another_replica_could_redo_is_fetched(tmp_path: Path) -> None:
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, [["s0", "t0"], ["s1"]])
+    await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
+    assert made["s0"].asked == [False, True]  # its record asked for: t0 could redo it
+    assert made["s1"].asked == [False]
+
+
+POOLS = [["s0", "t0"], ["s1", "t1", "u1"], ["s2", "t2"]]
+CHAIN = ["s0", "s1", "s2"]
+
+
+async def test_an_audited_contribution_is_redone_from_its_neighbours_records(
+    tmp_path: Path,
+) -> None:
+    """Its replica is not asked for its record on the contribution's account: it would learn
+    it is drawn before the round, and send an honest contribution exactly then. Its neighbours
+    are (here their records hold nothing to redo: no digest, the coordinator skips it)."""
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, POOLS, fraction=0.0)  # no stage drawn for its answers
+    verdicts, runs, digests = await push.audit(3, 1, 7, CHAIN, IDS, IDS, {1: 12345})
+    assert (verdicts, runs, digests) == ((), 0, [])
+    assert made["s1"].asked == [False]  # its commitment only
+    assert made["s0"].asked == [False, True] and made["s2"].asked == [False, True]
+
+
+async def test_a_stage_drawn_for_its_answers_is_asked_alike_whether_its_contribution_is(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    asked = []
+    for contributions in ({}, {1: 12345}):
+        push, made = _push_audits(job, POOLS)  # every stage drawn for its answers
+        await push.audit(3, 1, 7, CHAIN, IDS, IDS, contributions)
+        asked.append(made["s1"].asked)
+    assert asked[0] == asked[1] == [False, True]
+
+
+async def test_a_run_no_audit_can_reach_keeps_no_record(tmp_path: Path) -> None:
+    """Its id is 0 (no replica keeps a record of it) while no stage has a second replica; a
+    second replica of any stage, or a contribution the coordinator drew, gives it one."""
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    alone, _ = _push_audits(job, [["s0"], ["s1"]])
+    assert alone.run_id([]) == 0
+    assert alone.run_id([ContributionAudit(1, "s1", 12345)]) != 0
+    paired, _ = _push_audits(job, [["s0"], ["s1", "t1"]])
+    assert {paired.run_id([]) == 0 for _ in range(8)} == {False}

@@ -1,0 +1,64 @@
+"""The norm bound's judgement (`scheduler.coordinator.trust.norm_bound`) and who a failed checksum
+of a replica's part leaves out (`sum_checks.replicas_to_leave_out`), on reports made by hand; the
+real rounds are tests/stage_server/averaging/test_hostile_owner.py's."""
+
+from __future__ import annotations
+
+from scheduler.coordinator.groups import RoundGroup
+from scheduler.coordinator.trust.norm_bound import outliers
+from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out
+from swarm.proto import stage_pb2 as pb
+
+GROUP = RoundGroup(("a", "b", "c"))
+
+
+def _checks(norms: list[float], silent: int | None = None) -> dict[int, Checksums]:
+    """Three replicas owning a part each; contributor j's squared norm in every part is
+    `norms[j]`² / 3 (so its whole norm is `norms[j]`), as each owner reports it received."""
+    m = len(norms)
+    out = {}
+    for k in range(m):
+        reports = [pb.SumCheck(part=p) for p in range(m) if p != k]
+        received = [] if k == silent else [n * n / m for n in norms]
+        reports.append(pb.SumCheck(part=k, received=received))
+        out[k] = Checksums(1, reports)
+    return out
+
+
+def test_a_contribution_far_past_the_others_is_refused_and_honest_spread_is_not() -> None:
+    found, median = outliers(GROUP, _checks([1.0, 1.3, 1e4]), {0: 2, 1: 2, 2: 2}, 8.0)
+    assert list(found) == [2] and "norm bound" in found[2]
+    assert median is not None and 0.4 < median < 0.7  # the honest ones', per microbatch
+    # Per microbatch: a replica that took 6 microbatches sends a sum 6 times larger.
+    found, _ = outliers(GROUP, _checks([1.0, 1.0, 6.0]), {0: 1, 1: 1, 2: 6}, 8.0)
+    assert found == {}
+
+
+def test_two_contributors_compare_with_each_other_and_the_large_one_goes() -> None:
+    pair = RoundGroup(("a", "b"))
+    found, _ = outliers(pair, _checks([1.0, 1e3]), {0: 1, 1: 1}, 8.0)
+    assert list(found) == [1]
+
+
+def test_one_that_took_every_microbatch_is_held_to_the_stage_s_last_round() -> None:
+    took_all = {0: 0, 1: 0, 2: 8}
+    assert outliers(GROUP, _checks([0.0, 0.0, 1e4]), took_all, 8.0)[0] == {}  # nothing to go by
+    found, _ = outliers(GROUP, _checks([0.0, 0.0, 1e4]), took_all, 8.0, before=0.5)
+    assert list(found) == [2] and "last round" in found[2]
+    found, _ = outliers(GROUP, _checks([0.0, 0.0, 200.0]), took_all, 8.0, before=0.5)
+    assert found == {}  # 25 per microbatch: within 8² of 0.5 (a step apart: a looser yardstick)
+
+
+def test_an_owner_that_reports_nothing_it_summed_is_refused() -> None:
+    found, _ = outliers(GROUP, _checks([1.0, 1.0, 1.0], silent=1), {0: 1, 1: 1, 2: 1}, 8.0)
+    assert list(found) == [1] and "reported nothing" in found[1]
+
+
+def test_a_replica_owner_named_by_most_goes_alone_by_few_with_its_accusers() -> None:
+    contributors = {0: 3}
+    both = {0: {1: {0}, 2: {0}}}  # the two others name owner 0
+    assert replicas_to_leave_out(both, contributors) == {0: {0: {1, 2}}}
+    one = {0: {2: {0}}}  # one of the two: a lie, or an owner that answered it apart
+    assert replicas_to_leave_out(one, contributors) == {0: {0: {2}, 2: {0}}}
+    aggregator = {0: {0: {3}, 1: {3}, 2: {3}}}  # part 3 is an aggregator's: `Groups.blame`'s
+    assert replicas_to_leave_out(aggregator, contributors) == {}

@@ -1,0 +1,164 @@
+"""A member's word about what it sent, held to its owner's about what it received
+(`scheduler.coordinator.trust.sent_words`, judged by `sum_checks` and `sum_liars`; issue 55): a
+member that lies about its own contribution is convicted by two owners and frames no one; one
+disagreement leaves both out; an owner that forges its sum within the norms is convicted by its
+own words; and in the contributions' audit, a member's lie about what it sent to another owner
+moves nothing (the owner's word pins it). Reports made by hand, as in test_sum_liars.py; the
+real processes are tests/system/test_poison_rounds.py's."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, cast
+
+import pytest
+import torch
+
+from scheduler.coordinator.groups import RoundGroup
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.sent_words import judged
+from scheduler.coordinator.trust.sum_checks import Checksums, mismatches, replicas_to_leave_out
+from scheduler.coordinator.trust.sum_liars import convicted
+from stage_server.averaging.checksum import dots
+from swarm.proto import stage_pb2 as pb
+from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
+from tests.support.audited_round import PEERS, Ledger, N, round_of
+
+GROUP = RoundGroup(("a", "b", "c"))
+LIE = 1e3
+
+
+def _checks(
+    said: dict[tuple[int, int], float] | None = None,
+    received: dict[tuple[int, int], float] | None = None,
+    sums: dict[tuple[int, int], float] | None = None,
+    m: int = 3,
+) -> dict[int, Checksums]:
+    """`m` replicas owning a part each, each sending 1.0 (r·x, of magnitude and norm 1) to
+    every part; part k's sum as j took it back has r·S = `sums[j, k]` (else m, the honest
+    sum's). Member j says it sent r·x = `said[j, k]` to part k (else 1.0); owner k says it
+    received `received[k, j]` from j (else 1.0)."""
+    said, received, sums = said or {}, received or {}, sums or {}
+    out = {}
+    for j in range(m):
+        reports = []
+        for k in range(m):
+            check = pb.SumCheck(part=k, magnitude=1.0, norm=1.0, sum_norm=2.0)
+            check.dot = said.get((j, k), 1.0)
+            check.sum_dot = sums.get((j, k), float(m))
+            if k == j:  # its own part: what it summed, sender by sender
+                check.received.extend([1.0] * m)
+                check.received_dots.extend([received.get((k, i), 1.0) for i in range(m)])
+                check.received_magnitudes.extend([1.0] * m)
+            reports.append(check)
+        out[j] = Checksums(1, reports)
+    return out
+
+
+def _reports(checks: dict[int, Checksums]) -> dict[int, list[pb.SumCheck]]:
+    return {j: c.reports for j, c in checks.items()}
+
+
+@pytest.mark.attack("55-report")
+def test_a_member_lying_about_what_it_sent_is_convicted_and_fails_no_owner() -> None:
+    """Before: its wrong r·x made every contributor's r·S of each part it sent to fail, the
+    honest owners were named by all and left out, and the liar stayed."""
+    lying = _checks(said={(2, 0): 1.0 + LIE, (2, 1): 1.0 + LIE})
+    assert mismatches(_reports(lying), 3) == []  # every owner's sum is its words' sum
+    found = convicted({0: GROUP}, {0: lying})
+    assert list(found) == [0] and list(found[0]) == [2], found
+    assert "what it sent" in found[0][2] and "2 owners" in found[0][2]
+
+
+def test_one_disagreement_leaves_both_out_and_convicts_no_one() -> None:
+    """One word against another: the member lies about what it sent, or the owner about what
+    it received, which nobody else can tell apart. Before: the owner alone was left out."""
+    one = _checks(said={(2, 0): 1.0 + LIE})
+    assert convicted({0: GROUP}, {0: one}) == {}
+    accusations, lines = judged({0: GROUP}, {0: one})
+    assert len(lines) == 1 and "what it sent" in lines[0], lines
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
+
+
+def test_an_owner_lying_about_what_two_members_sent_is_convicted() -> None:
+    lying = _checks(received={(0, 1): 1.0 + LIE, (0, 2): 1.0 + LIE})
+    found = convicted({0: GROUP}, {0: lying})
+    assert list(found[0]) == [0], found
+
+
+@pytest.mark.attack("55-forge")
+def test_an_owner_forging_its_sum_within_the_norms_is_convicted_by_its_own_words() -> None:
+    """Its sum's norm is within the ceiling; its r·S is not what it says it summed. Before:
+    only left out (every contributor's r·S failed alike, which a member's lie also did)."""
+    forged = _checks(sums={(j, 0): 3.5 for j in range(3)})
+    found = convicted({0: GROUP}, {0: forged})
+    assert list(found[0]) == [0] and "by its own report" in found[0][0], found
+    # honest in its own report of the sum, forged to the others: two of them convict it
+    to_others = _checks(sums={(1, 0): 3.5, (2, 0): 3.5})
+    found = convicted({0: GROUP}, {0: to_others})
+    assert list(found[0]) == [0] and "2 other contributors" in found[0][0], found
+    # one other's word is one word: left out, not convicted
+    assert convicted({0: GROUP}, {0: _checks(sums={(1, 0): 3.5})}) == {}
+    assert judged({0: GROUP}, {0: _checks(sums={(1, 0): 3.5})})[1]
+
+
+def test_honest_words_convict_and_accuse_no_one() -> None:
+    assert convicted({0: GROUP}, {0: _checks()}) == {}
+    assert judged({0: GROUP}, {0: _checks()}) == ({}, [])
+
+
+# The contributions' audit, with real values: three replicas of N parameters
+# (tests/support/audited_round.py).
+
+
+def _audited(peer: str) -> Contributions:
+    """Contributions of a step that audits `peer` alone."""
+    contributions = Contributions(1.0, random.Random(1))
+    members = [[Replica(p, p) for p in PEERS]]
+    contributions.tasks(cast(StepLedger, Ledger()), [Task(5, 0, frozenset({0}))], members)
+    ledger, audits = contributions._drawn[5]
+    contributions._drawn[5] = (ledger, tuple(a for a in audits if a.peer == peer))
+    return contributions
+
+
+@pytest.mark.attack("55-frame")
+def test_a_member_lying_about_what_it_sent_to_another_owner_frames_no_audited_replica() -> None:
+    """b is audited, honest; c says it sent a wrong q·x to a's part. Before: b's q·x was told
+    from the members' own words, so c's lie moved it and b was banned. Now a's word about
+    what it received from b gives b's share of part a, and c's word moves nothing. (What c
+    sent to b's own part no owner but b can pin, and b must not learn q: docs/decisions.md.)"""
+    contributions = _audited("b")
+    (audit,) = contributions._audits(5, 0)
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(N, generator=g, dtype=torch.float64) for _ in range(2)]
+    for index, grad in enumerate(grads):
+        dot, magnitude, squares = dots(audit.seed, 0, grad)
+        digest = GradientDigest(0, "b", dot, magnitude, squares**0.5, "x and y", audit.seed)
+        contributions.record(MicrobatchResult(5, index, {0: "b"}, None, 4, digests=(digest,)))
+    xs = [torch.randn(N, generator=g, dtype=torch.float64) for _ in range(3)]
+    xs[1] = grads[1] + grads[0]
+    held: dict[str, Any] = {"b": [0, 1]}
+    assert contributions.judge(5, 0, PEERS, round_of(contributions, xs), held) == []
+    framing = round_of(contributions, xs, {0: 1e-2 * float(xs[2].abs().sum())})
+    assert contributions.judge(5, 0, PEERS, framing, held) == []
+    # the lie is one word against a's: both are left out of the round, no one is convicted
+    accusations, lines = judged({0: GROUP}, {0: framing})
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}, lines
+    # ... and bent, b is still caught by a's and c's words about what it sent them
+    bent = [xs[0], xs[1] * (1 + torch.arange(N, dtype=torch.float64).cos()), xs[2]]
+    found = contributions.judge(5, 0, PEERS, round_of(contributions, bent), held)
+    assert [peer for peer, _ in found] == ["b"]
+
+
+@pytest.mark.attack("64-seats")
+def test_two_owners_of_one_host_frame_no_member() -> None:
+    """Issue 64, item 4: two ids of one token holder owning two parts each say the honest third
+    sent them something else: two owners' words convicted it. Seats of one public host are one
+    word; two hosts' still convict."""
+    framed = _checks(received={(0, 2): 1.0 + LIE, (1, 2): 1.0 + LIE})
+    sybils = RoundGroup(("5.6.7.8:7000", "5.6.7.8:7001", "1.2.3.4:7000"))
+    found = convicted({0: sybils}, {0: framed})[0]
+    assert sorted(found) == [0, 1]  # each by its own words, which its own sum contradicts
+    two_hosts = RoundGroup(("5.6.7.8:7000", "9.10.11.12:7000", "1.2.3.4:7000"))
+    assert sorted(convicted({0: two_hosts}, {0: framed})[0]) == [0, 1, 2]

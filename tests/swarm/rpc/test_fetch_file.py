@@ -1,0 +1,116 @@
+"""One file fetched from the scheduler (`swarm.rpc.fetch_file`, shared by the data file and the
+starting checkpoint's files): a broken stream goes on from the partial file's size, a bounded
+number of times, each failure logged with its cause; a partial left by an earlier process is
+continued; bytes that do not match the pin are refused and their partial removed."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from swarm.errors import ConfigError, NotFound, PeerUnavailable
+from swarm.policy.backoff import Backoff
+from swarm.rpc.fetch_file import fetch_file
+
+BYTES = bytes(range(256)) * 40  # 10240 bytes
+PIN = hashlib.sha256(BYTES).hexdigest()
+
+
+class _Scheduler:
+    """A file served in 1000-byte chunks: each stream asked for (its offset) is kept, and the
+    first `breaks` streams break after `after` bytes (a dropped link), or end there (`short`)."""
+
+    def __init__(
+        self, served: bytes = BYTES, *, breaks: int = 0, after: int = 0, short: bool = False
+    ) -> None:
+        self.served, self.breaks, self.after, self.short = served, breaks, after, short
+        self.asked: list[int] = []
+
+    async def source(self, offset: int) -> AsyncIterator[bytes]:
+        self.asked.append(offset)
+        broken = len(self.asked) <= self.breaks
+        for at in range(offset, len(self.served), 1000):
+            if broken and at >= offset + self.after:
+                if self.short:
+                    return
+                raise PeerUnavailable("UNAVAILABLE: Connection reset by peer")
+            yield self.served[at : at + 1000]
+
+
+def _quick() -> Backoff:
+    return Backoff(first_s=0.001, cap_s=0.001)
+
+
+async def test_a_broken_stream_goes_on_from_the_partial_files_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kept, scheduler = tmp_path / "kept", _Scheduler(breaks=2, after=3000)
+    with caplog.at_level(logging.WARNING, "swarm.rpc.fetch_file"):
+        await fetch_file(
+            scheduler.source, kept, sha256=PIN, size=len(BYTES), what="f", backoff=_quick()
+        )
+    assert kept.read_bytes() == BYTES and not (tmp_path / "kept.partial").exists()
+    assert scheduler.asked == [0, 3000, 6000]  # each from what the partial file held
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("Connection reset by peer" in s for s in said), said
+
+
+async def test_a_stream_that_ends_short_is_asked_again(tmp_path: Path) -> None:
+    kept, scheduler = tmp_path / "kept", _Scheduler(breaks=1, after=5000, short=True)
+    await fetch_file(
+        scheduler.source, kept, sha256=PIN, size=len(BYTES), what="f", backoff=_quick()
+    )
+    assert kept.read_bytes() == BYTES and scheduler.asked == [0, 5000]
+
+
+async def test_a_partial_left_by_an_earlier_process_is_continued(tmp_path: Path) -> None:
+    kept, scheduler = tmp_path / "kept", _Scheduler()
+    (tmp_path / "kept.partial").write_bytes(BYTES[:4321])
+    await fetch_file(scheduler.source, kept, sha256=PIN, size=len(BYTES), what="f")
+    assert kept.read_bytes() == BYTES and scheduler.asked == [4321]
+
+
+async def test_retries_are_bounded_and_the_last_cause_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kept, scheduler = tmp_path / "kept", _Scheduler(breaks=100, after=1000)
+    refused = pytest.raises(PeerUnavailable, match="Connection reset")
+    with caplog.at_level(logging.WARNING, "swarm.rpc.fetch_file"), refused:
+        await fetch_file(scheduler.source, kept, sha256=PIN, attempts=4, what="f", backoff=_quick())
+    assert scheduler.asked == [0, 1000, 2000, 3000] and not kept.exists()
+    assert [r.levelname for r in caplog.records] == ["WARNING"] * 3 + ["ERROR"]
+
+
+async def test_a_final_error_is_not_asked_again(tmp_path: Path) -> None:
+    asked = []
+
+    async def refusing(offset: int) -> AsyncIterator[bytes]:
+        asked.append(offset)
+        raise NotFound("unknown job")
+        yield b""
+
+    with pytest.raises(NotFound):
+        await fetch_file(refusing, tmp_path / "kept", sha256=PIN, what="f")
+    assert asked == [0]
+
+
+async def test_bytes_that_do_not_match_the_pin_are_refused_and_the_partial_removed(
+    tmp_path: Path,
+) -> None:
+    changed = BYTES[:-1] + b"!"
+    kept, scheduler = tmp_path / "kept", _Scheduler(changed)
+    with pytest.raises(ConfigError, match="refused and removed") as info:
+        await fetch_file(scheduler.source, kept, sha256=PIN, size=len(BYTES), what="f")
+    assert PIN in str(info.value) and hashlib.sha256(changed).hexdigest() in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its partial
+
+
+async def test_a_file_longer_than_it_may_be_is_refused_as_it_comes(tmp_path: Path) -> None:
+    scheduler = _Scheduler(BYTES + BYTES)
+    with pytest.raises(ConfigError, match="longer than the 10240 bytes"):
+        await fetch_file(scheduler.source, tmp_path / "kept", sha256=PIN, size=len(BYTES), what="f")
+    assert list(tmp_path.iterdir()) == []
