@@ -435,6 +435,17 @@ def serving(status: Any) -> dict[int, set[str]]:
     }
 
 
+def standby(r: Any) -> bool:
+    """Whether status shows replica `r` as a standby (`runtime.standby`): it serves nothing, and is
+    in place all the same (its words: "standby for stage K, N steps behind")."""
+    return bool(r.state == 1 and r.joining.startswith("standby for stage"))  # PEER_STATE_JOINING
+
+
+def standing_by(status: Any) -> set[str]:
+    """The standbys, as the scheduler sees them."""
+    return {r.peer for s in status.stages for r in s.replicas if standby(r)}
+
+
 # -- the soak -------------------------------------------------------------------------------------
 class Soak:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
@@ -612,7 +623,7 @@ class Soak:
             return False
         if status.state not in (3,):  # RUNNING
             return False
-        everyone = set().union(*serving(status).values())
+        everyone = set().union(*serving(status).values(), standing_by(status))
         return all(n in everyone for n, p in self.peers.items() if p.alive())
 
     def chaos(self, event: dict[str, Any] | None, status: Any | None) -> dict[str, Any] | None:
@@ -708,7 +719,13 @@ class Soak:
         elif kind == "stage":
             status = job_status(self.address, self.jobs[-1][0])
             stages = serving(status) if status is not None else {}
-            stage = max(stages, key=lambda s: len(stages[s])) if stages else 0
+            held = (
+                {s.stage for s in status.stages for r in s.replicas if standby(r)}
+                if status
+                else set()
+            )
+            # a stage with a standby (which it kills not: it takes the stage over), the largest
+            stage = max(stages, key=lambda s: (s in held, len(stages[s]))) if stages else 0
             names = sorted(stages.get(stage, set()) & set(self.peers))
             for name in names:
                 self.peers[name].kill()

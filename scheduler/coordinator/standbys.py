@@ -71,8 +71,19 @@ class Standbys:
                 del self._stage[peer]
                 self._at.pop(peer, None)
         # A rollback loads its checkpoint on every peer listed, standbys too, which makes them
-        # members: they stand by again.
-        demoted = [peer for peer in self._stage if peer in synced]
+        # members: they stand by again where a replica on another host stays; one that is its
+        # stage's only replica now (the others died with the rollback's cause) stays its replica.
+        demoted = []
+        for peer, k in list(self._stage.items()):
+            if peer not in synced:
+                continue
+            left = {self.host(r.peer) for r in members[k] if r.peer in synced - self._stage.keys()}
+            if left and self.host(peer) not in left:
+                demoted.append(peer)
+            else:
+                log.info("standby %s is stage %d's replica now (a rollback loaded it)", peer, k)
+                del self._stage[peer]
+                self._at.pop(peer, None)
         for k, stage in enumerate(members):
             while sum(s == k for s in self._stage.values()) < self.wanted:
                 picked = self._pick(k, stage, synced)

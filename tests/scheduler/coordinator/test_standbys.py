@@ -92,6 +92,9 @@ def test_a_standby_a_rollback_made_a_member_stands_by_again() -> None:
     assert standbys.choose(members, {"a", "b"}) == ["a"]
     # The rollback loaded its checkpoint on every listed peer: both are members again.
     assert standbys.choose(members, {"a", "b"}) == ["a"]
+    # The rollback was for b's loss: a is the stage's only replica now, and stays one.
+    assert standbys.choose([[a for a in members[0] if a.peer == "a"]], {"a"}) == []
+    assert standbys.of("a") is None
 
 
 def test_a_standby_is_asked_in_the_background_one_ask_at_a_time() -> None:
