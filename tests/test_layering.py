@@ -5,6 +5,7 @@ module's source, so that a seeded violation can prove it bites:
 - `swarm/` imports no role; roles meet only over the `ALLOWED` edges, each still used;
 - a role's subpackage imports only itself, its sibling subpackages and `swarm`
   (`KNOWN_SUBPACKAGE_IMPORTS` aside, each still used);
+- no two-way tie: of two sibling subpackages, at most one imports the other;
 - floors: a `swarm` module imports only its own package and lower `FLOORS`;
 - purity: the policies and the simulator reach no I/O or heavy library, not even indirectly;
 - confinement: the MQTT libraries only in `swarm.bus`; gRPC only where the wire is;
@@ -425,6 +426,27 @@ def reaches_up(
             for a, b in known
             if (a, b) not in used
         ),
+    ]
+
+
+def sibling_ties(found: Iterable[Edge], packages: Iterable[str]) -> list[str]:
+    """Pairs of a role's sibling subpackages that import each other (`peer` -> `replica` and
+    `replica` -> `peer`), each with one import of each way. Two subpackages tied both ways are
+    one concept cut in two: neither reads or tests without the other, and what they share
+    belongs in the one the other imports."""
+    packages = set(packages)
+    first: dict[tuple[str, str], Edge] = {}
+    for e in sorted(set(found), key=lambda e: (e.where, e.importer, e.imported)):
+        here, there = subpackage_of(e.importer, packages), subpackage_of(e.imported, packages)
+        if here is not None and there is not None and here != there:
+            first.setdefault((here, there), e)
+    return [
+        f"{first[a, b].where}: {a} imports {b} ({first[a, b].importer} -> {first[a, b].imported}) "
+        f"and {first[b, a].where}: {b} imports {a} ({first[b, a].importer} -> "
+        f"{first[b, a].imported}): sibling subpackages are tied one way only; move what one "
+        "needs of the other into the one it imports"
+        for a, b in sorted(first)
+        if a < b and (b, a) in first
     ]
 
 
@@ -956,6 +978,12 @@ def test_subpackages_import_only_their_siblings() -> None:
         pytest.fail("a role's subpackage reaching up or across:\n" + "\n".join(bad))
 
 
+def test_no_two_way_tie_between_siblings() -> None:
+    bad = sibling_ties(edges(), role_packages())
+    if bad:
+        pytest.fail("sibling subpackages that import each other:\n" + "\n".join(bad))
+
+
 def test_floors() -> None:
     modules = ((n, str(p.relative_to(ROOT))) for n, p in project_modules().items())
     bad = unfloored(modules) + floor_violations(edges())
@@ -1152,6 +1180,34 @@ def test_the_subpackage_checker() -> None:
     assert subpackage_of("stage_server.replica.runtime", packages) == "stage_server.replica"
     assert subpackage_of("stage_server.cli", packages) is None
     assert subpackage_of("swarm.device.oom", packages | {"swarm.ops"}) is None
+
+
+def test_the_sibling_tie_checker() -> None:
+    packages = {"stage_server", "stage_server.replica", "stage_server.peer"}
+    packages |= {"stage_server.averaging", "client", "client.data_plane"}
+    # The tie issue 66 found: the peer's speed measurement built a replica's runtime.
+    found = [
+        *_edges_of("stage_server.peer.measure", "from stage_server.replica.runtime import R\n"),
+        *_edges_of("stage_server.replica.messages", "from stage_server.peer.limits import L\n"),
+        *_edges_of("stage_server.replica.commit", "from stage_server.peer.metrics import M\n"),
+    ]
+    assert sibling_ties(found, packages) == [
+        "x.py:1: stage_server.peer imports stage_server.replica (stage_server.peer.measure -> "
+        "stage_server.replica.runtime) and x.py:1: stage_server.replica imports "
+        "stage_server.peer (stage_server.replica.commit -> stage_server.peer.metrics): sibling "
+        "subpackages are tied one way only; move what one needs of the other into the one it "
+        "imports"
+    ]
+    # One way only, a subpackage importing itself, a role's top-level module both ways: fine.
+    fine = [
+        *found[1:],
+        *_edges_of("stage_server.replica.worker", "from stage_server.averaging.a import A\n"),
+        *_edges_of("stage_server.replica.worker", "from stage_server.replica.runtime import R\n"),
+        *_edges_of("stage_server.agent", "from stage_server.peer.limits import L\n"),
+        *_edges_of("stage_server.peer.x", "import stage_server.agent\n"),
+        *_edges_of("client.data_plane.x", "from stage_server.peer.limits import L\n"),
+    ]
+    assert sibling_ties(fine, packages) == []
 
 
 def test_the_floor_checker() -> None:
