@@ -12,6 +12,7 @@ module's source, so that a seeded violation can prove it bites:
 - one hop loop: only `swarm.rpc.hop` keeps the wiring's books;
 - only the CLI dispatcher loads modules by name;
 - only `swarm.job` reads the keys that choose the training rule (`KNOWN_RULE_READS` aside);
+- only `swarm.model` reads `boundary_rank` (`KNOWN_BOUNDARY_READS` aside, each still reading it);
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it), and no Python file
@@ -165,6 +166,18 @@ something named as its section: an attribute (`job.pool.mode`, `self.pool.overla
 a section under another name (`p = job.pool; p.mode`) escapes, which review catches."""
 KNOWN_RULE_READS: dict[str, str] = {
     # module: why it still reads a rule key. Each must still read one (a stale entry fails).
+}
+
+BOUNDARY_HOME = "swarm.model"
+BOUNDARY_KEY = "boundary_rank"
+"""The key that chooses the subspace boundary: only `BOUNDARY_HOME` reads it (into
+`boundary_of`'s `Boundary`, chosen once from the job as the rule is), every other module asks
+the boundary. A read is the key taken from anything (the name is the key's alone): an attribute
+(`job.model.boundary_rank`, `cfg.boundary_rank`), a subscript with it as a constant,
+`getattr(x, "boundary_rank")` or `x.get("boundary_rank")`; comments and strings are no code."""
+KNOWN_BOUNDARY_READS: dict[str, str] = {
+    # module: why it reads the key outside the model. Each must still read it.
+    "swarm.job.small_boundary": "the job's own check of its small-boundary keys, as it is read",
 }
 
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
@@ -740,6 +753,45 @@ def rule_key_violations(
     ]
 
 
+# The boundary's key.
+
+
+def boundary_reads(module: str, source: str, path: str) -> list[str]:
+    """Reads of `BOUNDARY_KEY` in `module` outside `BOUNDARY_HOME`."""
+    if within(module, (BOUNDARY_HOME,)):
+        return []
+    reads = [
+        n
+        for n in ast.walk(ast.parse(source, path))
+        if isinstance(n, ast.expr) and (read := _key_read(n)) and read[1] == BOUNDARY_KEY
+    ]
+    return [
+        f"{path}:{n.lineno}: {module} reads {BOUNDARY_KEY} ({ast.unparse(n)}): only "
+        f"{BOUNDARY_HOME} reads it; ask the job's Boundary (swarm.model.boundary.boundary_of)"
+        for n in sorted(reads, key=lambda n: (n.lineno, n.col_offset))
+    ]
+
+
+def boundary_key_violations(
+    found: Iterable[tuple[str, str, str]], known: Mapping[str, str] = KNOWN_BOUNDARY_READS
+) -> list[str]:
+    """`boundary_reads` of each (module, source, path) not in `known`, and entries of `known`
+    that read the key no more."""
+    bad: list[str] = []
+    used: set[str] = set()
+    for module, source, path in found:
+        reads = boundary_reads(module, source, path)
+        if reads and module in known:
+            used.add(module)
+        else:
+            bad += reads
+    return bad + [
+        f"KNOWN_BOUNDARY_READS {m}: reads {BOUNDARY_KEY} no more; remove it"
+        for m in known
+        if m not in used
+    ]
+
+
 # Import circles.
 
 
@@ -1019,6 +1071,12 @@ def test_only_the_job_reads_the_rule_keys() -> None:
     bad = rule_key_violations(sources())
     if bad:
         pytest.fail(f"the training rule's keys read outside {RULE_HOME}:\n" + "\n".join(bad))
+
+
+def test_only_the_model_reads_the_boundary_key() -> None:
+    bad = boundary_key_violations(sources())
+    if bad:
+        pytest.fail(f"{BOUNDARY_KEY} read outside {BOUNDARY_HOME}:\n" + "\n".join(bad))
 
 
 def test_no_import_circles() -> None:
@@ -1519,3 +1577,40 @@ def test_the_rule_key_checker() -> None:
         "KNOWN_RULE_READS client.b: reads no rule key; remove it"
     ]
     assert rule_key_violations(found, {}) == rule_reads("client.a", source, "a.py")
+
+
+def test_the_boundary_key_checker() -> None:
+    source = (
+        "# job.model.boundary_rank in a comment, and in a string: 'cfg.boundary_rank'\n"
+        "def f(job, cfg, raw, rt):\n"
+        "    a = job.model.boundary_rank and rt.job.model.boundary_rank > 0\n"
+        "    b = cfg.boundary_rank, raw['model']['boundary_rank'], getattr(cfg, 'boundary_rank')\n"
+        "    c = raw['model'].get('boundary_rank')\n"
+    )
+    reads = boundary_reads("stage_server.replica.fake", source, "x.py")
+    assert [r.split(" (")[0] for r in reads] == [
+        "x.py:3: stage_server.replica.fake reads boundary_rank",
+        "x.py:3: stage_server.replica.fake reads boundary_rank",
+        "x.py:4: stage_server.replica.fake reads boundary_rank",
+        "x.py:4: stage_server.replica.fake reads boundary_rank",
+        "x.py:4: stage_server.replica.fake reads boundary_rank",
+        "x.py:5: stage_server.replica.fake reads boundary_rank",
+    ]
+    assert reads[0] == (
+        "x.py:3: stage_server.replica.fake reads boundary_rank (job.model.boundary_rank): only "
+        "swarm.model reads it; ask the job's Boundary (swarm.model.boundary.boundary_of)"
+    )
+    assert not boundary_reads("swarm.model.boundary", source, "x.py")
+    # Allowed: the boundary's own answers, and other keys of the model.
+    fine = (
+        "boundary = boundary_of(job.model)\n"
+        "x = boundary.tokens(ids), boundary.width, job.model.boundary_bottleneck, cfg.d_model\n"
+        "y = replace(job.model, vocab_size=2)\n"
+    )
+    assert not boundary_reads("client.fake", fine, "x.py")
+    found = [("client.a", source, "a.py"), ("client.b", fine, "b.py")]
+    known = {"client.a": "being removed", "client.b": "stale"}
+    assert boundary_key_violations(found, known) == [
+        "KNOWN_BOUNDARY_READS client.b: reads boundary_rank no more; remove it"
+    ]
+    assert boundary_key_violations(found, {}) == boundary_reads("client.a", source, "a.py")

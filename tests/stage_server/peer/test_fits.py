@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from stage_server.agent import PeerAgent
-from stage_server.peer.limits import PeerLimits
 from stage_server.peer.fits import check_fits, device_memory, footprints
+from stage_server.peer.limits import PeerLimits
 from stage_server.replica.speed import measure_job
 from swarm.bus.topics import Topics
 from swarm.errors import ResourceExhausted
