@@ -38,7 +38,7 @@ from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
 from swarm.device.compute_clock import clock_for
-from swarm.device.host_copies import DeviceCopies
+from swarm.device.host_copies import HostCopies
 from swarm.errors import Busy, NotFound
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
@@ -147,12 +147,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.worker.throttle = value
 
     @property
-    def copies(self) -> DeviceCopies:
+    def copies(self) -> HostCopies:
         """How replies reach the host (`swarm.device.host_copies`)."""
         return self._messages.copies
 
     @copies.setter
-    def copies(self, value: DeviceCopies) -> None:
+    def copies(self, value: HostCopies) -> None:
         self._messages.copies = value
 
     @property

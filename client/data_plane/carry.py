@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from client.data_plane.audit import Audits, Work
-from client.data_plane.boundary import BoundaryCache
+from client.data_plane.boundary_cache import BoundaryCache
 from client.data_plane.hops import StageHops
 from client.data_plane.reexecute import decoded
 from client.metrics import TrainerMetrics

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from client.data_plane.audit import Audits, tolerance_of
-from client.data_plane.boundary import BoundaryCache
+from client.data_plane.boundary_cache import BoundaryCache
 from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
 from client.data_plane.push import PushPlane

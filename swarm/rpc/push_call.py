@@ -13,7 +13,6 @@ The rollback epoch is not in it: the stage client stamps every call with the cur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 

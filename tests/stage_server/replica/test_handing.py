@@ -20,7 +20,7 @@ from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.messages import Limits, Messages
 from stage_server.replica.next_hop import NextHop, Onward, Pushed
 from swarm.device.handover import Offer
-from swarm.device.host_copies import TorchCopies
+from swarm.device.host_copies import TorchHostCopies
 from swarm.errors import Busy, HandoverRefused, InvalidArgument, PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
@@ -81,7 +81,7 @@ def handing(fake: FakeHandover, site: str = SITE) -> Handing:
 
 def outgoing(h: Handing, t: torch.Tensor) -> Outgoing:
     header, payload = codec.encode_payload(t, "inputs")
-    return Outgoing(header, payload, TorchCopies(), h)
+    return Outgoing(header, payload, TorchHostCopies(), h)
 
 
 async def push(hop: NextHop, outputs: Outgoing, peer: str) -> object:
