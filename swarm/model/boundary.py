@@ -5,8 +5,9 @@ the training rule is (`swarm.job.rule.rule_of`), which the roles ask and never r
 A full boundary (`d_model` features a token) and a learned bottleneck's (`boundary_bottleneck`
 features) send the hidden state alone. The subspace boundary (`model.boundary_rank`,
 `swarm.model.subspace`) sends a few coefficients a token, and the next stage rebuilds the
-residual from them and the token ids: the ids cross beside the hidden state (a `Crossing`), and
-the targets, which ride every hop of the push plane, go as narrow as the ids."""
+residual from them and the token ids: the ids cross beside the hidden state (in one
+`swarm.wire.crossing.Crossing`), and the targets, which ride every hop of the push plane, go as
+narrow as the ids."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import torch
 from swarm.job.schema import ModelConfig
 from swarm.model.subspace import wire_targets, wire_tokens
 from swarm.model.transformer import boundary_width
-from swarm.wire.crossing import Crossing
 
 __all__ = ["Boundary", "SubspaceBoundary", "boundary_of"]
 
@@ -37,12 +37,6 @@ class Boundary:
     def tokens(self, ids: torch.Tensor) -> torch.Tensor | None:
         """The token ids `ids` as they cross beside the hidden state; None: they do not."""
         return None
-
-    def crossing(
-        self, hidden: torch.Tensor, ids: torch.Tensor
-    ) -> Crossing[torch.Tensor, torch.Tensor]:
-        """`hidden` as it crosses, with microbatch `ids`' token ids where they go with it."""
-        return Crossing(hidden, self.tokens(ids))
 
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         """The targets as every hop of the push plane carries them."""

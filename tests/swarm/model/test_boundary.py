@@ -19,9 +19,7 @@ def test_a_full_boundary_sends_the_hidden_state_alone(tmp_path: Path) -> None:
     boundary = boundary_of(job.model)
     assert type(boundary) is Boundary and not boundary.needs_tokens
     assert boundary.width == job.model.d_model
-    hidden = torch.zeros(2, 3, job.model.d_model)
-    crossing = boundary.crossing(hidden, IDS)
-    assert crossing.hidden is hidden and crossing.tokens is None
+    assert boundary.tokens(IDS) is None
     assert boundary.targets(IDS) is IDS and boundary.widened(IDS) is IDS
     assert boundary_of(job.model) is boundary, "one object per model: chosen once"
 
@@ -39,9 +37,9 @@ def test_a_subspace_boundary_sends_the_ids_beside_and_the_targets_narrow(tmp_pat
     assert isinstance(boundary, SubspaceBoundary) and boundary.needs_tokens
     assert boundary.width == 4 and str(boundary) == "model.boundary_rank = 4"
     vocab = job.model.vocab_size
-    crossing = boundary.crossing(torch.zeros(2, 3, 4), IDS)
-    assert crossing.tokens is not None and crossing.tokens.equal(wire_tokens(IDS, vocab))
-    assert crossing.tokens.dtype == wire_tokens(IDS, vocab).dtype != torch.int64
+    tokens = boundary.tokens(IDS)
+    assert tokens is not None and tokens.equal(wire_tokens(IDS, vocab))
+    assert tokens.dtype == wire_tokens(IDS, vocab).dtype != torch.int64
     narrow = boundary.targets(IDS)
-    assert narrow.equal(wire_targets(IDS, 4, vocab)) and narrow.dtype == crossing.tokens.dtype
+    assert narrow.equal(wire_targets(IDS, 4, vocab)) and narrow.dtype == tokens.dtype
     assert boundary.widened(narrow).dtype == torch.int64 and boundary.widened(narrow).equal(IDS)
