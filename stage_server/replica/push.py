@@ -44,9 +44,9 @@ from swarm.wire import codec
 from swarm.wire.crossing import Crossing
 from swarm.wire.digest import digest
 
-__all__ = ["PushPlane", "Served"]
+__all__ = ["PushPlane", "ServedPush"]
 
-Served = PushCall[torch.Tensor, torch.Tensor]
+ServedPush = PushCall[torch.Tensor, torch.Tensor]
 """A push as this replica serves it: its tensors decoded."""
 
 
@@ -99,7 +99,7 @@ class PushPlane:
     async def push(
         self,
         h: pb.StagePushRequest,
-        call: Served,
+        call: ServedPush,
         time_remaining: Callable[[], float | None],
         came: dict[str, Arrived] | None = None,
     ) -> pb.StagePushResponse:
@@ -192,7 +192,7 @@ class PushPlane:
         )
 
     async def _evaluation(
-        self, call: Served, time_remaining: Callable[[], float | None]
+        self, call: ServedPush, time_remaining: Callable[[], float | None]
     ) -> pb.StagePushResponse:
         """A validation microbatch on the push plane: forward here, on to the next stage, the
         last stage's loss back; nothing kept, nothing accumulated."""
@@ -209,7 +209,7 @@ class PushPlane:
 
     async def _forward_on(
         self,
-        call: Served,
+        call: ServedPush,
         time_remaining: Callable[[], float | None],
         need_grad: bool,
         record: PushRecord | None = None,
@@ -268,7 +268,7 @@ class PushPlane:
         return pushed, queued
 
     def _record(
-        self, call: Served, came: dict[str, Arrived], tokens: torch.Tensor | None
+        self, call: ServedPush, came: dict[str, Arrived], tokens: torch.Tensor | None
     ) -> PushRecord | None:
         """A new record of `h`'s microbatch, with what came in; None where the job audits
         nothing (no fraction, or local steps: replicas differ, nobody can redo their work) or
