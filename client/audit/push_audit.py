@@ -39,7 +39,7 @@ from client.audit.push_contributions import PushContributions
 from client.audit.push_fetch import fetched_record
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
-from swarm.model.subspace import wire_tokens
+from swarm.model.boundary import boundary_of
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
 from swarm.rpc.routes import Routes
@@ -200,9 +200,8 @@ class PushAudits:
 
     def _tokens(self, ids: torch.Tensor) -> bytes | None:
         """The digest of the token ids stage 0 sends on under a subspace boundary."""
-        if not self.job.model.boundary_rank:
-            return None
-        return digest(wire_tokens(ids, self.job.model.vocab_size))
+        tokens = boundary_of(self.job.model).tokens(ids)
+        return None if tokens is None else digest(tokens)
 
     async def _fetched(
         self, step: int, index: int, run: int, c: pb.Commitment | None

@@ -35,7 +35,7 @@ import torch
 from client.audit.audits import Audits, Work
 from client.audit.push_fetch import fetched_record
 from swarm.job.config import JobConfig
-from swarm.model.subspace import wire_tokens
+from swarm.model.boundary import boundary_of
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
@@ -136,9 +136,7 @@ class PushContributions:
         inputs: tensor_pb2.Tensor | torch.Tensor | None = (
             before.get("outputs") if before is not None else codec.encode(ids, "inputs")
         )
-        tokens = None
-        if k > 0 and self.job.model.boundary_rank:
-            tokens = wire_tokens(ids, self.job.model.vocab_size)
+        tokens = boundary_of(self.job.model).tokens(ids) if k > 0 else None
         grad_outputs = after.get("grad_inputs") if after is not None else labels
         if after is not None:
             got = after.get("inputs")

@@ -103,7 +103,8 @@ class Answering:
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
             tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
-            digest_seed=digest_seed,  # an audit of a contribution (`stage_server.replica.digest`)
+            # an audit of a contribution (`stage_server.replica.gradient_digest`)
+            digest_seed=digest_seed,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         digest = self._poison().digest(step, done.digest)  # an audit's (`swarm.ops.poison`)

@@ -28,7 +28,7 @@ import torch
 
 from stage_server.peer.metrics import StageMetrics
 from swarm.device.handover import Handover, Offer, handover_for
-from swarm.device.host_copies import DeviceCopies
+from swarm.device.host_copies import HostCopies
 from swarm.device.site import site
 from swarm.errors import HandoverRefused
 from swarm.ops import faults
@@ -163,7 +163,7 @@ class Outgoing:
 
     header: tensor_pb2.Tensor
     payload: torch.Tensor
-    copies: DeviceCopies
+    copies: HostCopies
     handing: Handing
     _wire: tensor_pb2.Tensor | None = None
     _handed: tuple[tensor_pb2.Tensor, Offer] | None = None
