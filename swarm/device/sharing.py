@@ -219,16 +219,20 @@ def window_for(
     memory: DeviceMemory | None = None,
     claims: Claims | None = None,
     share: float = CACHE_SHARE,
+    *,
+    keeps: bool = True,
 ) -> Window:
     """The activation window's bound on `device` for a server whose `--max-activation-cache-bytes`
     is `flag`: shared with the device's other servers where the device says its memory and the
-    flag was left alone; the flag within the device's free memory where it was set; the flag as
-    given where the device cannot say (a CPU)."""
+    flag was left alone; the flag within the device's free memory where it was set, or where
+    the server `keeps` nothing between calls (the last stage, whose ForwardBackward is one call:
+    its claim would take a part of the share from the stages that keep a step's activations);
+    the flag as given where the device cannot say (a CPU)."""
     memory = memory or TorchDeviceMemory()
     by_hand = flag != DEFAULT_CACHE_BYTES
     if memory.free_and_total(device) is None:
         return FixedWindow(flag, sized=by_hand)
-    if by_hand:
+    if by_hand or not keeps:
         return DeviceWindow(device, memory, None, by_hand=flag, share=share)
     claim = _claim(claims or Claims(), memory.identity(device))
     return DeviceWindow(device, memory, claim, share=share)
