@@ -245,6 +245,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
     records: list[StepRecord] = []
     busy = Busy(args.device)
     spied: list[spy.Sampling] = []  # --py-spy: the servers sampled over the timed steps
+    ended: list[float] = []  # when the last step was committed
 
     def on_step(record: StepRecord) -> None:
         records.append(record)
@@ -258,6 +259,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
                 spied.append(spy.Sampling(pids, seconds, work))
         if len(records) == args.warmup + args.steps:  # not the state's download after it
             busy.stop()
+            ended.append(time.perf_counter())
 
     # Every process of the run writes where its time went (`swarm.ops.timeline`): the servers
     # inherit the folder with this process's environment.
@@ -283,6 +285,9 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
             busy.start()
         asyncio.run(train_standalone(job, pool, on_step=on_step))
         used = busy.stop()
+        # the trained state's download from the servers, after the last step: no step's time,
+        # and the device idle (NVML's busy % is sampled over the timed steps alone)
+        download = time.perf_counter() - ended[0] if ended else None
         taken = handed(servers)  # the co-located handover's tensors, through memory
         for sampling in spied:
             sampling.finish()
@@ -305,6 +310,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
         "handed": taken,
         "timeline": timed_breakdown(args, lines, roles, busy.timed()),
         "py_spy": said,
+        "state_download_s": download,
     }
 
 
@@ -569,6 +575,13 @@ def compare(args: argparse.Namespace) -> int:
                 if said:
                     print(f"{shape} {name}: {said['markdown']}", flush=True)
                     keep(args, Path(said["trace"]))
+                    took = rows[name].get("state_download_s")
+                    if took is not None:
+                        print(
+                            f"The trained state's download after the last step: {took:.1f} s "
+                            "(outside every step; the busy % leaves it out)",
+                            flush=True,
+                        )
                 for line in rows.get(name, {}).get("py_spy", []):
                     print(line, flush=True)
                     if line.startswith("the stacks: "):
