@@ -110,7 +110,7 @@ BUDGETS = {
     "train bf16-mixed": (240, 240),
     "llama-1b": (300, 300),
     "gpu ratio": (185, 300),
-    "gpu idle": (200, 300),
+    "gpu idle": (215, 300),
     "device faults": (50, 180),
 }
 DEVICE_PARTS = ("environment", "smoke", "gpu ratio", "CUDA tests", "device faults")

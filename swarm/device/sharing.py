@@ -9,7 +9,9 @@ of all the servers on it share `CACHE_SHARE` of the memory they may use: what is
 what their windows hold (they would give it back), split evenly between the live claimants on
 the device (`swarm.device.claims`: a registry on the host, keyed by the device's identity, from
 which a killed server drops out by itself). Four servers on one 80 GiB card each get an eighth of
-it, not half each; one that stops gives its part back to the others.
+it, not half each; one that stops gives its part back to the others. A server that keeps nothing
+between calls (the last stage: its ForwardBackward is one call) claims no part (`keeps`), so the
+three stages before it that keep a step's activations get a sixth each.
 
 Checked before every entry is kept (`DeviceWindow.limit`): the device's free memory is read again,
 with the others' claims, and the cache drops its oldest microbatches (the new one too, if need
