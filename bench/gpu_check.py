@@ -110,9 +110,11 @@ BUDGETS = {
     "train bf16-mixed": (240, 240),
     "llama-1b": (300, 300),
     "gpu ratio": (185, 300),
+    "gpu idle": (215, 300),
     "device faults": (50, 180),
 }
 DEVICE_PARTS = ("environment", "smoke", "gpu ratio", "CUDA tests", "device faults")
+ON_REQUEST = ("gpu idle",)  # only where --parts names them: --quick (CI) runs the others
 GATE = "smoke"  # a failed smoke part stops the check: nothing after it could pass
 TOTAL_S = 480.0  # the device check, from bench/gpu_check.sh's start (GPU_CHECK_STARTED)
 WHEELS_S = 45  # bench/gpu_check.sh's install of the carried wheels, at most
@@ -158,7 +160,9 @@ class Check:
         self.header = ""
         everything = self._parts()
         chosen = args.parts or (set() if args.quick else set(DEVICE_PARTS))
-        self.parts = [p for p in everything if not chosen or p.name in chosen]
+        self.parts = [
+            p for p in everything if p.name in chosen or (not chosen and p.name not in ON_REQUEST)
+        ]
 
     # --- the parts ---------------------------------------------------------------------------
 
@@ -184,6 +188,7 @@ class Check:
             ),
             Part("llama-1b", 0, self._llama, self._judge_llama),
             Part("gpu ratio", 0, self._ratio, self._judge_ratio),
+            Part("gpu idle", 0, self._idle, self._judge_idle),
             Part("device faults", 0, self._faults, self._judge_faults),
         ]
         for part in parts:
@@ -389,6 +394,28 @@ class Check:
             return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
         return True, "swarm against torch on the same device\n" + text
 
+    def _idle(self) -> list[str]:
+        """Where a swarm step's time goes (bench/timeline_report.py), the long shape eager
+        beside torch's two runs: more timed steps than the ratio's, the servers sampled by
+        py-spy, the run's trace (Perfetto) and py-spy's stacks under $OUT."""
+        cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device]
+        cmd += ["--cpu-tiny"] if not self.cuda else []
+        cmd += ["--shapes", "long", "--compile", "off", "--warmup", "2", "--steps", "6"]
+        cmd += ["--budget-s", str(self._timeout("gpu idle") - 15), "--py-spy"]
+        cmd += ["--out", str(self.out / "gpu_idle")] if self.out else []
+        peak = self._peak_tflops()
+        return cmd + (["--peak-tflops", str(peak)] if peak else [])
+
+    def _judge_idle(self, code: int, output: str) -> tuple[bool, str]:
+        passed, text = self._judge_ratio(code, output)
+        lines = output.splitlines()
+        if not passed or not any("Where a swarm step's time" in x for x in lines):
+            return False, text if not passed else f"{text}\n    no timeline was reported"
+        # the table, the breakdown, the evictions, py-spy's summaries: up to the run's result
+        start = next(i for i, x in enumerate(lines) if x.startswith("### "))
+        told = [x for x in lines[start:] if not x.startswith("RESULT ")]
+        return True, "where a swarm step's time goes\n" + "\n".join("    " + x for x in told)
+
     def _faults(self) -> list[str]:
         cmd = [PY, str(ROOT / "bench" / "gpu_fault_check.py"), "--device", self.device]
         return [*cmd, "--steps", "1" if self.args.quick else "2"]
@@ -452,8 +479,14 @@ class Check:
             (logs / log.name).write_bytes(data[-LOG_BYTES:])
 
     def out_files(self) -> list[str]:
-        """The files a run leaves under $OUT: the summary and each part's log."""
-        return ["gpu_check.txt"] + [f"gpu_check_logs/{slug(p.name)}.log" for p in self.parts]
+        """The files a run leaves under $OUT: the summary and each part's log (gpu idle's
+        trace and stacks beside them)."""
+        idle = ["gpu_idle/trace-long-swarm.json", "gpu_idle/py-spy-long-swarm.txt"]
+        return (
+            ["gpu_check.txt"]
+            + [f"gpu_check_logs/{slug(p.name)}.log" for p in self.parts]
+            + (idle if "gpu idle" in {p.name for p in self.parts} else [])
+        )
 
     def report(self) -> str:
         lines = [self.header]

@@ -8,6 +8,7 @@ One `Answering` per replica, held by the servicer (`stage_server.servicer`) and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,7 @@ class Answering:
             encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
             return loss, encoded, done
 
+        @functools.wraps(fn)  # named as `fn` is (the benches' timeline: `swarm.ops.timeline`)
         def admitted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
             # On the worker, as a rollback's state load is: work leased before the rollback that
             # lands after the load is refused, not added to the replayed step (`swarm.rpc.epoch`)

@@ -31,7 +31,7 @@ from swarm.device.handover import Handover, Offer, handover_for
 from swarm.device.host_copies import HostCopies
 from swarm.device.site import site
 from swarm.errors import HandoverRefused
-from swarm.ops import faults
+from swarm.ops import faults, timeline
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
 
@@ -111,7 +111,9 @@ class Handing:
         if faults.refuses_handover():  # SWARM_FAULTS=handover-refuse@0: b8f54b2's refusal
             raise HandoverRefused(f"{why}: injected fault (handover-refuse)")
         try:
+            start = timeline.now()
             payload = self.handover.take(meta.handover, meta.nbytes)
+            timeline.span("take", start, timeline.now(), nbytes=meta.nbytes)
         except Exception as e:  # any way it fails, the wire is the answer: named, not hidden
             log.info("%s: %r", why, e)
             raise HandoverRefused(f"{why}: {e}") from e

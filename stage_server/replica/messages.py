@@ -124,7 +124,9 @@ class Limits:
         runtime.activation_cache = self.activation_cache
         self.release()
         flag = peer.max_activation_cache_bytes
-        runtime.window = window_for(flag, runtime.device, runtime.memory, self.claims)
+        runtime.window = window_for(
+            flag, runtime.device, runtime.memory, self.claims, keeps=not runtime.is_last
+        )
         self._window = runtime.window
         self.cache_sized = runtime.window.sized
 

@@ -184,7 +184,7 @@ class StageRuntime:
         be None when this replica did the forward: then its cached activations must still be
         here."""
         self._check_step(step, next_ok=True)
-        cached = self._cache.pop((step, index), None)
+        cached = self._cache.take((step, index))
         if cached is None and inputs is None:
             raise ActivationsNotCached(
                 f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "

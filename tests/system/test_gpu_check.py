@@ -276,3 +276,46 @@ def test_a_failed_smoke_part_stops_the_check_with_its_error(tmp_path: Path) -> N
     assert "device faults (0 s): not run: the smoke part failed" in summary, summary
     assert "0 of 2 parts passed" in summary, summary
     assert files_under(done.out) == ["gpu_check.txt", "gpu_check_logs/smoke.log"]
+
+
+def test_the_gpu_idle_part_runs_only_where_named_and_fits_one_call_of_300_s(
+    tmp_path: Path,
+) -> None:
+    """`--parts "environment,gpu idle"` (nothing run: --plan): the long shape eager beside
+    torch's two runs, the servers sampled by py-spy, the trace and stacks under $OUT; with the
+    wheels' install within 300 s, one call of a lent machine. The device check without --parts
+    runs no such part, nor does --quick (CI)."""
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    done = check(tmp_path, "--device", "cuda:0", "--plan", "--parts", "environment,gpu idle")
+    assert done.code == 0, done.output
+    plan = json.loads(done.output.split("PLAN ", 1)[1].splitlines()[0])
+    assert [p["name"] for p in plan["parts"]] == ["environment", "gpu idle"]
+    seconds = sum(p["timeout_s"] for p in plan["parts"])
+    assert gpu_check.WHEELS_S + seconds <= 300 - 15  # the command's own start and end
+    idle = plan["parts"][1]["command"]
+    assert (
+        idle[1].endswith("bench/gpu_ratio.py") and "--py-spy" in idle and "--cpu-tiny" not in idle
+    )
+    assert idle[idle.index("--shapes") + 1] == "long" and idle[idle.index("--compile") + 1] == "off"
+    assert float(idle[idle.index("--budget-s") + 1]) < plan["parts"][1]["timeout_s"]
+    assert idle[idle.index("--out") + 1] == str(tmp_path / "out" / "gpu_idle")
+    assert len(plan["out_files"]) <= 8 and "gpu_idle/trace-long-swarm.json" in plan["out_files"]
+    for quick in (False, True):
+        args = argparse.Namespace(device="cpu", quick=quick, parts=set(), ratio_shapes="long")
+        assert "gpu idle" not in [p.name for p in gpu_check.Check(args).parts]
+
+
+def test_the_gpu_idle_part_says_where_the_time_went_or_fails(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    args = argparse.Namespace(device="cpu", quick=False, parts={"gpu idle"}, ratio_shapes="long")
+    (part,) = gpu_check.Check(args).parts
+    table = "### long\n| run | tokens/s |\n| swarm | 1 |\n"
+    told = "long swarm: #### Where a swarm step's time went\n| 2 | 0.1 |\nEvictions: none\n"
+    ok, text = part.judge(0, table + told + 'RESULT {"failures": []}')
+    assert ok and "| swarm | 1 |" in text and "Evictions: none" in text and "RESULT" not in text
+    assert not part.judge(0, table + 'RESULT {"failures": []}')[0]  # no timeline: a failure
+    assert not part.judge(1, table + told + 'RESULT {"failures": ["a loss"]}')[0]
