@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -28,7 +29,7 @@ from stage_server.replica.answering import Answering
 from stage_server.replica.handing import Outgoing, Outgoings, reply_header
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import NextHop, Pushed
-from stage_server.replica.push_records import Arrived, PushRecord, PushRecords, sent_digest
+from stage_server.replica.push_records import Arrived, PushRecord, PushRecords
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
@@ -40,7 +41,6 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
 from swarm.wire import codec
-from swarm.wire.digest import digest
 
 __all__ = ["PushPlane"]
 
@@ -64,7 +64,11 @@ class PushPlane:
         self.messages, self.limits = messages, messages.limits
         self._runtime, self.answering, self._poison = runtime, answering, poison
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
-        self.records = PushRecords(peer, lambda: self._runtime().activation_cache)
+        # The records' digests, on a thread of their own: hashlib lets go of the GIL, so they
+        # run beside the worker's compute, off the loop that relays other pushes (issue 69).
+        # One thread: a microbatch's four digests take a few ms against its stage's tens.
+        digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{peer}-digests")
+        self.records = PushRecords(peer, lambda: self._runtime().activation_cache, digester)
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Send on to the stage after `runtime`'s, of job `job_id`."""
@@ -108,92 +112,95 @@ class PushPlane:
         epoch.leased_in(h.microbatch.epoch)  # its push on carries the task's (`swarm.rpc.epoch`)
         if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
             tokens = wire_tokens(inputs, rt.job.model.vocab_size)
-        step, site = h.microbatch.step, self.messages.handing.site
-        here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
-        reply = codec.codec_from_name(rt.job.compression.backward)
-        maybe_die(Point.FORWARD, step)
+        maybe_die(Point.FORWARD, h.microbatch.step)
         if h.evaluate:
             evaluated = await self._evaluation(h, inputs, targets, tokens, time_remaining)
-            evaluated.site = site
+            evaluated.site = self.messages.handing.site
             return evaluated
         record = self._record(h, came, inputs, targets, None if rt.is_first else tokens)
-        # A co-located caller's slot for the gradient; not where this replica keeps a record: it
-        # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
-        into = h.reply if h.HasField("reply") and record is None else None
-        if rt.is_last:
-            done = await self.answering.backward_here(
-                rt.forward_backward,
+        site = self.messages.handing.site
+        here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
+        reply = codec.codec_from_name(rt.job.compression.backward)
+        try:
+            # A co-located caller's slot for the gradient; not where this replica keeps a record: it
+            # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
+            into = h.reply if h.HasField("reply") and record is None else None
+            if rt.is_last:
+                done = await self.answering.backward_here(
+                    rt.forward_backward,
+                    h,
+                    reply,
+                    inputs,
+                    targets,
+                    accumulate=here,
+                    receipt=here,
+                    tokens=tokens,
+                    into=into,
+                )
+                if record is not None:
+                    record.received("grad_outputs", targets, came.get("targets"))
+                    record.sent("outputs", torch.tensor(done.loss, dtype=torch.float64))
+                    record.sent("grad_inputs", done.grad[0] if done.grad else None)
+                return pb.StagePushResponse(
+                    tensors=done.grad,
+                    receipts=[done.receipt] if done.receipt is not None else [],
+                    loss_sum=done.loss,
+                    queued_seconds=done.queued,
+                    site=site,
+                )
+            need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
+            pushed, queued = await self._forward_on(
                 h,
-                reply,
                 inputs,
                 targets,
-                accumulate=here,
-                receipt=here,
-                tokens=tokens,
-                into=into,
+                tokens,
+                time_remaining,
+                accumulate=[k for k in h.accumulate if k > rt.stage],
+                need_grad=need_grad,
+                record=record,
             )
-            if record is not None:
-                record.received("grad_outputs", targets, came.get("targets"))
-                loss = torch.tensor(done.loss, dtype=torch.float64)
-                record.sent("outputs", loss, digest(loss))
-                _sent_back(record, done.grad)
+            receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
+            if need_grad:
+                assert pushed.grad is not None
+                grad_outputs, msg = pushed.grad, None
+                if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
+                    dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
+                    header = reply_header(dtype, shape, reply, self.limits.block_size)
+                    self.messages.took(header, grad_outputs)
+                else:
+                    msg = grad_outputs
+                    grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+                    self.messages.took(msg, grad_outputs)
+                if record is not None:
+                    record.received("grad_outputs", grad_outputs, msg)  # kept as it came
+                done = await self.answering.backward_here(
+                    rt.backward,
+                    h,
+                    reply,
+                    inputs,
+                    grad_outputs,
+                    accumulate=here,
+                    receipt=here,
+                    tokens=tokens,
+                    into=into,
+                )
+                grad = done.grad
+                if record is not None:
+                    record.sent("grad_inputs", grad[0] if grad else None)
+                if done.receipt is not None:
+                    receipts.append(done.receipt)
             return pb.StagePushResponse(
-                tensors=done.grad,
-                receipts=[done.receipt] if done.receipt is not None else [],
-                loss_sum=done.loss,
-                queued_seconds=done.queued,
+                tensors=grad,
+                receipts=receipts,
+                uncertain=sorted(pushed.uncertain),
+                loss_sum=pushed.loss_sum,
+                queued_seconds=queued,
+                path=pushed.path,
                 site=site,
             )
-        need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
-        pushed, queued = await self._forward_on(
-            h,
-            inputs,
-            targets,
-            tokens,
-            time_remaining,
-            accumulate=[k for k in h.accumulate if k > rt.stage],
-            need_grad=need_grad,
-            record=record,
-        )
-        receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
-        if need_grad:
-            assert pushed.grad is not None
-            grad_outputs, msg = pushed.grad, None
-            if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
-                dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
-                header = reply_header(dtype, shape, reply, self.limits.block_size)
-                self.messages.took(header, grad_outputs)
-            else:
-                msg = grad_outputs
-                grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
-                self.messages.took(msg, grad_outputs)
-            if record is not None:
-                record.received("grad_outputs", grad_outputs, msg)  # kept as it came
-            done = await self.answering.backward_here(
-                rt.backward,
-                h,
-                reply,
-                inputs,
-                grad_outputs,
-                accumulate=here,
-                receipt=here,
-                tokens=tokens,
-                into=into,
-            )
-            grad = done.grad
-            if record is not None:
-                _sent_back(record, grad)
-            if done.receipt is not None:
-                receipts.append(done.receipt)
-        return pb.StagePushResponse(
-            tensors=grad,
-            receipts=receipts,
-            uncertain=sorted(pushed.uncertain),
-            loss_sum=pushed.loss_sum,
-            queued_seconds=queued,
-            path=pushed.path,
-            site=site,
-        )
+        finally:
+            if record is not None:  # its digests read what came and went: done before it goes
+                await record.settled()
 
     async def _evaluation(
         self,
@@ -245,9 +252,10 @@ class PushPlane:
         block_size = self.messages.limits.block_size
         made = Outgoings()  # released when this push ends, however it ends
 
-        def on_host(out: torch.Tensor) -> tuple[Outgoing, tensor_pb2.Tensor | None, bytes]:
+        def on_host(out: torch.Tensor) -> tuple[Outgoing, tensor_pb2.Tensor | None]:
             # On the worker thread: what it sends, and (where it keeps a record) what it commits
-            # to and its digest: the same message, unless it is a liar that sends another.
+            # to: the same message, unless it is a liar that sends another. Its digest is taken
+            # on the record's digester, beside the next computation.
             said = poison.outputs(step, out)
             forged = poison.sent(step, out) if not evaluate else None
             sent = forged if forged is not None else said
@@ -255,15 +263,13 @@ class PushPlane:
                 self.messages.hand_on(sent, "inputs", sent_as, "forward", near, far)
             )
             if record is None:
-                return outgoing, None, b""
+                return outgoing, None
             if forged is None:
-                committed = outgoing.wire()
-            else:
-                committed = codec.encode(said, "inputs", sent_as, block_size)
-            return outgoing, committed, sent_digest(committed)
+                return outgoing, outgoing.wire()
+            return outgoing, codec.encode(said, "inputs", sent_as, block_size)
 
         try:
-            (outputs, said, said_digest), queued = await self.worker.run_then(
+            (outputs, said), queued = await self.worker.run_then(
                 rt.forward,
                 on_host,
                 step,
@@ -273,7 +279,7 @@ class PushPlane:
                 tokens=tokens,
             )
             if record is not None and said is not None:
-                record.sent("outputs", said, said_digest)
+                record.sent("outputs", said)
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
             pushed = await self._next_hop.send(
                 step,
@@ -314,11 +320,6 @@ class PushPlane:
         record.received("tokens", tokens, came.get("tokens"))
         record.received("targets", targets, came.get("targets"))
         return record
-
-
-def _sent_back(record: PushRecord, grad: list[tensor_pb2.Tensor]) -> None:
-    msg = grad[0] if grad else None
-    record.sent("grad_inputs", msg, sent_digest(msg))
 
 
 def _deadline(left: float | None, rt: StageRuntime) -> float:

@@ -5,6 +5,9 @@ tensors handed back as they were committed to."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -65,3 +68,25 @@ def test_a_tensor_is_kept_as_it_came_and_answered_as_it_crossed(form: str) -> No
     assert msg.data == sent.data and msg.nbytes == len(sent.data) < decoded.numel()
     assert (msg.codec, msg.block_size, msg.shape) == (sent.codec, sent.block_size, sent.shape)
     assert digest(codec.decode(msg)) == record.commitment.inputs == digest(decoded)
+
+
+def test_digests_taken_on_the_digester_are_the_same_commitment() -> None:
+    """Off the event loop (issue 69): a record's digests taken on a thread of their own commit
+    to what the same record would at once, and `settled` returns once every one is in."""
+    x = torch.randn(8, 16, 32)
+    out = codec.encode(x * 3, "inputs")
+    at_once = PushRecords("s1r0", lambda: 4).begin(1, 0, 0, run=5)
+    with ThreadPoolExecutor(1) as digester:
+        records = PushRecords("s1r0", lambda: 4, digester)
+        later = records.begin(1, 0, 0, run=5)
+        for record in (at_once, later):
+            record.received("inputs", x)
+            record.sent("outputs", out)
+            record.sent("grad_inputs", torch.ones(2))
+        asyncio.run(later.settled())
+        assert all(taken.done() for taken in later._pending.values())  # the answer waits on none
+        answer = records.answer(
+            pb.StageRecordRequest(microbatch=pb.MicrobatchId(step=0, index=0), run=5)
+        )
+    assert answer.commitment == at_once.commitment
+    assert answer.commitment.outputs == digest(codec.decode(out)) == sent_digest(out)
