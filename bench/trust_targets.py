@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from bench import process_groups  # noqa: E402
 
 # The budget's share of each part: the audit cost's ten runs of 13 processes take the most.
-SHARES = {"audit cost": 0.55, "peer workload": 0.45}
+SHARES = {"audit cost": 0.6, "peer workload": 0.4}
 WAN = (
     "100 Mbit/s (bench/wan.py): not run: it needs a network namespace per host (root) and "
     "minutes a run; run it alone"
