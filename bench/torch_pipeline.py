@@ -89,6 +89,8 @@ def samples_per_second(
 
     world, port = load_job(job).training.stages, free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    # gloo's own links on loopback: a host with no network resolves its name to nothing usable
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     args = [sys.executable, __file__, str(job), "--steps", str(steps)]
     args += ["--schedule", schedule, "--threads", str(threads), "--port", str(port)]
     ranks = [
