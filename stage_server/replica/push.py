@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -68,7 +69,11 @@ class PushPlane:
         self.messages, self.limits = messages, messages.limits
         self._runtime, self.answering, self._poison = runtime, answering, poison
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
-        self.records = PushRecords(peer, lambda: self._runtime().activation_cache)
+        # The records' digests, on a thread of their own: hashlib lets go of the GIL, so they
+        # run beside the worker's compute, off the loop that relays other pushes (issue 69).
+        # One thread: a microbatch's four digests take a few ms against its stage's tens.
+        digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{peer}-digests")
+        self.records = PushRecords(peer, lambda: self._runtime().activation_cache, digester)
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Send on to the stage after `runtime`'s, of job `job_id`."""
@@ -121,70 +126,73 @@ class PushPlane:
             evaluated.site = site
             return evaluated
         record = self._record(call, came, None if rt.is_first else tokens)
-        # A co-located caller's slot for the gradient; not where this replica keeps a record: it
-        # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
-        into = h.reply if h.HasField("reply") and not record.kept else None
-        if rt.is_last:
-            done = await self.answering.backward_here(
-                rt.forward_backward,
-                h,
-                reply,
-                inputs,
-                targets,
-                accumulate=here,
-                receipt=here,
-                tokens=tokens,
-                into=into,
-            )
-            record.received("grad_outputs", targets, came.get("targets"))
-            record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
-            record.sent("grad_inputs", _first(done.grad))
+        try:
+            # A co-located caller's slot for the gradient; not where this replica keeps a record: it
+            # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
+            into = h.reply if h.HasField("reply") and not record.kept else None
+            if rt.is_last:
+                done = await self.answering.backward_here(
+                    rt.forward_backward,
+                    h,
+                    reply,
+                    inputs,
+                    targets,
+                    accumulate=here,
+                    receipt=here,
+                    tokens=tokens,
+                    into=into,
+                )
+                record.received("grad_outputs", targets, came.get("targets"))
+                record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
+                record.sent("grad_inputs", _first(done.grad))
+                return pb.StagePushResponse(
+                    tensors=done.grad,
+                    receipts=[done.receipt] if done.receipt is not None else [],
+                    loss_sum=done.loss,
+                    queued_seconds=done.queued,
+                    site=site,
+                )
+            need_grad = here or call.need_grad_inputs  # a backward here needs its outputs' gradient
+            pushed, queued = await self._forward_on(call, time_remaining, need_grad, record)
+            receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
+            if need_grad:
+                assert pushed.grad is not None
+                grad_outputs, msg = pushed.grad, None
+                if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
+                    dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
+                    header = reply_header(dtype, shape, reply, self.limits.block_size)
+                    self.messages.took(header, grad_outputs)
+                else:
+                    msg = grad_outputs
+                    grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+                    self.messages.took(msg, grad_outputs)
+                record.received("grad_outputs", grad_outputs, msg)  # kept as it came
+                done = await self.answering.backward_here(
+                    rt.backward,
+                    h,
+                    reply,
+                    inputs,
+                    grad_outputs,
+                    accumulate=here,
+                    receipt=here,
+                    tokens=tokens,
+                    into=into,
+                )
+                grad = done.grad
+                record.sent("grad_inputs", _first(grad))
+                if done.receipt is not None:
+                    receipts.append(done.receipt)
             return pb.StagePushResponse(
-                tensors=done.grad,
-                receipts=[done.receipt] if done.receipt is not None else [],
-                loss_sum=done.loss,
-                queued_seconds=done.queued,
+                tensors=grad,
+                receipts=receipts,
+                uncertain=sorted(pushed.uncertain),
+                loss_sum=pushed.loss_sum,
+                queued_seconds=queued,
+                path=pushed.path,
                 site=site,
             )
-        need_grad = here or call.need_grad_inputs  # a backward here needs its outputs' gradient
-        pushed, queued = await self._forward_on(call, time_remaining, need_grad, record)
-        receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
-        if need_grad:
-            assert pushed.grad is not None
-            grad_outputs, msg = pushed.grad, None
-            if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
-                dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
-                header = reply_header(dtype, shape, reply, self.limits.block_size)
-                self.messages.took(header, grad_outputs)
-            else:
-                msg = grad_outputs
-                grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
-                self.messages.took(msg, grad_outputs)
-            record.received("grad_outputs", grad_outputs, msg)  # kept as it came
-            done = await self.answering.backward_here(
-                rt.backward,
-                h,
-                reply,
-                inputs,
-                grad_outputs,
-                accumulate=here,
-                receipt=here,
-                tokens=tokens,
-                into=into,
-            )
-            grad = done.grad
-            record.sent("grad_inputs", _first(grad))
-            if done.receipt is not None:
-                receipts.append(done.receipt)
-        return pb.StagePushResponse(
-            tensors=grad,
-            receipts=receipts,
-            uncertain=sorted(pushed.uncertain),
-            loss_sum=pushed.loss_sum,
-            queued_seconds=queued,
-            path=pushed.path,
-            site=site,
-        )
+        finally:
+            await record.settled()  # its digests read what came and went: taken before it goes
 
     async def _evaluation(
         self, call: ServedPush, time_remaining: Callable[[], float | None]
@@ -222,7 +230,8 @@ class PushPlane:
 
         def on_host(out: torch.Tensor) -> Outgoing:
             # On the worker thread: what it sends, and (where it keeps a record) what it commits
-            # to and its digest: the same message, unless it is a liar that sends another.
+            # to: the same message, unless it is a liar that sends another. Its digest is taken
+            # on the record's digester, beside the next computation.
             said = poison.outputs(step, out)
             forged = poison.sent(step, out) if not evaluate else None
             sent = forged if forged is not None else said
