@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.once import once
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(520)]
@@ -41,24 +43,29 @@ class Checked:
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
-    """The check, run once for the tests that read what it said."""
-    tmp_path = tmp_path_factory.mktemp("gpu-check")
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "OUT": str(tmp_path / "out"),
-        "GPU_CHECK_WHEELS": "",
-        "TMPDIR": str(tmp_path),
-    }
-    done = subprocess.run(
-        [str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,  # the check's own budget (QUICK_TOTAL_S) and its smoke part's, beyond it
-    )
-    return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out")
+    """The check, run once per pytest run (`once`: its tests may be dealt to both workers) for
+    the tests that read what it said."""
+    with once(tmp_path_factory, "gpu-check") as (tmp_path, first):
+        if first:
+            env = {
+                **os.environ,
+                "PYTHON": sys.executable,
+                "OUT": str(tmp_path / "out"),
+                "GPU_CHECK_WHEELS": "",
+                "TMPDIR": str(tmp_path),
+            }
+            done = subprocess.run(
+                [str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--quick"],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=500,  # the check's own budget (QUICK_TOTAL_S) and its smoke's, beyond it
+            )
+            (tmp_path / "code").write_text(str(done.returncode))
+            (tmp_path / "output").write_text(done.stdout + done.stderr)
+        code = int((tmp_path / "code").read_text())
+        return Checked(code, (tmp_path / "output").read_text(), tmp_path / "out")
 
 
 def check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Checked:
