@@ -2,7 +2,7 @@
 and runs this): one that fails or hangs is reported and the next still runs.
 
     python bench/gpu_check.py [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
-        [--ratio-shapes long,short] [--plan]
+        [--ratio-shapes long,short] [--smoke-stall-s S] [--plan]
 
 The device check (`DEVICE_PARTS`, one call of a lent machine: 8 minutes with the wheels, at most
 8 files under $OUT), in this order:
@@ -352,6 +352,9 @@ class Check:
         INFO logs kept: whatever stops the runs after it shows here first, in seconds."""
         cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device, "--smoke"]
         cmd += ["--shapes", "short,long"] + ([] if self.cuda else ["--cpu-tiny"])
+        # --smoke-stall-s: a test's smoke that stalls on purpose stops sooner than at the bench's
+        # own bound (bench/gpu_ratio.py's STALL_S)
+        cmd += ["--stall-s", str(self.args.smoke_stall_s)] if self.args.smoke_stall_s else []
         return [*cmd, "--budget-s", str(self._timeout("smoke") - 10)]
 
     def _judge_smoke(self, code: int, output: str) -> tuple[bool, str]:
@@ -574,6 +577,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--ratio-shapes", default="long,short", help="bench/gpu_ratio.py's shapes, in order"
+    )
+    parser.add_argument(
+        "--smoke-stall-s",
+        type=float,
+        default=0.0,
+        help="the smoke part's stall bound (0: bench/gpu_ratio.py's own)",
     )
     parser.add_argument("--plan", action="store_true", help="print what would run, run nothing")
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 # The device check (issue 41): on a GPU host with no package index, with the host's own torch.
 #
 #   bench/gpu_check.sh [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
-#       [--ratio-shapes long,short] [--plan]
+#       [--ratio-shapes long,short] [--smoke-stall-s S] [--plan]
 #
 # On a lent GPU machine it is one call: 8 minutes at most from this script's start, the wheels'
 # install included (GPU_CHECK_STARTED carries the start to bench/gpu_check.py, which budgets its
