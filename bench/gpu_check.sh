@@ -4,7 +4,7 @@
 #   bench/gpu_check.sh [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
 #       [--ratio-shapes long,short] [--smoke-stall-s S] [--plan]
 #
-# On a lent GPU machine it is one call: 8 minutes at most from this script's start, the wheels'
+# On a lent GPU machine it is one call: 8.5 minutes at most from this script's start, the wheels'
 # install included (GPU_CHECK_STARTED carries the start to bench/gpu_check.py, which budgets its
 # parts by what is left), and at most 8 files under $OUT.
 #

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import torch_pipeline  # noqa: E402
 from bench.pipeline_overhead import samples_per_second  # noqa: E402
-from bench.small_stages import JOB, tiny  # noqa: E402
+from bench.small_stages import JOB, first_on_path, tiny  # noqa: E402
 
 TARGETS = {"swarm/in-process": 0.92, "swarm/torch": 1.0}  # at least
 
@@ -48,7 +48,7 @@ def job_text(steps: int, smoke: bool) -> str:
 
 def swarm_run(job: Path, steps: int, work: Path) -> float:
     """Samples/s of bench/small_stages.py's run (4 stage servers and a trainer) of `job`."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": first_on_path(ROOT)}
     args = [sys.executable, str(HERE.parent / "small_stages.py"), "--child", str(work)]
     args += ["--steps", str(steps), "--job", str(job)]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
@@ -62,7 +62,7 @@ def local_run(job: Path, threads: int, work: Path) -> float:
     cmd = [sys.executable, "-m", "swarm.cli", "local", str(job), "--threads", str(threads)]
     subprocess.run(
         [*cmd, "--log", str(log)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": first_on_path(ROOT)},
         check=True,
         stderr=subprocess.DEVNULL,
         timeout=900,

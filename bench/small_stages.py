@@ -47,6 +47,12 @@ max_in_flight = 16
 """
 
 
+def first_on_path(checkout: Path) -> str:
+    """PYTHONPATH with `checkout` first (its code is the one measured), and whatever was on it
+    after: a host's carried wheels' site (bench/carried_wheels.sh) must stay importable."""
+    return os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def tiny(job: str) -> str:
     """`job` (JOB, or one made from it) with a d64 model: a smoke run of a bench built on JOB,
     whose figures judge nothing."""
@@ -86,7 +92,7 @@ def run(checkout: Path, steps: int, metrics: bool) -> float:
         out = subprocess.run(
             args + (["--metrics"] if metrics else []),
             cwd=checkout,
-            env={**os.environ, "PYTHONPATH": str(checkout)},
+            env={**os.environ, "PYTHONPATH": first_on_path(checkout)},
             check=True,
             capture_output=True,
             text=True,

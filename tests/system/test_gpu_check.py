@@ -228,7 +228,9 @@ def test_a_device_that_is_not_one_is_refused_at_once(tmp_path: Path) -> None:
 def test_the_device_check_fits_one_call_of_a_lent_machine(tmp_path: Path) -> None:
     """The plan a GPU host runs (`--plan`, nothing run): the smoke first after the versions,
     then the ratio at the long shape first, the CUDA tests, the device faults; each part's
-    seconds within 8 minutes with the wheels' install; at most 8 files under $OUT."""
+    seconds within 8.5 minutes with the wheels' install (the smoke's two shapes each start four
+    servers of the 1B model, train 2 steps and download the 4.4 GB state: 90 s was cut short);
+    at most 8 files under $OUT."""
     sys.path.insert(0, str(ROOT))
     from bench import gpu_check
 
@@ -239,11 +241,11 @@ def test_the_device_check_fits_one_call_of_a_lent_machine(tmp_path: Path) -> Non
     names = [p["name"] for p in parts]
     assert names == ["environment", "smoke", "gpu ratio", "CUDA tests", "device faults"]
     seconds = {p["name"]: p["timeout_s"] for p in parts}
-    assert seconds["smoke"] <= 90
+    assert seconds["smoke"] <= 120
     # the install's bound is the script's own: the same seconds on both sides
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
     assert f"WHEELS_S={gpu_check.WHEELS_S}\n" in script
-    assert gpu_check.WHEELS_S + sum(seconds.values()) <= gpu_check.TOTAL_S <= 8 * 60
+    assert gpu_check.WHEELS_S + sum(seconds.values()) <= gpu_check.TOTAL_S <= 8.5 * 60
     assert plan["budget_s"] <= gpu_check.TOTAL_S  # counted from the script's start
     assert len(plan["out_files"]) <= 8 and "gpu_check.txt" in plan["out_files"]
     smoke = parts[1]["command"]
