@@ -85,10 +85,11 @@ def samples_per_second(
     job: Path, steps: int, schedule: str = "gpipe", threads: int = 1, timeout: float = 600
 ) -> float:
     """One run, its ranks each a process of this script; rank 0's samples/s."""
+    from bench.small_stages import first_on_path
     from swarm.job.config import load_job
 
     world, port = load_job(job).training.stages, free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": first_on_path(ROOT)}
     # gloo's own links on loopback: a host with no network resolves its name to nothing usable
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     args = [sys.executable, __file__, str(job), "--steps", str(steps)]
