@@ -52,8 +52,10 @@ target are read off is the seeds' mean curve.
    steady step time (below), and its bytes per token each way per boundary, read from every
    stage server's `swarm_stage_boundary_{bytes,tokens}_sent_total` at the end (forward at
    boundary k|k+1 is stage k's, backward stage k+1's).
-2. The shaping. The link rate is the full row's busiest host's boundary bytes per step (its
-   outputs forward plus its input gradient backward) over `--factor` x its unshaped step time:
+2. The shaping. The link rate is the full row's busiest host's boundary bytes per training
+   step (its outputs forward plus its input gradient backward: its bytes per token each way
+   times the tokens a step trains, so the evaluations' forwards are left out) over `--factor`
+   x its unshaped step time:
    at that rate the full boundary's traffic needs `--factor` x what the link carries while the
    stages compute at their unshaped rate. Every host's link gets it both ways (tc tbf on both
    ends of its veth, as bench/wan.py shapes). The full row sends float32; a bf16 boundary, the
@@ -473,10 +475,19 @@ def over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def link_rate_bits(full: dict[str, Any], args: argparse.Namespace) -> float:
-    """The rate (bits/s) at which the full row's busiest host's boundary traffic per step needs
-    `--factor` x its unshaped step time (evaluation forwards included: a sliver)."""
-    busiest = max(c["forward_bytes"] + c["backward_bytes"] for c in full["boundary_counts"])
-    per_step = busiest / args.max_steps
+    """The rate (bits/s) at which the full row's busiest host's boundary traffic per training
+    step needs `--factor` x its unshaped step time: each way, its bytes per token times the
+    tokens a step trains. Not its bytes over the steps: its counters hold the evaluations'
+    forwards too (32 validation microbatches each, as many tokens as 8 training steps'), which
+    would make the link faster than `--factor` says (1.25x at the defaults)."""
+    p = WORKLOADS[args.workload]
+    tokens = p["target_batch_size"] * p["seq_len"]
+
+    def need(c: dict[str, float]) -> float:
+        ways = ("forward", "backward")
+        return sum(c[f"{w}_bytes"] / c[f"{w}_tokens"] for w in ways if c[f"{w}_tokens"])
+
+    per_step = tokens * max(need(c) for c in full["boundary_counts"])
     return 8 * per_step / (args.factor * full["step_seconds"])
 
 

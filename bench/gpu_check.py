@@ -2,9 +2,9 @@
 and runs this): one that fails or hangs is reported and the next still runs.
 
     python bench/gpu_check.py [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
-        [--ratio-shapes long,short] [--plan]
+        [--ratio-shapes long,short] [--smoke-stall-s S] [--plan]
 
-The device check (`DEVICE_PARTS`, one call of a lent machine: 8 minutes with the wheels, at most
+The device check (`DEVICE_PARTS`, one call of a lent machine: 8.5 minutes with the wheels, at most
 8 files under $OUT), in this order:
 1. environment: the versions this runs with, and nvidia-smi's line for the GPU;
 2. smoke: 2 steps of swarm alone, 4 stage servers x 1 on the device, both shapes, the servers'
@@ -103,18 +103,20 @@ print("RESULT " + json.dumps(out))
 # wheels included: `WHEELS_S` + theirs <= `TOTAL_S` (tests/system/test_gpu_check.py).
 BUDGETS = {
     "environment": (20, 60),
-    "smoke": (90, 200),
+    "smoke": (120, 200),
     "doctor": (90, 90),
     "CUDA tests": (90, 150),
     "train fp32": (240, 240),
     "train bf16-mixed": (240, 240),
     "llama-1b": (300, 300),
     "gpu ratio": (185, 300),
+    "gpu idle": (215, 300),
     "device faults": (50, 180),
 }
 DEVICE_PARTS = ("environment", "smoke", "gpu ratio", "CUDA tests", "device faults")
+ON_REQUEST = ("gpu idle",)  # only where --parts names them: --quick (CI) runs the others
 GATE = "smoke"  # a failed smoke part stops the check: nothing after it could pass
-TOTAL_S = 480.0  # the device check, from bench/gpu_check.sh's start (GPU_CHECK_STARTED)
+TOTAL_S = 510.0  # the device check, from bench/gpu_check.sh's start (GPU_CHECK_STARTED)
 WHEELS_S = 45  # bench/gpu_check.sh's install of the carried wheels, at most
 QUICK_TOTAL_S = 420.0  # CI, on 2 shared cores: the smoke alone, then the rest side by side
 MAX_OUT_FILES = 8  # what a lent machine's call brings back
@@ -158,7 +160,9 @@ class Check:
         self.header = ""
         everything = self._parts()
         chosen = args.parts or (set() if args.quick else set(DEVICE_PARTS))
-        self.parts = [p for p in everything if not chosen or p.name in chosen]
+        self.parts = [
+            p for p in everything if p.name in chosen or (not chosen and p.name not in ON_REQUEST)
+        ]
 
     # --- the parts ---------------------------------------------------------------------------
 
@@ -184,6 +188,7 @@ class Check:
             ),
             Part("llama-1b", 0, self._llama, self._judge_llama),
             Part("gpu ratio", 0, self._ratio, self._judge_ratio),
+            Part("gpu idle", 0, self._idle, self._judge_idle),
             Part("device faults", 0, self._faults, self._judge_faults),
         ]
         for part in parts:
@@ -347,6 +352,9 @@ class Check:
         INFO logs kept: whatever stops the runs after it shows here first, in seconds."""
         cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device, "--smoke"]
         cmd += ["--shapes", "short,long"] + ([] if self.cuda else ["--cpu-tiny"])
+        # --smoke-stall-s: a test's smoke that stalls on purpose stops sooner than at the bench's
+        # own bound (bench/gpu_ratio.py's STALL_S)
+        cmd += ["--stall-s", str(self.args.smoke_stall_s)] if self.args.smoke_stall_s else []
         return [*cmd, "--budget-s", str(self._timeout("smoke") - 10)]
 
     def _judge_smoke(self, code: int, output: str) -> tuple[bool, str]:
@@ -388,6 +396,28 @@ class Check:
         if code or r["failures"]:
             return False, text + "\n    " + "\n    ".join(r["failures"] or [f"exit {code}"])
         return True, "swarm against torch on the same device\n" + text
+
+    def _idle(self) -> list[str]:
+        """Where a swarm step's time goes (bench/timeline_report.py), the long shape eager
+        beside torch's two runs: more timed steps than the ratio's, the servers sampled by
+        py-spy, the run's trace (Perfetto) and py-spy's stacks under $OUT."""
+        cmd = [PY, str(ROOT / "bench" / "gpu_ratio.py"), "--device", self.device]
+        cmd += ["--cpu-tiny"] if not self.cuda else []
+        cmd += ["--shapes", "long", "--compile", "off", "--warmup", "2", "--steps", "6"]
+        cmd += ["--budget-s", str(self._timeout("gpu idle") - 15), "--py-spy"]
+        cmd += ["--out", str(self.out / "gpu_idle")] if self.out else []
+        peak = self._peak_tflops()
+        return cmd + (["--peak-tflops", str(peak)] if peak else [])
+
+    def _judge_idle(self, code: int, output: str) -> tuple[bool, str]:
+        passed, text = self._judge_ratio(code, output)
+        lines = output.splitlines()
+        if not passed or not any("Where a swarm step's time" in x for x in lines):
+            return False, text if not passed else f"{text}\n    no timeline was reported"
+        # the table, the breakdown, the evictions, py-spy's summaries: up to the run's result
+        start = next(i for i, x in enumerate(lines) if x.startswith("### "))
+        told = [x for x in lines[start:] if not x.startswith("RESULT ")]
+        return True, "where a swarm step's time goes\n" + "\n".join("    " + x for x in told)
 
     def _faults(self) -> list[str]:
         cmd = [PY, str(ROOT / "bench" / "gpu_fault_check.py"), "--device", self.device]
@@ -452,8 +482,14 @@ class Check:
             (logs / log.name).write_bytes(data[-LOG_BYTES:])
 
     def out_files(self) -> list[str]:
-        """The files a run leaves under $OUT: the summary and each part's log."""
-        return ["gpu_check.txt"] + [f"gpu_check_logs/{slug(p.name)}.log" for p in self.parts]
+        """The files a run leaves under $OUT: the summary and each part's log (gpu idle's
+        trace and stacks beside them)."""
+        idle = ["gpu_idle/trace-long-swarm.json", "gpu_idle/py-spy-long-swarm.txt"]
+        return (
+            ["gpu_check.txt"]
+            + [f"gpu_check_logs/{slug(p.name)}.log" for p in self.parts]
+            + (idle if "gpu idle" in {p.name for p in self.parts} else [])
+        )
 
     def report(self) -> str:
         lines = [self.header]
@@ -541,6 +577,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--ratio-shapes", default="long,short", help="bench/gpu_ratio.py's shapes, in order"
+    )
+    parser.add_argument(
+        "--smoke-stall-s",
+        type=float,
+        default=0.0,
+        help="the smoke part's stall bound (0: bench/gpu_ratio.py's own)",
     )
     parser.add_argument("--plan", action="store_true", help="print what would run, run nothing")
     args = parser.parse_args()

@@ -2,9 +2,9 @@
 # The device check (issue 41): on a GPU host with no package index, with the host's own torch.
 #
 #   bench/gpu_check.sh [--device cuda:0|cpu] [--quick] [--budget-s S] [--parts P,Q]
-#       [--ratio-shapes long,short] [--plan]
+#       [--ratio-shapes long,short] [--smoke-stall-s S] [--plan]
 #
-# On a lent GPU machine it is one call: 8 minutes at most from this script's start, the wheels'
+# On a lent GPU machine it is one call: 8.5 minutes at most from this script's start, the wheels'
 # install included (GPU_CHECK_STARTED carries the start to bench/gpu_check.py, which budgets its
 # parts by what is left), and at most 8 files under $OUT.
 #
@@ -32,48 +32,6 @@ WHEELS_S=45
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case " $* " in *" --plan "*) WHEELS= ;; esac  # a plan runs nothing: no install either
 
-if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  SITE=$(mktemp -d "${TMPDIR:-/tmp}/swarm-gpu-site-XXXXXX")
-  # The wheels to install: every one the host has no distribution of, and the pinned ones.
-  mapfile -t PICK < <("$PY" - "$WHEELS" <<'PYEOF'
-import importlib.metadata as md, pathlib, sys
-always = {"grpcio", "grpcio_health_checking", "protobuf", "pytest", "pluggy", "iniconfig",
-          "pytest_asyncio", "pytest_timeout",
-          "websockets", "dacite", "transitions"}  # amqtt's, at the versions it was tested with
-for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
-    name, version = whl.name.split("-")[:2]
-    key = name.lower().replace("-", "_").replace(".", "_")
-    try:
-        have = md.version(name)
-    except md.PackageNotFoundError:
-        have = None
-    if key in always or have is None:
-        print(whl)
-        print(f"  {name} {version} (host: {have or 'none'})", file=sys.stderr)
-PYEOF
-  )
-  echo "installing ${#PICK[@]} carried wheels into $SITE (at most ${WHEELS_S} s)"
-  export PIP_ROOT_USER_ACTION=ignore  # a container runs as root; older pips ignore it
-  if [ "${#PICK[@]}" -eq 0 ]; then
-    :
-  elif [ -z "${GPU_CHECK_NO_PIP:-}" ] && "$PY" -m pip --version >/dev/null 2>&1; then
-    timeout "$WHEELS_S" "$PY" -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --disable-pip-version-check --target "$SITE" "${PICK[@]}" \
-      || echo "FAIL: pip install"
-  else  # no pip: a wheel is a zip of what goes into site-packages (and *.data/purelib|platlib)
-    timeout "$WHEELS_S" "$PY" - "$SITE" "${PICK[@]}" <<'PYEOF' || echo "FAIL: unpacking the wheels"
-import pathlib, shutil, sys, zipfile
-site = pathlib.Path(sys.argv[1])
-for whl in sys.argv[2:]:
-    with zipfile.ZipFile(whl) as z:
-        z.extractall(site)
-for data in site.glob("*.data"):
-    for sub in ("purelib", "platlib"):
-        if (data / sub).is_dir():
-            shutil.copytree(data / sub, site, dirs_exist_ok=True)
-PYEOF
-  fi
-  export PYTHONPATH="$SITE:$PYTHONPATH"
-fi
+. bench/carried_wheels.sh  # the install: PY, WHEELS, WHEELS_S as set above
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the host image's plugins: see bench/gpu_check.py
 exec "$PY" bench/gpu_check.py "$@"

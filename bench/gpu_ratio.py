@@ -4,6 +4,7 @@ bench/gpu_check.sh.
     python bench/gpu_ratio.py [--device cuda:0] [--shapes long,short] [--warmup 2] [--steps 5]
         [--precision bf16-mixed] [--compile auto|on|off] [--peak-tflops T] [--cpu-tiny] [--mps]
         [--smoke] [--stall-s S] [--budget-s S] [--server-faults [stageK:]point@step,...]
+        [--out DIR] [--py-spy]
 
 The model is examples/llama-1b.toml's. Each run is its own process, one after the other on the
 one device, swarm's first, warm-up steps and then timed steps:
@@ -22,7 +23,13 @@ counted, as `swarm.model.transformer.layer_costs`, x3 for the backward, against 
 or the device's known dense bf16 peak; n/a when unknown), the device's busy % (NVML's
 utilization, sampled while the timed steps ran; n/a without NVML), and for swarm the commit's
 share of a step (what no microbatch could be leased in), the activation caches' evictions, and
-every step's loss against (a)'s (within 1% in bf16-mixed, 1e-4 in fp32). A one-pass run the
+every step's loss against (a)'s (within 1% in bf16-mixed, 1e-4 in fp32), and where its time
+went: every process of a swarm run writes its timeline (`swarm.ops.timeline`), cut into the
+timed steps by `bench.timeline_report` (a table after the runs' one: the seconds some stage
+computed and none did, the idle cut into fill, gaps, drain and commit, the evictions by cause),
+and a trace of the run for Perfetto (`--out DIR` keeps it). `--py-spy`: each stage server
+sampled by py-spy over the timed steps (`bench.spy`), what its threads spent their time in
+printed, the stacks kept (`--out`). A one-pass run the
 device has no memory for is reported (OOM), not failed. The last line is `RESULT {json}`; exit
 status 1 when a run failed or a loss disagreed.
 
@@ -50,6 +57,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,11 +70,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import process_groups  # noqa: E402
+from bench import process_groups, spy, timeline_report  # noqa: E402
 from bench.gpu_check import BF16_PEAK_TFLOPS  # noqa: E402
 from bench.llama_1b import JOB, TINY, set_keys  # noqa: E402
 from bench.mps import MpsUnavailable, mps_daemon, mps_unavailable  # noqa: E402
 from bench.stall import READY_LINE, STEP_LINE, Stall, last_errors  # noqa: E402
+from swarm.ops import timeline  # noqa: E402
 
 SHAPES: dict[str, dict[str, int]] = {  # seq_len, microbatch_size, target_batch_size
     "short": {"seq_len": 128, "microbatch_size": 4, "target_batch_size": 16},
@@ -106,6 +115,7 @@ class Busy:
 
     def __init__(self, device: str) -> None:
         self.samples: list[int] = []
+        self.times: list[float] = []  # each sample's time (perf_counter: the timeline's clock)
         self._handle: Any = None
         self._done = threading.Event()
         if device.startswith("cuda"):
@@ -126,6 +136,7 @@ class Busy:
     def _run(self) -> None:
         while not self._done.wait(0.05):
             self.samples.append(int(self._read()))
+            self.times.append(time.perf_counter())
 
     def start(self) -> None:
         if self._handle is not None:
@@ -134,9 +145,13 @@ class Busy:
     def stop(self) -> float | None:
         if self._handle is None:
             return None
-        self._done.set()
-        self._thread.join()
+        if not self._done.is_set():
+            self._done.set()
+            self._thread.join()
         return statistics.fmean(self.samples) if self.samples else None
+
+    def timed(self) -> list[tuple[float, int]]:
+        return list(zip(self.times, self.samples, strict=False))
 
 
 def run_torch(args: argparse.Namespace, job_path: Path, compiled: bool, one_pass: bool) -> dict:
@@ -229,12 +244,28 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
     servers: list[SwarmProcess] = []
     records: list[StepRecord] = []
     busy = Busy(args.device)
+    spied: list[spy.Sampling] = []  # --py-spy: the servers sampled over the timed steps
+    ended: list[float] = []  # when the last step was committed
 
     def on_step(record: StepRecord) -> None:
         records.append(record)
         print(f"{STEP_LINE}{record.step} loss {record.loss:.6f} {record.seconds:.3f} s", flush=True)
         if len(records) == args.warmup:
             busy.start()
+            if args.py_spy:  # as long as the timed steps should take, by the warm-up's
+                took = statistics.fmean(r.seconds for r in records[1:] or records)
+                seconds = min(max(2.0, took * args.steps), 60.0)
+                pids = {f"stage {k}": s.proc.pid for k, s in enumerate(servers)}
+                spied.append(spy.Sampling(pids, seconds, work))
+        if len(records) == args.warmup + args.steps:  # not the state's download after it
+            busy.stop()
+            ended.append(time.perf_counter())
+
+    # Every process of the run writes where its time went (`swarm.ops.timeline`): the servers
+    # inherit the folder with this process's environment.
+    lines = work / f"timeline-{args.shape}-{args.phase}"
+    os.environ[timeline.ENV] = str(lines)
+    roles = {os.getpid(): "trainer"}
 
     try:
         for k in range(job.training.stages):
@@ -245,6 +276,7 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
             name = f"{args.shape}-{args.phase}-stage-{k}"
             env = server_env(args.server_faults, k)
             servers.append(start_process(cmd, log_dir=work, name=name, env=env))
+            roles[servers[-1].proc.pid] = f"stage {k}"
         for s in servers:
             s.wait_ready(PHASE_TIMEOUT_S)
         print(f"{READY_LINE}: {len(servers)} stage servers on {args.device}", flush=True)
@@ -253,10 +285,22 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
             busy.start()
         asyncio.run(train_standalone(job, pool, on_step=on_step))
         used = busy.stop()
+        # the trained state's download from the servers, after the last step: no step's time,
+        # and the device idle (NVML's busy % is sampled over the timed steps alone)
+        download = time.perf_counter() - ended[0] if ended else None
         taken = handed(servers)  # the co-located handover's tensors, through memory
+        for sampling in spied:
+            sampling.finish()
     finally:
         stop_all(servers)  # SIGTERM to each before waiting for any: their shutdowns overlap
     evictions = [read_evictions(s.log()) for s in servers]
+    sampled = spied[0] if spied else None
+    said = [] if sampled is None or not args.py_spy else [sampled.why] if sampled.why else []
+    if sampled is not None and sampled.files:
+        for name, path in sampled.files.items():
+            said += spy.summary(name, path)
+        stacks = spy.merged(sampled.files, work / f"py-spy-{args.shape}-{args.phase}.txt")
+        said.append(f"the stacks: {stacks}")
     return {
         "losses": [r.loss for r in records],
         "seconds": [r.seconds for r in records],
@@ -264,6 +308,28 @@ def run_swarm(args: argparse.Namespace, job_path: Path, work: Path, compiled: bo
         "busy": used,
         "evictions": evictions,
         "handed": taken,
+        "timeline": timed_breakdown(args, lines, roles, busy.timed()),
+        "py_spy": said,
+        "state_download_s": download,
+    }
+
+
+def timed_breakdown(
+    args: argparse.Namespace, lines: Path, roles: dict[int, str], busy: list[tuple[float, int]]
+) -> dict[str, Any]:
+    """The timed steps' breakdown (`bench.timeline_report`), and the whole run as a trace
+    for Perfetto beside the run's logs."""
+    events = timeline_report.load(lines)
+    trace = lines.parent / f"trace-{args.shape}-{args.phase}.json"
+    trace.write_text(json.dumps(timeline_report.chrome_trace(events, roles)))
+    steps = list(range(args.warmup, args.warmup + args.steps))
+    report = timeline_report.breakdown(events, roles, steps, busy)
+    return {
+        "mean": report["mean"],
+        "evictions": report["evictions"],
+        "markdown": timeline_report.markdown(report),
+        "trace": str(trace),
+        "steps": [{k: v for k, v in r.items() if k != "per_stage"} for r in report["steps"]],
     }
 
 
@@ -346,6 +412,7 @@ def run_phase(
     cmd += ["--device", args.device, "--precision", args.precision]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     cmd += ["--cpu-tiny"] if args.cpu_tiny else []
+    cmd += ["--py-spy"] if args.py_spy else []
     cmd += ["--server-faults", args.server_faults] if args.server_faults else []
     log = work / f"{shape}-{phase}.log"
     swarm = phase.startswith("swarm")
@@ -503,6 +570,22 @@ def compare(args: argparse.Namespace) -> int:
         if not args.smoke:
             baseline = {"(a)": faster(rows, "microbatched"), "(b)": faster(rows, "pass")}
             print(table(shape, rows, baseline), flush=True)
+            for name in (p for p in phases if p.startswith("swarm")):
+                said = rows.get(name, {}).get("timeline")
+                if said:
+                    print(f"{shape} {name}: {said['markdown']}", flush=True)
+                    keep(args, Path(said["trace"]))
+                    took = rows[name].get("state_download_s")
+                    if took is not None:
+                        print(
+                            f"The trained state's download after the last step: {took:.1f} s "
+                            "(outside every step; the busy % leaves it out)",
+                            flush=True,
+                        )
+                for line in rows.get(name, {}).get("py_spy", []):
+                    print(line, flush=True)
+                    if line.startswith("the stacks: "):
+                        keep(args, Path(line.removeprefix("the stacks: ")))
             shape_report = {"rows": rows, "baseline": baseline, **ratios(rows, phases, baseline)}
         if args.mps:
             print(f"MPS A/B: {mps or mps_ab(rows)}", flush=True)
@@ -513,6 +596,13 @@ def compare(args: argparse.Namespace) -> int:
         print(f"FAIL {f}", flush=True)
     print("RESULT " + json.dumps(report), flush=True)
     return 1 if failures else 0
+
+
+def keep(args: argparse.Namespace, path: Path) -> None:
+    """`path` copied into `--out` (where given): what a device run brings back."""
+    if args.out and path.exists():
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(args.out) / path.name)
 
 
 def check_losses(
@@ -578,6 +668,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--server-faults", default="", help="SWARM_FAULTS of the stage servers: [stageK:]p@s,..."
+    )
+    parser.add_argument(
+        "--out", default="", help="a folder for each swarm run's trace (Perfetto's format)"
+    )
+    parser.add_argument(
+        "--py-spy", action="store_true", help="sample the stage servers over the timed steps"
     )
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # one run, in its own process
     parser.add_argument("--shape", help=argparse.SUPPRESS)

@@ -29,6 +29,8 @@ PACKAGES=(
   cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
   # the rest of pyproject's dependencies, should the image lack them
   prometheus-client==0.26.0 tqdm==4.70.1 safetensors==0.8.0
+  # the device check's `gpu idle` part samples the stage servers with it (bench/spy.py)
+  py-spy==0.4.3
 )
 mkdir -p "$DIR"
 for spec in "${PACKAGES[@]}"; do

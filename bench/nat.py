@@ -198,7 +198,7 @@ def write_pins(work: Path, job: Path, label: str, pins: dict[str, int]) -> None:
     can serve that one only."""
     import torch
 
-    from stage_server.peer.measure import _key, measure_job
+    from stage_server.replica.speed import _key, measure_job
     from swarm.job.config import load_job
 
     config, cpu = load_job(job), torch.device("cpu")

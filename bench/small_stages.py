@@ -47,14 +47,28 @@ max_in_flight = 16
 """
 
 
-def child(steps: int, work: Path, metrics: bool) -> None:
-    """One run against the checkout on sys.path (the parent set PYTHONPATH); prints samples/s."""
+def first_on_path(checkout: Path) -> str:
+    """PYTHONPATH with `checkout` first (its code is the one measured), and whatever was on it
+    after: a host's carried wheels' site (bench/carried_wheels.sh) must stay importable."""
+    return os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def tiny(job: str) -> str:
+    """`job` (JOB, or one made from it) with a d64 model: a smoke run of a bench built on JOB,
+    whose figures judge nothing."""
+    return job.replace("d_model = 256", "d_model = 64").replace("n_heads = 8", "n_heads = 4")
+
+
+def child(steps: int, work: Path, metrics: bool, given: Path | None = None) -> None:
+    """One run against the checkout on sys.path (the parent set PYTHONPATH), of `JOB` or the
+    job file `given` (bench/peer_workload.py's smoke run: a smaller model); prints samples/s."""
     try:
         from swarm.local.procs import start_stage_servers, stop_all
     except ImportError:  # checkouts before swarm/local/ existed
         from swarm.procs import start_stage_servers, stop_all  # type: ignore[no-redef]
-    job = work / "job.toml"
-    job.write_text(JOB.format(steps=steps))
+    job = given or work / "job.toml"
+    if given is None:
+        job.write_text(JOB.format(steps=steps))
     log = work / "trainer.jsonl"
     servers = start_stage_servers(job, 4, log_dir=work, threads=1, metrics=metrics)
     try:
@@ -78,7 +92,7 @@ def run(checkout: Path, steps: int, metrics: bool) -> float:
         out = subprocess.run(
             args + (["--metrics"] if metrics else []),
             cwd=checkout,
-            env={**os.environ, "PYTHONPATH": str(checkout)},
+            env={**os.environ, "PYTHONPATH": first_on_path(checkout)},
             check=True,
             capture_output=True,
             text=True,
@@ -95,9 +109,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per run (first is warm-up)")
     parser.add_argument("--metrics", action="store_true", help="stage servers serve /metrics")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)  # a child's, not JOB
     args = parser.parse_args()
     if args.child:
-        child(args.steps, args.child, args.metrics)
+        child(args.steps, args.child, args.metrics, args.job)
         return
     if args.base is None:
         parser.error("BASE is required")

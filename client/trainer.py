@@ -28,6 +28,7 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.job.rule import rule_of
 from swarm.model.data import VAL_STEP, DataSource, make_data, make_val_data
+from swarm.ops import timeline
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.policy.window import window
@@ -204,7 +205,9 @@ class PipelineTrainer:
     ) -> Lease:
         working = [(t.step, t.index) for job, t in running.items() if not job.done()]
         self.leases += 1
+        start = timeline.now()
         lease = await self.coordinator.lease(self.trainer_id, count, wait_s=wait_s, working=working)
+        timeline.span("lease", start, timeline.now(), got=len(lease.tasks))
         self._leased_step = lease.step
         self.sync(lease.replicas)
         return lease
@@ -226,6 +229,7 @@ class PipelineTrainer:
         leases of the other slots' work, `running`); returns it."""
         running = running or {}
         self.metrics.in_flight.inc()
+        start = timeline.now()
         try:
             result: MicrobatchResult | None = await self._microbatch(task)
         except TrainerError as e:  # the hop loop handled every failed stage call itself
@@ -241,6 +245,7 @@ class PipelineTrainer:
             result = None
         finally:
             self.metrics.in_flight.dec()
+            timeline.span("microbatch", start, timeline.now(), at=[task.step, task.index])
         if result is None:
             await self._give_back(task)
             return None
@@ -279,10 +284,12 @@ class PipelineTrainer:
             # a next task for each slot reported, within the window (it may have shrunk)
             wanted = max(0, min(len(batch), self.window - len(working)))
             self.leases += 1
+            start = timeline.now()
             try:
                 lease = await self.coordinator.report_and_lease(
                     self.trainer_id, [r for r, _, _ in batch], wanted, working=working
                 )
+                timeline.span("report", start, timeline.now(), got=len(lease.tasks))
             except asyncio.CancelledError:
                 for _, waiter, _ in batch:
                     waiter.cancel()

@@ -7,7 +7,7 @@ scheduler's `--max-stage-bytes`, and with one microbatch's activations on top
 (`swarm.model.footprint`) with the largest memory a present peer announced: a job of
 3.3 T parameters is refused here, naming its sizes, instead of idle peers building it layer by
 layer until the kernel kills them (each peer checks again before it measures:
-`stage_server.peer.measure`). With neither bound (no flag, no peer that said its memory yet) the
+`stage_server.peer.fits`). With neither bound (no flag, no peer that said its memory yet) the
 size is not refused here; the peers' own check still holds.
 """
 

@@ -24,15 +24,21 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from stage_server.peer.certificate import check_own_certificate
+from stage_server.peer.fits import device_memory
 from stage_server.peer.host_id import host_id
-from stage_server.peer.identity import PeerIdentity, new_incarnation, persistent_peer_id
+from stage_server.peer.identity import (
+    PeerIdentity,
+    cache_dir,
+    new_incarnation,
+    persistent_peer_id,
+)
 from stage_server.peer.limits import PeerLimits
 from stage_server.peer.links import fill_rates, reannounce
-from stage_server.peer.measure import cache_path, device_memory, measure_job
 from stage_server.peer.metrics import StageMetrics
 from stage_server.peer.moving import describe_layers, plan_move, return_memory, stage_slowdown
 from stage_server.peer.reachability import PeerPath, local_address
 from stage_server.replica.runtime import StageRuntime
+from stage_server.replica.speed import measure_job
 from stage_server.server import (
     SERVICE_NAME,
     RunningStageServer,
@@ -476,7 +482,7 @@ async def run_peer(
     `scheduler`: its job API, where a starting checkpoint not on this machine is fetched."""
     torch.set_num_threads(max(1, opts.threads))
     check_device(opts.device)
-    identity = persistent_peer_id(cache_path().parent, opts.peer)
+    identity = persistent_peer_id(cache_dir(), opts.peer)
     peer = identity.id
     # Before anything starts: a certificate its callers would refuse stops it here, with the fix.
     announce = announced_host(opts.host, opts.announce_host, "a stage server")

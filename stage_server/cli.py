@@ -32,7 +32,7 @@ __all__ = ["LIFECYCLE_LOGGERS", "add_arguments", "peer_limits", "run", "show_lif
 
 LIFECYCLE_LOGGERS = (
     "stage_server.agent",
-    "stage_server.peer.measure",
+    "stage_server.replica.speed",
     "stage_server.server",
     "stage_server.peer.reachability",
     "swarm.rpc.lan",

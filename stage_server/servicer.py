@@ -38,7 +38,7 @@ from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
 from swarm.device.compute_clock import clock_for
-from swarm.device.host_copies import DeviceCopies
+from swarm.device.host_copies import HostCopies
 from swarm.errors import Busy, NotFound
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.ops.faults import Point, maybe_die
@@ -47,6 +47,7 @@ from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
+from swarm.rpc.push_call import PushCall
 from swarm.rpc.servicing import Servicing
 from swarm.wire.budget import Held, ReceiveBudget
 from swarm.wire.chunking import (
@@ -55,6 +56,7 @@ from swarm.wire.chunking import (
     read_to_end,
     within_deadline,
 )
+from swarm.wire.crossing import Crossing
 
 __all__ = ["StageServicer"]
 
@@ -145,12 +147,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.worker.throttle = value
 
     @property
-    def copies(self) -> DeviceCopies:
+    def copies(self) -> HostCopies:
         """How replies reach the host (`swarm.device.host_copies`)."""
         return self._messages.copies
 
     @copies.setter
-    def copies(self, value: DeviceCopies) -> None:
+    def copies(self, value: HostCopies) -> None:
         self._messages.copies = value
 
     @property
@@ -324,8 +326,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body(held: Held) -> pb.StagePushResponse:
             h, tensors, came = await self._receive(request_iterator, held, self._push.room, True)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
-            tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
-            return await self._push.push(h, inputs, targets, tokens, context.time_remaining, came)
+            call = PushCall.received(h, Crossing(inputs, tensors.get("tokens")), targets)
+            return await self._push.push(h, call, context.time_remaining, came)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):
             yield msg

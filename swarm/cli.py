@@ -4,6 +4,7 @@ Flags default from `SWARM_<FLAG>` environment variables (e.g. `SWARM_DEVICE=cuda
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import sys
@@ -146,5 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `swarm` command's process (and `python -m swarm.cli`'s): `main`, then an exit that
+    skips the interpreter's last collection. That collection walks every object the gc tracks,
+    torch's modules' included: about 1 s of CPU per role process once its work is done, and a
+    swarm's processes stopping together wait seconds on it. Frozen, they are simply left to the
+    process's end: nothing of ours is finalised by it (a role forked by the tests, which ends
+    with os._exit, never ran it). `main` itself does not freeze: tests call it in-process."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

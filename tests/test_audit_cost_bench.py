@@ -48,12 +48,15 @@ class Canned:
         return self.seconds[fraction]
 
 
-def test_the_bench_exits_1_when_the_target_is_missed() -> None:
+def test_the_bench_exits_1_when_the_target_is_missed(capsys: pytest.CaptureFixture[str]) -> None:
     missed = Canned(on=1.1, off=1.0)  # audits on: 10% more a step
     assert audit_cost.main(["--pairs", "5"], missed) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "FAIL: audits on/off median 1.100 (target <= 1.03)"
     # alternated, on first then off first; three replicas a stage by default
     assert [f for _, f, _ in missed.asked[:4]] == [0.045, 0.0, 0.0, 0.045]
     assert {r for _, _, r in missed.asked} == {3}
     assert audit_cost.main(["--pairs", "5"], Canned(on=1.01, off=1.0)) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: audits on/off median 1.010")
     with pytest.raises(SystemExit):
         audit_cost.main(["--pairs", "4"], Canned(on=1.0, off=1.0))

@@ -242,3 +242,23 @@ def test_the_table_control_starts_from_the_plain_weights_plus_the_subspace_table
         assert torch.allclose(added, rows[: added.shape[0]], atol=1e-6)
     others = [k for k in plain if ".tok." not in k and ".pos." not in k]
     assert others and all(torch.equal(with_table[k], plain[k]) for k in others)
+
+
+def test_the_link_rate_is_the_training_s_need_without_the_evaluations_forwards() -> None:
+    """The full row's busiest host trains 1024 tokens a step (32 samples of 32), 1280 B/token
+    each way at d_model 320 in float32. Its counters also hold the evaluations' forwards (32
+    validation microbatches each, as many tokens as 8 training steps'): counted in, they made
+    the link faster than `--factor` says (1.5x at 64 steps evaluated every 8)."""
+    args = boundary.parse_args(["--max-steps", "64", "--eval-every", "8", "--factor", "16"])
+    args.factor = 16.0
+    train, evals = 64 * 1024, 8 * 32 * 8 * 32  # tokens: 64 steps; 8 evaluations' forwards
+    stage = {
+        "forward_bytes": 1280.0 * (train + evals),
+        "forward_tokens": float(train + evals),
+        "backward_bytes": 1280.0 * train,
+        "backward_tokens": float(train),
+    }
+    first = {**stage, "backward_bytes": 0.0, "backward_tokens": 0.0}  # stage 0 sends no grads
+    full = {"boundary_counts": [first, stage, stage], "step_seconds": 0.5}
+    need = 2 * 1280 * 1024  # bytes a step at the busiest host: forward and backward
+    assert boundary.link_rate_bits(full, args) == pytest.approx(8 * need / (16 * 0.5))

@@ -5,6 +5,7 @@ module's source, so that a seeded violation can prove it bites:
 - `swarm/` imports no role; roles meet only over the `ALLOWED` edges, each still used;
 - a role's subpackage imports only itself, its sibling subpackages and `swarm`
   (`KNOWN_SUBPACKAGE_IMPORTS` aside, each still used);
+- no two-way tie: of two sibling subpackages, at most one imports the other;
 - floors: a `swarm` module imports only its own package and lower `FLOORS`;
 - purity: the policies and the simulator reach no I/O or heavy library, not even indirectly;
 - confinement: the MQTT libraries only in `swarm.bus`; gRPC only where the wire is;
@@ -15,6 +16,7 @@ module's source, so that a seeded violation can prove it bites:
   named for trust lives in one, and the concept map names it; a room imports none of the planes
   it sits beside, and a module outside the rooms imports one only at a door (`TRUST_DOORS`, each
   still used);
+- only `swarm.model` reads `boundary_rank` (`KNOWN_BOUNDARY_READS` aside, each still reading it);
 - no import circle between project modules (`KNOWN_CIRCLES` aside, each still a circle);
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it), and no Python file
@@ -215,6 +217,18 @@ TRUST_DOORS: dict[str, str] = {
     "scheduler.coordinator.replicas": "the checksums a PREPARE carries on the wire",
     "scheduler.job_training": "a `Ban` told to the job's history and `swarm status`",
     "scheduler.stored_bans": "the job store keeps each `Ban` across restarts",
+}
+
+BOUNDARY_HOME = "swarm.model"
+BOUNDARY_KEY = "boundary_rank"
+"""The key that chooses the subspace boundary: only `BOUNDARY_HOME` reads it (into
+`boundary_of`'s `Boundary`, chosen once from the job as the rule is), every other module asks
+the boundary. A read is the key taken from anything (the name is the key's alone): an attribute
+(`job.model.boundary_rank`, `cfg.boundary_rank`), a subscript with it as a constant,
+`getattr(x, "boundary_rank")` or `x.get("boundary_rank")`; comments and strings are no code."""
+KNOWN_BOUNDARY_READS: dict[str, str] = {
+    # module: why it reads the key outside the model. Each must still read it.
+    "swarm.job.small_boundary": "the job's own check of its small-boundary keys, as it is read",
 }
 
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
@@ -481,6 +495,27 @@ def reaches_up(
             for a, b in known
             if (a, b) not in used
         ),
+    ]
+
+
+def sibling_ties(found: Iterable[Edge], packages: Iterable[str]) -> list[str]:
+    """Pairs of a role's sibling subpackages that import each other (`peer` -> `replica` and
+    `replica` -> `peer`), each with one import of each way. Two subpackages tied both ways are
+    one concept cut in two: neither reads or tests without the other, and what they share
+    belongs in the one the other imports."""
+    packages = set(packages)
+    first: dict[tuple[str, str], Edge] = {}
+    for e in sorted(set(found), key=lambda e: (e.where, e.importer, e.imported)):
+        here, there = subpackage_of(e.importer, packages), subpackage_of(e.imported, packages)
+        if here is not None and there is not None and here != there:
+            first.setdefault((here, there), e)
+    return [
+        f"{first[a, b].where}: {a} imports {b} ({first[a, b].importer} -> {first[a, b].imported}) "
+        f"and {first[b, a].where}: {b} imports {a} ({first[b, a].importer} -> "
+        f"{first[b, a].imported}): sibling subpackages are tied one way only; move what one "
+        "needs of the other into the one it imports"
+        for a, b in sorted(first)
+        if a < b and (b, a) in first
     ]
 
 
@@ -831,6 +866,45 @@ def unmapped_trust(modules: Iterable[tuple[str, str]], named: Iterable[str]) -> 
     ]
 
 
+# The boundary's key.
+
+
+def boundary_reads(module: str, source: str, path: str) -> list[str]:
+    """Reads of `BOUNDARY_KEY` in `module` outside `BOUNDARY_HOME`."""
+    if within(module, (BOUNDARY_HOME,)):
+        return []
+    reads = [
+        n
+        for n in ast.walk(ast.parse(source, path))
+        if isinstance(n, ast.expr) and (read := _key_read(n)) and read[1] == BOUNDARY_KEY
+    ]
+    return [
+        f"{path}:{n.lineno}: {module} reads {BOUNDARY_KEY} ({ast.unparse(n)}): only "
+        f"{BOUNDARY_HOME} reads it; ask the job's Boundary (swarm.model.boundary.boundary_of)"
+        for n in sorted(reads, key=lambda n: (n.lineno, n.col_offset))
+    ]
+
+
+def boundary_key_violations(
+    found: Iterable[tuple[str, str, str]], known: Mapping[str, str] = KNOWN_BOUNDARY_READS
+) -> list[str]:
+    """`boundary_reads` of each (module, source, path) not in `known`, and entries of `known`
+    that read the key no more."""
+    bad: list[str] = []
+    used: set[str] = set()
+    for module, source, path in found:
+        reads = boundary_reads(module, source, path)
+        if reads and module in known:
+            used.add(module)
+        else:
+            bad += reads
+    return bad + [
+        f"KNOWN_BOUNDARY_READS {m}: reads {BOUNDARY_KEY} no more; remove it"
+        for m in known
+        if m not in used
+    ]
+
+
 # Import circles.
 
 
@@ -1072,6 +1146,12 @@ def test_subpackages_import_only_their_siblings() -> None:
         pytest.fail("a role's subpackage reaching up or across:\n" + "\n".join(bad))
 
 
+def test_no_two_way_tie_between_siblings() -> None:
+    bad = sibling_ties(edges(), role_packages())
+    if bad:
+        pytest.fail("sibling subpackages that import each other:\n" + "\n".join(bad))
+
+
 def test_floors() -> None:
     modules = ((n, str(p.relative_to(ROOT))) for n, p in project_modules().items())
     bad = unfloored(modules) + floor_violations(edges())
@@ -1117,6 +1197,12 @@ def test_trust_has_its_rooms() -> None:
     bad = trust_violations(edges(), modules) + unmapped_trust(modules, named)
     if bad:
         pytest.fail("trust threaded through the planes:\n" + "\n".join(bad))
+
+
+def test_only_the_model_reads_the_boundary_key() -> None:
+    bad = boundary_key_violations(sources())
+    if bad:
+        pytest.fail(f"{BOUNDARY_KEY} read outside {BOUNDARY_HOME}:\n" + "\n".join(bad))
 
 
 def test_no_import_circles() -> None:
@@ -1278,6 +1364,34 @@ def test_the_subpackage_checker() -> None:
     assert subpackage_of("stage_server.replica.runtime", packages) == "stage_server.replica"
     assert subpackage_of("stage_server.cli", packages) is None
     assert subpackage_of("swarm.device.oom", packages | {"swarm.ops"}) is None
+
+
+def test_the_sibling_tie_checker() -> None:
+    packages = {"stage_server", "stage_server.replica", "stage_server.peer"}
+    packages |= {"stage_server.averaging", "client", "client.data_plane"}
+    # The tie issue 66 found: the peer's speed measurement built a replica's runtime.
+    found = [
+        *_edges_of("stage_server.peer.measure", "from stage_server.replica.runtime import R\n"),
+        *_edges_of("stage_server.replica.messages", "from stage_server.peer.limits import L\n"),
+        *_edges_of("stage_server.replica.commit", "from stage_server.peer.metrics import M\n"),
+    ]
+    assert sibling_ties(found, packages) == [
+        "x.py:1: stage_server.peer imports stage_server.replica (stage_server.peer.measure -> "
+        "stage_server.replica.runtime) and x.py:1: stage_server.replica imports "
+        "stage_server.peer (stage_server.replica.commit -> stage_server.peer.metrics): sibling "
+        "subpackages are tied one way only; move what one needs of the other into the one it "
+        "imports"
+    ]
+    # One way only, a subpackage importing itself, a role's top-level module both ways: fine.
+    fine = [
+        *found[1:],
+        *_edges_of("stage_server.replica.worker", "from stage_server.averaging.a import A\n"),
+        *_edges_of("stage_server.replica.worker", "from stage_server.replica.runtime import R\n"),
+        *_edges_of("stage_server.agent", "from stage_server.peer.limits import L\n"),
+        *_edges_of("stage_server.peer.x", "import stage_server.agent\n"),
+        *_edges_of("client.data_plane.x", "from stage_server.peer.limits import L\n"),
+    ]
+    assert sibling_ties(fine, packages) == []
 
 
 def test_the_floor_checker() -> None:
@@ -1632,3 +1746,40 @@ def test_the_rule_key_checker() -> None:
         "KNOWN_RULE_READS client.b: reads no rule key; remove it"
     ]
     assert rule_key_violations(found, {}) == rule_reads("client.a", source, "a.py")
+
+
+def test_the_boundary_key_checker() -> None:
+    source = (
+        "# job.model.boundary_rank in a comment, and in a string: 'cfg.boundary_rank'\n"
+        "def f(job, cfg, raw, rt):\n"
+        "    a = job.model.boundary_rank and rt.job.model.boundary_rank > 0\n"
+        "    b = cfg.boundary_rank, raw['model']['boundary_rank'], getattr(cfg, 'boundary_rank')\n"
+        "    c = raw['model'].get('boundary_rank')\n"
+    )
+    reads = boundary_reads("stage_server.replica.fake", source, "x.py")
+    assert [r.split(" (")[0] for r in reads] == [
+        "x.py:3: stage_server.replica.fake reads boundary_rank",
+        "x.py:3: stage_server.replica.fake reads boundary_rank",
+        "x.py:4: stage_server.replica.fake reads boundary_rank",
+        "x.py:4: stage_server.replica.fake reads boundary_rank",
+        "x.py:4: stage_server.replica.fake reads boundary_rank",
+        "x.py:5: stage_server.replica.fake reads boundary_rank",
+    ]
+    assert reads[0] == (
+        "x.py:3: stage_server.replica.fake reads boundary_rank (job.model.boundary_rank): only "
+        "swarm.model reads it; ask the job's Boundary (swarm.model.boundary.boundary_of)"
+    )
+    assert not boundary_reads("swarm.model.boundary", source, "x.py")
+    # Allowed: the boundary's own answers, and other keys of the model.
+    fine = (
+        "boundary = boundary_of(job.model)\n"
+        "x = boundary.tokens(ids), boundary.width, job.model.boundary_bottleneck, cfg.d_model\n"
+        "y = replace(job.model, vocab_size=2)\n"
+    )
+    assert not boundary_reads("client.fake", fine, "x.py")
+    found = [("client.a", source, "a.py"), ("client.b", fine, "b.py")]
+    known = {"client.a": "being removed", "client.b": "stale"}
+    assert boundary_key_violations(found, known) == [
+        "KNOWN_BOUNDARY_READS client.b: reads boundary_rank no more; remove it"
+    ]
+    assert boundary_key_violations(found, {}) == boundary_reads("client.a", source, "a.py")

@@ -2,10 +2,10 @@
 always does, then reads what each stage was sent and answered from the plane's boundary cache
 and has `Audits` check a sample of it, before the result is reported (a liar caught is banned
 before its work commits). The plane itself builds nothing for the audit: it keeps its boundary
-cache (`client.data_plane.boundary`) as it would unaudited, and this module reads it through the
-`Kept` seam. A microbatch the cache does not hold whole (a stage that answered nothing the
-trainer holds, a rollback meanwhile) is not audited; neither is a replay from the cache, which
-answers nothing of its own."""
+cache (`client.data_plane.boundary_cache`) as it would unaudited, and this module reads it
+through the `Kept` seam. A microbatch the cache does not hold whole (a stage that answered
+nothing the trainer holds, a rollback meanwhile) is not audited; neither is a replay from the
+cache, which answers nothing of its own."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Plane(Protocol):
 
 
 class Answer(Protocol):
-    """What one stage answered (`client.data_plane.boundary.Answer`)."""
+    """What one stage answered (`client.data_plane.boundary_cache.Answer`)."""
 
     @property
     def forward_peer(self) -> str: ...

@@ -39,11 +39,10 @@ from client.audit.push_contributions import PushContributions
 from client.audit.push_fetch import fetched_record
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
-from swarm.model.subspace import wire_tokens
+from swarm.model.boundary import boundary_of
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
 from swarm.rpc.routes import Routes
-from swarm.wire import codec
 from swarm.wire.digest import digest
 
 __all__ = ["PushAudits"]
@@ -200,9 +199,8 @@ class PushAudits:
 
     def _tokens(self, ids: torch.Tensor) -> bytes | None:
         """The digest of the token ids stage 0 sends on under a subspace boundary."""
-        if not self.job.model.boundary_rank:
-            return None
-        return digest(wire_tokens(ids, self.job.model.vocab_size))
+        tokens = boundary_of(self.job.model).tokens(ids)
+        return None if tokens is None else digest(tokens)
 
     async def _fetched(
         self, step: int, index: int, run: int, c: pb.Commitment | None
@@ -215,19 +213,20 @@ class PushAudits:
         if c is None or not self.audits.auditors(c.stage, [c.peer]):
             self.audits.metrics.audited("skipped")
             return [], None
-        tensors, lied = await fetched_record(self.routes, step, index, run, c)
+        got, lied = await fetched_record(self.routes, step, index, run, c)
         if lied:
             self.audits.metrics.audited("caught")
             return lied, None
-        if tensors is None or not {"inputs", "outputs", "grad_outputs"} <= tensors.keys():
+        if got is None or not {"inputs", "outputs", "grad_outputs"} <= got.messages.keys():
             self.audits.metrics.audited("skipped")  # gone, or no backward ran there: no redo
             return [], None
+        tensors = got.messages
         return [], Work(
             c.stage,
             tensors["inputs"],  # sent on as they came (the client relabels them)
             tensors["grad_outputs"],
-            codec.decode(tensors["outputs"]),
-            codec.decode(tensors["grad_inputs"]) if "grad_inputs" in tensors else None,
+            got.decoded["outputs"],
+            got.decoded.get("grad_inputs"),
             c.peer,
             c.peer,
             tensors.get("tokens"),

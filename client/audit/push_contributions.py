@@ -33,9 +33,9 @@ from collections.abc import Sequence
 import torch
 
 from client.audit.audits import Audits, Work
-from client.audit.push_fetch import fetched_record
+from client.audit.push_fetch import Fetched, fetched_record
 from swarm.job.config import JobConfig
-from swarm.model.subspace import wire_tokens
+from swarm.model.boundary import boundary_of
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
@@ -46,8 +46,6 @@ from swarm.wire.digest import digest
 __all__ = ["PushContributions"]
 
 log = logging.getLogger(__name__)
-
-Tensors = dict[str, tensor_pb2.Tensor]
 
 
 class PushContributions:
@@ -85,9 +83,9 @@ class PushContributions:
         digests: list[GradientDigest] = []
         redone: set[int] = set()
         runs = 0
-        records: dict[int, Tensors | None] = {}
+        records: dict[int, Fetched | None] = {}
 
-        async def record(k: int) -> Tensors | None:
+        async def record(k: int) -> Fetched | None:
             if k not in records:
                 got, lied = await fetched_record(self.routes, step, index, run, said[k])
                 if lied:
@@ -122,8 +120,8 @@ class PushContributions:
         self,
         k: int,
         said: Sequence[pb.Commitment | None],
-        before: Tensors | None,
-        after: Tensors | None,
+        before: Fetched | None,
+        after: Fetched | None,
         ids: torch.Tensor,
         labels: torch.Tensor,
         loss: float,
@@ -133,30 +131,27 @@ class PushContributions:
         c, last = said[k], len(said) - 1
         if c is None or (k > 0 and before is None) or (k < last and after is None):
             return None
+        # each as sent on (a message, or the trainer's own tensor) and decoded: fetched so
         inputs: tensor_pb2.Tensor | torch.Tensor | None = (
-            before.get("outputs") if before is not None else codec.encode(ids, "inputs")
+            before.messages.get("outputs") if before is not None else codec.encode(ids, "inputs")
         )
-        tokens = None
-        if k > 0 and self.job.model.boundary_rank:
-            tokens = wire_tokens(ids, self.job.model.vocab_size)
-        grad_outputs = after.get("grad_inputs") if after is not None else labels
+        inputs_now = before.decoded.get("outputs") if before is not None else ids
+        tokens = boundary_of(self.job.model).tokens(ids) if k > 0 else None
+        grad_outputs = after.messages.get("grad_inputs") if after is not None else labels
+        grad_outputs_now = after.decoded.get("grad_inputs") if after is not None else labels
         if after is not None:
-            got = after.get("inputs")
-            outputs = None if got is None else codec.decode(got)
+            outputs = after.decoded.get("inputs")
         else:
             outputs = torch.tensor(loss, dtype=torch.float64)
-        grad_inputs = None
-        if before is not None:
-            got = before.get("grad_outputs")
-            grad_inputs = None if got is None else codec.decode(got)
+        grad_inputs = before.decoded.get("grad_outputs") if before is not None else None
         if inputs is None or grad_outputs is None or outputs is None:
             return None
         if k > 0 and grad_inputs is None:
             return None
         committed = {
-            "inputs": _decoded(inputs),
+            "inputs": inputs_now,
             "tokens": tokens,
-            "grad_outputs": _decoded(grad_outputs),
+            "grad_outputs": grad_outputs_now,
             "outputs": outputs,
             "grad_inputs": grad_inputs,
         }
@@ -165,7 +160,3 @@ class PushContributions:
         if isinstance(grad_outputs, torch.Tensor):  # the last stage's targets, as the trainer sent
             grad_outputs = codec.encode(grad_outputs, "targets")
         return Work(k, inputs, grad_outputs, outputs, grad_inputs, c.peer, c.peer, tokens)
-
-
-def _decoded(t: tensor_pb2.Tensor | torch.Tensor) -> torch.Tensor:
-    return t if isinstance(t, torch.Tensor) else codec.decode(t)

@@ -1,10 +1,15 @@
 """A push-plane replica's record fetched for an audit (`client.audit.push_audit`,
 `client.audit.push_contributions`): its tensors of one run of a microbatch, which must be
-what it committed to before anything was drawn (`stage_server.replica.push_records`)."""
+what it committed to before anything was drawn (`stage_server.replica.push_records`). Each
+tensor is decoded once, to check it against its digest, and handed on decoded beside its message
+(issue 69: the audits decoded the same bytes again for their work)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
+import torch
 
 from swarm.errors import SwarmError
 from swarm.proto import stage_pb2 as pb
@@ -14,16 +19,25 @@ from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.digest import digest
 
-__all__ = ["RECORDED", "fetched_record"]
+__all__ = ["RECORDED", "Fetched", "fetched_record"]
 
 log = logging.getLogger(__name__)
 
 RECORDED = ("inputs", "outputs", "grad_outputs", "grad_inputs", "tokens", "targets")
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """A record's tensors as its replica answered them (`messages`: sent on as they came) and
+    decoded (`decoded`), each what it committed to."""
+
+    messages: dict[str, tensor_pb2.Tensor]
+    decoded: dict[str, torch.Tensor]
+
+
 async def fetched_record(
     routes: Routes, step: int, index: int, run: int, c: pb.Commitment | None
-) -> tuple[dict[str, tensor_pb2.Tensor] | None, list[Verdict]]:
+) -> tuple[Fetched | None, list[Verdict]]:
     """The tensors of the record `c` commits to, asked of its replica (`c.peer`): None where it
     answers nothing (gone, its record dropped: no evidence either way), and with a verdict where
     they are not what it committed to (a lie told twice by one replica)."""
@@ -43,4 +57,4 @@ async def fetched_record(
         what = ", ".join(wrong) or "its commitment"
         evidence = f"its record of {where} is not what it committed to ({what})"
         return None, [Verdict(c.peer, c.stage, evidence)]
-    return tensors, []
+    return Fetched(tensors, decoded), []

@@ -3,4 +3,4 @@
 itself; a job names it `runtime.data_plane = "relay"`, which is not the NAT relay, `swarm.relay`)
 and `push` (the trainer hands the microbatch to stage 0, and each replica sends it on). Both make
 their hops through `hops.StageHops`, the trainer's face of the one hop loop (`swarm.rpc.hop`);
-the carry plane keeps what it sent in a `boundary.BoundaryCache`."""
+the carry plane keeps what it sent in a `boundary_cache.BoundaryCache`."""

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from client.data_plane.boundary import Answer, BoundaryCache
+from client.data_plane.boundary_cache import Answer, BoundaryCache
 from client.data_plane.hops import StageHops
 from client.metrics import TrainerMetrics
 from swarm.errors import ActivationsNotCached
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
+from swarm.model.boundary import boundary_of
 from swarm.model.data import DataSource
-from swarm.model.subspace import wire_tokens
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
 from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
@@ -148,10 +148,9 @@ class CarryPlane:
 
     def _tokens(self, ids: torch.Tensor) -> tensor_pb2.Tensor | None:
         """The token ids every stage after the first needs under a subspace boundary
-        (`model.boundary_rank`), encoded once; None (not sent) for a full boundary."""
-        if not self.job.model.boundary_rank:
-            return None
-        return codec.encode(wire_tokens(ids, self.job.model.vocab_size), "tokens")
+        (`Boundary.tokens`), encoded once; None (not sent) for a full boundary."""
+        tokens = boundary_of(self.job.model).tokens(ids)
+        return None if tokens is None else codec.encode(tokens, "tokens")
 
     async def _replay_from_cache(self, task: Task) -> MicrobatchResult | None:
         """A replay whose stages' boundary tensors are still cached: one call per stage, on any

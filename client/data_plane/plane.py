@@ -15,7 +15,7 @@ from client.audit.audited import Audited
 from client.audit.audits import Audits, tolerance_of
 from client.audit.push_audit import PushAudits
 from client.audit.reexecute import StageReexecutor
-from client.data_plane.boundary import BoundaryCache
+from client.data_plane.boundary_cache import BoundaryCache
 from client.data_plane.carry import CarryPlane
 from client.data_plane.hops import StageHops
 from client.data_plane.push import PushPlane, Unaudited

@@ -16,8 +16,8 @@ from client.data_plane.hops import StageHops
 from client.metrics import TrainerMetrics
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
+from swarm.model.boundary import boundary_of
 from swarm.model.data import DataSource
-from swarm.model.subspace import wire_targets
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import (
     ContributionAudit,
@@ -27,8 +27,10 @@ from swarm.rpc.lease import (
     Task,
     Verdict,
 )
-from swarm.rpc.stage_client import named
+from swarm.rpc.push_call import PushCall
+from swarm.rpc.stage_client import WirePush, named
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 
 __all__ = ["PushPlane", "PushTrust", "Unaudited"]
 
@@ -100,6 +102,7 @@ class PushPlane:
         self.job, self.hops, self.metrics = job, hops, metrics
         self.trust = trust or Unaudited()  # the trainer's audits (`client.audit.push_audit`)
         self._routes: list[pb.Route] = []  # per stage after the first: who serves it
+        self.boundary = boundary_of(job.model)
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         if len(replicas) != self.job.training.stages:
@@ -136,9 +139,9 @@ class PushPlane:
         return routes
 
     def _narrow(self, labels: torch.Tensor) -> torch.Tensor:
-        """The targets as every hop carries them (`wire_targets`: narrow under a subspace
-        boundary, where they ride beside a few coefficients per token)."""
-        return wire_targets(labels, self.job.model.boundary_rank, self.job.model.vocab_size)
+        """The targets as every hop carries them (narrow under a subspace boundary, where they
+        ride beside a few coefficients per token: `Boundary.targets`)."""
+        return self.boundary.targets(labels)
 
     def _timeout(self) -> float:
         return self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
@@ -147,23 +150,21 @@ class PushPlane:
         step, index, stages = task.step, task.index, task.stages
         ids, labels = data.microbatch(step, index)
         labels = self._narrow(labels)  # as sent: what stage 0 commits to (`PushAudits`)
-        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        route, last, timeout = self._route(), self.job.training.stages - 1, self._timeout()
+        last, timeout = self.job.training.stages - 1, self._timeout()
         # this run's records at each replica; 0: none kept, nothing to audit (`PushAudits`)
         run = self.trust.run_id(task.audits)
+        call: WirePush = PushCall(
+            step,
+            index,
+            Crossing(codec.encode(ids, "inputs")),  # stage 0's inputs are the ids themselves
+            codec.encode(labels, "targets"),
+            accumulate=tuple(sorted(stages)),
+            route=tuple(self._route()),
+            run=run,
+        )
         peer, result = await self.hops.accumulating(
             0,
-            lambda c, a: c.push(
-                step,
-                index,
-                inputs,
-                targets,
-                sorted(stages) if a else [],
-                route,
-                need_grad_inputs=False,
-                timeout=timeout,
-                run=run,
-            ),
+            lambda c, a: c.push(call.trying(a), timeout=timeout),
             accumulate=True,
             need_result=False,
         )
@@ -204,20 +205,14 @@ class PushPlane:
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor
     ) -> MicrobatchResult:
         step, index = task.step, task.index
-        targets = codec.encode(self._narrow(labels), "targets")
-        inputs, route, timeout = codec.encode(ids, "inputs"), self._routes, self._timeout()
-        _, pushed = await self.hops.any(
-            0,
-            lambda c: c.push(
-                step,
-                index,
-                inputs,
-                targets,
-                [],
-                route,
-                need_grad_inputs=False,
-                timeout=timeout,
-                evaluate=True,
-            ),
+        call: WirePush = PushCall(
+            step,
+            index,
+            Crossing(codec.encode(ids, "inputs")),
+            codec.encode(self._narrow(labels), "targets"),
+            route=tuple(self._routes),
+            evaluate=True,
         )
+        timeout = self._timeout()
+        _, pushed = await self.hops.any(0, lambda c: c.push(call, timeout=timeout))
         return MicrobatchResult(step, index, {}, pushed.loss_sum, int(ids.shape[0]))

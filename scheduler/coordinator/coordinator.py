@@ -190,7 +190,7 @@ class LocalCoordinator:
     def _open(self, step: int, beside: bool = False) -> None:
         """Open `step`: the only live step, or (`beside`, delayed_update) the next one beside
         the step whose commit is starting; or the job is done."""
-        self._records.opened()
+        self._records.opened(step)
         if self._window.open(step, beside) is None:
             self.finished.set()
         else:
@@ -288,7 +288,7 @@ class LocalCoordinator:
         if live is None or live.ledger is not ledger or live.commit.applied:
             return
         if ledger.complete and live is self._window.newest:
-            self._records.blocked()  # until the next step opens
+            self._records.blocked(ledger.step)  # until the next step opens
         if not ledger.complete or live.commit.task is not None or self._window.oldest is not live:
             return
         live.commit.task = asyncio.create_task(self._commit_step(live))

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from swarm.ops import timeline
 from swarm.ops.progress import StepRecord
 
 __all__ = ["StepRecords"]
@@ -34,13 +35,16 @@ class StepRecords:
         self._blocked_since: float | None = None
         self._blocked = 0.0
 
-    def blocked(self) -> None:
-        """The newest step is complete: no work can be leased until the next one opens."""
+    def blocked(self, step: int) -> None:
+        """The newest step, `step`, is complete: no work can be leased until the next one opens
+        (its commit starts)."""
         if self._blocked_since is None:
             self._blocked_since = time.perf_counter()
+            timeline.mark("commit", step=step)  # the benches' timeline (`swarm.ops.timeline`)
 
-    def opened(self) -> None:
-        """A step opened: the time blocked since `blocked` is over."""
+    def opened(self, step: int) -> None:
+        """Step `step` opened: the time blocked since `blocked` is over."""
+        timeline.mark("open", step=step)
         if self._blocked_since is not None:
             blocked = time.perf_counter() - self._blocked_since
             self._blocked, self._blocked_since = self._blocked + blocked, None
@@ -52,6 +56,7 @@ class StepRecords:
         # With delayed_update the step began before the one before it ended: its seconds are
         # counted from that end, so that the records' seconds add up to the job's.
         now = time.perf_counter()
+        timeline.mark("applied", step=ledger.step)
         seconds, self._applied_at = now - max(started, self._applied_at), now
         self.metrics.last_commit.set(time.time())
         tokens = ledger.samples() * self._seq_len

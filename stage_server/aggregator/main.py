@@ -46,10 +46,9 @@ from prometheus_client.registry import Collector
 from stage_server.aggregator.identity import add_info
 from stage_server.averaging.owner import Averager
 from stage_server.averaging.service import PoolServicer
-from stage_server.peer.identity import persistent_peer_id
+from stage_server.peer.identity import cache_dir, persistent_peer_id
 from stage_server.peer.limits import MESSAGE_HEADROOM, PeerLimits
 from stage_server.peer.links import DIRECTIONS, LinkMeter, fill_rates, reannounce
-from stage_server.peer.measure import cache_path
 from swarm.bus.connection import Bus, BusLike
 from swarm.bus.topics import TopicKind, Topics
 from swarm.errors import ConfigError, NotFound
@@ -431,7 +430,7 @@ async def run_aggregator(
     """`swarm aggregator --broker URL`: serve parts of the pools of running jobs until stopped."""
     torch.set_num_threads(max(1, opts.threads))
     # A directory of its own: an aggregator beside a stage server keeps a distinct id.
-    identity = persistent_peer_id(cache_path().parent / "aggregator", opts.peer)
+    identity = persistent_peer_id(cache_dir() / "aggregator", opts.peer)
     peer = identity.id
     try:
         running = await start_aggregator(opts, peer)

@@ -50,7 +50,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.checksum import PartChecks
 from stage_server.averaging.error_feedback import Residuals
 from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, round_name
-from stage_server.averaging.staging import DeviceCopies, OffLoop, TorchCopies, staging
+from stage_server.averaging.staging import ChunkCopies, OffLoop, TorchChunkCopies, staging
 from swarm.device.oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.policy.parts import EQUAL_PARTS, Parts
@@ -111,7 +111,7 @@ async def all_reduce(
     on_bytes: Callable[[int, int], None] | None = None,
     residuals: Residuals | None = None,
     keep: Callable[[slice], Awaitable[None]] | None = None,
-    copies: DeviceCopies | None = None,
+    copies: ChunkCopies | None = None,
     checks: PartChecks | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `settings.group`, bitwise the same on every
@@ -134,7 +134,7 @@ async def all_reduce(
     is overwritten (`stage_server.averaging.spill`: what a retry reads back). A round that fails
     leaves `flat` partly summed: only what `keep` kept restores it.
 
-    A `flat` on a device (CUDA; `copies` says which are, `TorchCopies` by default) is summed in
+    A `flat` on a device (CUDA; `copies` says which are, `TorchChunkCopies` by default) is summed in
     place as on the CPU, staged through host memory a chunk at a time (`staging`): each part is
     copied to the host chunk by chunk as it is sent, each slice's sum goes into its place in
     `flat` chunk by chunk as it arrives, and this replica's own part is summed on the host `window`
@@ -186,7 +186,7 @@ class ButterflyRound:
         channels: ChannelPool,
         residuals: Residuals | None = None,
         keep: Callable[[slice], Awaitable[None]] | None = None,
-        copies: DeviceCopies | None = None,
+        copies: ChunkCopies | None = None,
         checks: PartChecks | None = None,
     ) -> None:
         self.flat, self.settings, self.averager, self.channels = flat, settings, averager, channels
@@ -195,7 +195,7 @@ class ButterflyRound:
         self.parts = settings.parts.bounds(flat.numel(), self.n)
         self.src = flat.detach()
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
-        on_device = (copies or TorchCopies()).on_device(flat)
+        on_device = (copies or TorchChunkCopies()).on_device(flat)
         self.staging = staging(settings.chunk_bytes, copies) if on_device else None
         self._off = OffLoop(on_device, flat.device)  # where its copies (and what reads them) run
         # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.

@@ -10,8 +10,10 @@ the buffer is free again at once); a sum comes back into host memory of one slic
 its place in the device tensor chunk by chunk. The host memory a round or a download stages is
 thus `buffers` chunks plus the slices in flight, whatever the stage's size.
 
-`DeviceCopies` is the seam every such copy goes through: `TorchCopies` on a real device; a test's
-counting fake treats CPU tensors as a device's and measures what crosses (no GPU needed).
+`ChunkCopies` is the seam every such copy goes through (a chunk into or out of a buffer it is
+given: not `swarm.device.host_copies.HostCopies`, which lends its own): `TorchChunkCopies` on a
+real device; a test's counting fake treats CPU tensors as a device's and measures what crosses
+(no GPU needed).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from swarm.errors import ConfigError
 from swarm.proto import framing
 from swarm.wire import chunking as wire
 
-__all__ = ["BUFFERS", "DeviceCopies", "OffLoop", "Staging", "TorchCopies", "staging"]
+__all__ = ["BUFFERS", "ChunkCopies", "OffLoop", "Staging", "TorchChunkCopies", "staging"]
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -40,7 +42,7 @@ T = TypeVar("T")
 BUFFERS = 2  # host buffers of one chunk each: one filled while the last one is framed
 
 
-class DeviceCopies(Protocol):
+class ChunkCopies(Protocol):
     """The copies between a device's memory and the host's, each done when it returns."""
 
     def on_device(self, t: torch.Tensor) -> bool:
@@ -56,7 +58,7 @@ class DeviceCopies(Protocol):
         ...
 
 
-class TorchCopies:
+class TorchChunkCopies:
     """Torch's own copies, each done when it returns: a buffer is reused, and a host tensor
     read, right after. On CUDA a `non_blocking` copy then a wait on an event recorded after it
     on this (copying) thread's stream: this thread waits, no other stream or thread."""
@@ -101,14 +103,14 @@ class Staging:
     def __init__(
         self,
         chunk_bytes: int,
-        copies: DeviceCopies | None = None,
+        copies: ChunkCopies | None = None,
         *,
         pinned: bool = False,
         buffers: int = BUFFERS,
     ) -> None:
         if chunk_bytes <= 0 or buffers < 1:
             raise ConfigError(f"staging needs chunk_bytes > 0 and buffers >= 1: {chunk_bytes}")
-        self.chunk_bytes, self.copies = chunk_bytes, copies or TorchCopies()
+        self.chunk_bytes, self.copies = chunk_bytes, copies or TorchChunkCopies()
         self._pinned, self._most = pinned and torch.cuda.is_available(), buffers
         self._free: list[torch.Tensor] = []
         self._made = 0
@@ -189,10 +191,10 @@ def _framed(cls: Any, whole: bool, piece: torch.Tensor) -> framing.Framed | byte
 
 @functools.cache
 def _shared(chunk_bytes: int) -> Staging:
-    return Staging(chunk_bytes, TorchCopies(), pinned=True)
+    return Staging(chunk_bytes, TorchChunkCopies(), pinned=True)
 
 
-def staging(chunk_bytes: int, copies: DeviceCopies | None = None) -> Staging:
+def staging(chunk_bytes: int, copies: ChunkCopies | None = None) -> Staging:
     """The staging of chunks of `chunk_bytes` through `copies`: torch's (None) share the
     process's pinned buffers, made once for its life (pinning memory is slow: not at every
     round or download), whichever round or download stages; another's (a test's) its own."""

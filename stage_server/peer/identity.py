@@ -26,13 +26,20 @@ from typing import IO
 from swarm.errors import ConfigError
 from swarm.ops.writable import writable_dir
 
-__all__ = ["PEER_ID_FILE", "PeerIdentity", "new_incarnation", "persistent_peer_id"]
+__all__ = ["PEER_ID_FILE", "PeerIdentity", "cache_dir", "new_incarnation", "persistent_peer_id"]
 
 log = logging.getLogger(__name__)
 
 PEER_ID_FILE = "peer-id"
 _MAX_SLOTS = 64  # stage servers sharing one cache directory (one per device, say)
 _ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def cache_dir() -> Path:
+    """The directory a peer keeps its files in (its id, the machine's measured figures):
+    `SWARM_CACHE_DIR`, else `~/.cache/swarm`. Every stage server of a machine shares it."""
+    root = os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm"
+    return Path(root)
 
 
 class PeerIdentity:

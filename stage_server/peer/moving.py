@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stage_server.peer.fits import footprints
 from stage_server.peer.limits import PeerLimits
-from stage_server.peer.measure import footprints
 from swarm.device.facts import DeviceFacts, free_memory
 from swarm.job.config import JobConfig
 from swarm.model.sizes import format_bytes

@@ -26,6 +26,7 @@ import torch
 
 from swarm.device.activation_bytes import DeviceFootprint, Footprint, measured_on_device
 from swarm.device.sharing import DeviceMemory, Window
+from swarm.ops import timeline
 from swarm.ops.rated import RatedLog
 
 __all__ = ["ActivationCache"]
@@ -102,10 +103,24 @@ class ActivationCache:
         self._entries[key] = ((x, out), nbytes)
         self.bytes += nbytes
         max_bytes = window.limit(self.bytes, nbytes)
+        held, evicted = self.bytes, []
         while self._entries and (len(self._entries) > count or self.bytes > max_bytes):
-            self.pop(next(iter(self._entries)))  # the oldest; its Backward will recompute
+            oldest = next(iter(self._entries))
+            evicted.append([*oldest, "count" if len(self._entries) > count else "bytes"])
+            self.pop(oldest)  # the oldest; its Backward will recompute
             self.evictions += 1
         window.publish(self.bytes)
+        if timeline.enabled():  # what it kept against which bound, what that dropped (benches)
+            timeline.mark(
+                "keep",
+                at=list(key),
+                nbytes=nbytes,
+                held=held,
+                bound=max_bytes,
+                share=window.bytes,  # the bound before the device's free memory had a say
+                entries=len(self._entries),
+                evicted=evicted,
+            )
         if nbytes > max_bytes:
             _rated.warning(
                 "one-above-bound",
@@ -124,6 +139,15 @@ class ActivationCache:
         step's bf16 casts on CUDA, counts them; the mean spreads them over the others)."""
         total, count = self._seen
         return total // count if count else 0
+
+    def take(self, key: Key) -> Entry | None:
+        """`key`'s activations for its Backward, no longer kept; None where they are not here
+        (evicted, or another replica did the forward): that Backward recomputes the forward,
+        which the benches' timeline marks."""
+        entry = self.pop(key)
+        if entry is None:
+            timeline.mark("recompute", at=list(key))
+        return entry
 
     def pop(self, key: Key, default: None = None) -> Entry | None:
         """`key`'s activations, no longer kept (None if they are not)."""

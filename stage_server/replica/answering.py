@@ -8,6 +8,7 @@ One `Answering` per replica, held by the servicer (`stage_server.servicer`) and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,7 @@ class Answering:
             encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
             return loss, encoded, done
 
+        @functools.wraps(fn)  # named as `fn` is (the benches' timeline: `swarm.ops.timeline`)
         def admitted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
             # On the worker, as a rollback's state load is: work leased before the rollback that
             # lands after the load is refused, not added to the replayed step (`swarm.rpc.epoch`)
@@ -103,7 +105,8 @@ class Answering:
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
             tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
-            digest_seed=digest_seed,  # an audit of a contribution (`stage_server.replica.digest`)
+            # an audit of a contribution (`stage_server.replica.gradient_digest`)
+            digest_seed=digest_seed,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         digest = self._poison().digest(step, done.digest)  # an audit's (`swarm.ops.poison`)

@@ -28,10 +28,10 @@ import torch
 
 from stage_server.peer.metrics import StageMetrics
 from swarm.device.handover import Handover, Offer, handover_for
-from swarm.device.host_copies import DeviceCopies
+from swarm.device.host_copies import HostCopies
 from swarm.device.site import site
 from swarm.errors import HandoverRefused
-from swarm.ops import faults
+from swarm.ops import faults, timeline
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
 
@@ -111,7 +111,9 @@ class Handing:
         if faults.refuses_handover():  # SWARM_FAULTS=handover-refuse@0: b8f54b2's refusal
             raise HandoverRefused(f"{why}: injected fault (handover-refuse)")
         try:
+            start = timeline.now()
             payload = self.handover.take(meta.handover, meta.nbytes)
+            timeline.span("take", start, timeline.now(), nbytes=meta.nbytes)
         except Exception as e:  # any way it fails, the wire is the answer: named, not hidden
             log.info("%s: %r", why, e)
             raise HandoverRefused(f"{why}: {e}") from e
@@ -163,7 +165,7 @@ class Outgoing:
 
     header: tensor_pb2.Tensor
     payload: torch.Tensor
-    copies: DeviceCopies
+    copies: HostCopies
     handing: Handing
     _wire: tensor_pb2.Tensor | None = None
     _handed: tuple[tensor_pb2.Tensor, Offer] | None = None

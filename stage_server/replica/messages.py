@@ -34,7 +34,7 @@ from stage_server.replica.push_records import Arrived
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.snapshot import Snapshot
 from swarm.device.claims import Claims
-from swarm.device.host_copies import DeviceCopies, TorchCopies
+from swarm.device.host_copies import HostCopies, TorchHostCopies
 from swarm.device.sharing import Window, microbatches_held, window_for
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig, RuntimeConfig
@@ -124,7 +124,9 @@ class Limits:
         runtime.activation_cache = self.activation_cache
         self.release()
         flag = peer.max_activation_cache_bytes
-        runtime.window = window_for(flag, runtime.device, runtime.memory, self.claims)
+        runtime.window = window_for(
+            flag, runtime.device, runtime.memory, self.claims, keeps=not runtime.is_last
+        )
         self._window = runtime.window
         self.cache_sized = runtime.window.sized
 
@@ -184,11 +186,11 @@ class Messages:
     """Decoding and encoding with `limits`, counting bytes in `metrics`."""
 
     def __init__(
-        self, limits: Limits, metrics: StageMetrics, copies: DeviceCopies | None = None
+        self, limits: Limits, metrics: StageMetrics, copies: HostCopies | None = None
     ) -> None:
         self.limits, self.metrics = limits, metrics
         # How device tensors reach the host: called on the worker thread, never on the loop.
-        self.copies: DeviceCopies = copies or TorchCopies()
+        self.copies: HostCopies = copies or TorchHostCopies()
         # Boundary tensors handed over to co-located replicas (`handing`), on the push plane.
         self.handing = Handing(metrics)
 

@@ -33,11 +33,16 @@ from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.hop import HopFailed, any_error, hop
+from swarm.rpc.push_call import PushCall
 from swarm.rpc.routes import ClientFactory, Routes, members_of
 from swarm.rpc.stage_client import PushResult, StageClient, TensorLike, named
 from swarm.wire import codec
 
-__all__ = ["NextHop", "Pushed"]
+__all__ = ["NextHop", "Onward", "Pushed"]
+
+Onward = PushCall[TensorLike | Outgoing, TensorLike]
+"""A push as a replica sends it on: its outputs as it hands them on (`Outgoing`, on the host or
+handed over per try), or a message already."""
 
 
 @dataclass
@@ -75,29 +80,17 @@ class NextHop:
         )
         self.routes = Routes(job, job_id, token, wiring, client_factory)
 
-    async def send(
-        self,
-        step: int,
-        index: int,
-        outputs: TensorLike | Outgoing,
-        targets: TensorLike,
-        accumulate: list[int],
-        route: list[pb.Route],
-        *,
-        need_grad: bool,
-        deadline: float,
-        evaluate: bool = False,
-        tokens: TensorLike | None = None,
-        run: int = 0,
-    ) -> Pushed:
-        """Send `outputs` on to the next stage (tries on others as above; a replica hands them
-        over encoded, on the host already, so no try waits on its device); raises
-        `PeerUnavailable` when no replica of it gave what this replica needs (`evaluate`: a
-        validation microbatch, whose loss it needs)."""
-        stage = self.stage + 1
-        if not route:
+    async def send(self, call: Onward, *, deadline: float) -> Pushed:
+        """Send `call` (this stage's outputs as they cross) on to the next stage, a replica of
+        `call.route[0]` (tries on others as above; a replica hands its outputs over encoded, on
+        the host already, so no try waits on its device); raises `PeerUnavailable` when no
+        replica of it gave what this replica needs (the gradient where `need_grad_inputs`, the
+        loss of a validation microbatch)."""
+        stage, outputs, accumulate = self.stage + 1, call.crossing.hidden, call.accumulate
+        need_grad = call.need_grad_inputs
+        if not call.route:
             raise PeerUnavailable(f"stage {stage}: the request named no replica of it")
-        self.routes.follow(stage, members_of(route[0]))
+        self.routes.follow(stage, members_of(call.route[0]))
 
         reply = codec.codec_from_name(self.job.compression.backward)  # the gradient's codec
 
@@ -111,18 +104,9 @@ class NextHop:
             mapped = False  # whether the replica wrote into the slot, or may have
             try:
                 result = await client.push(
-                    step,
-                    index,
-                    sent,
-                    targets,
-                    accumulate if accumulating else [],
-                    route[1:],
-                    need_grad_inputs=need_grad,
+                    call.carrying(sent).past(accumulating),
                     timeout=deadline - time.monotonic(),
-                    evaluate=evaluate,
-                    tokens=tokens,
                     reply=slot,
-                    run=run,
                 )
                 # a gradient that came into the slot is a tensor; one with its bytes, a message
                 mapped = isinstance(result.grad_inputs, torch.Tensor)
@@ -164,7 +148,7 @@ class NextHop:
             out.taken()
             return result
 
-        async def call(client: StageClient, accumulating: bool) -> PushResult:
+        async def one_try(client: StageClient, accumulating: bool) -> PushResult:
             peer = next((p for p, c in self.routes.clients.items() if c is client), "")
             if isinstance(outputs, Outgoing):  # per hop: to a co-located replica, or the wire
                 result = await hand(client, peer, outputs, accumulating)
@@ -178,10 +162,10 @@ class NextHop:
             done = await hop(
                 self.routes,
                 stage,
-                call,
+                one_try,
                 attempts=self.attempts,
                 accumulate=bool(accumulate),
-                need_result=need_grad or evaluate,
+                need_result=need_grad or call.evaluate,
                 deadline=deadline,
                 landed=any_error,  # what it passed on before failing may have accumulated
             )

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -33,15 +35,19 @@ from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
 from swarm.job.rule import rule_of
-from swarm.model.subspace import wire_tokens
 from swarm.ops.faults import Point, maybe_die
 from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
+from swarm.rpc.push_call import PushCall
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 
-__all__ = ["PushPlane"]
+__all__ = ["PushPlane", "ServedPush"]
+
+ServedPush = PushCall[torch.Tensor, torch.Tensor]
+"""A push as this replica serves it: its tensors decoded."""
 
 
 class PushPlane:
@@ -63,7 +69,11 @@ class PushPlane:
         self.messages, self.limits = messages, messages.limits
         self._runtime, self.answering, self._poison = runtime, answering, poison
         self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
-        self.records = PushRecords(peer, lambda: self._runtime().activation_cache)
+        # The records' digests, on a thread of their own: hashlib lets go of the GIL, so they
+        # run beside the worker's compute, off the loop that relays other pushes (issue 69).
+        # One thread: a microbatch's four digests take a few ms against its stage's tens.
+        digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{peer}-digests")
+        self.records = PushRecords(peer, lambda: self._runtime().activation_cache, digester)
 
     def serve(self, runtime: StageRuntime, job_id: str) -> None:
         """Send on to the stage after `runtime`'s, of job `job_id`."""
@@ -93,156 +103,135 @@ class PushPlane:
     async def push(
         self,
         h: pb.StagePushRequest,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        tokens: torch.Tensor | None,
+        call: ServedPush,
         time_remaining: Callable[[], float | None],
         came: dict[str, Arrived] | None = None,
     ) -> pb.StagePushResponse:
-        """The answer to `h` (its `inputs`, `targets` and, under a subspace boundary, `tokens`
-        received, each as it `came`); `time_remaining` is the caller's deadline, as the call's
-        context tells it."""
+        """The answer to `call`, request `h` (its microbatch id, the epoch it was leased in, a
+        co-located caller's slot) with its tensors as they `came`; `time_remaining` is the
+        caller's deadline, as the call's context tells it."""
         came = came or {}
         rt = self._runtime()
         epoch.leased_in(h.microbatch.epoch)  # its push on carries the task's (`swarm.rpc.epoch`)
-        if rt.job.model.boundary_rank and rt.is_first:  # the token ids go on beside the outputs
-            tokens = wire_tokens(inputs, rt.job.model.vocab_size)
-        step, site = h.microbatch.step, self.messages.handing.site
-        here = rt.stage in h.accumulate  # this stage accumulates (and answers a receipt)
+        if rt.is_first:  # the token ids go on beside the outputs where the boundary needs them
+            ids = call.crossing.hidden
+            call = replace(call, crossing=Crossing(ids, rt.checks.boundary.tokens(ids)))
+        inputs, tokens, targets = call.crossing.hidden, call.crossing.tokens, call.targets
+        step, site = call.step, self.messages.handing.site
+        here = rt.stage in call.accumulate  # this stage accumulates (and answers a receipt)
         reply = codec.codec_from_name(rt.job.compression.backward)
         maybe_die(Point.FORWARD, step)
-        if h.evaluate:
-            evaluated = await self._evaluation(h, inputs, targets, tokens, time_remaining)
+        if call.evaluate:
+            evaluated = await self._evaluation(call, time_remaining)
             evaluated.site = site
             return evaluated
-        record = self._record(h, came, inputs, targets, None if rt.is_first else tokens)
-        # A co-located caller's slot for the gradient; not where this replica keeps a record: it
-        # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
-        into = h.reply if h.HasField("reply") and not record.kept else None
-        if rt.is_last:
-            done = await self.answering.backward_here(
-                rt.forward_backward,
-                h,
-                reply,
-                inputs,
-                targets,
-                accumulate=here,
-                receipt=here,
-                tokens=tokens,
-                into=into,
-            )
-            record.received("grad_outputs", targets, came.get("targets"))
-            record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
-            record.sent("grad_inputs", _first(done.grad))
+        record = self._record(call, came, None if rt.is_first else tokens)
+        try:
+            # A co-located caller's slot for the gradient; not where this replica keeps a record: it
+            # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
+            into = h.reply if h.HasField("reply") and not record.kept else None
+            if rt.is_last:
+                done = await self.answering.backward_here(
+                    rt.forward_backward,
+                    h,
+                    reply,
+                    inputs,
+                    targets,
+                    accumulate=here,
+                    receipt=here,
+                    tokens=tokens,
+                    into=into,
+                )
+                record.received("grad_outputs", targets, came.get("targets"))
+                record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
+                record.sent("grad_inputs", _first(done.grad))
+                return pb.StagePushResponse(
+                    tensors=done.grad,
+                    receipts=[done.receipt] if done.receipt is not None else [],
+                    loss_sum=done.loss,
+                    queued_seconds=done.queued,
+                    site=site,
+                )
+            need_grad = here or call.need_grad_inputs  # a backward here needs its outputs' gradient
+            pushed, queued = await self._forward_on(call, time_remaining, need_grad, record)
+            receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
+            if need_grad:
+                assert pushed.grad is not None
+                grad_outputs, msg = pushed.grad, None
+                if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
+                    dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
+                    header = reply_header(dtype, shape, reply, self.limits.block_size)
+                    self.messages.took(header, grad_outputs)
+                else:
+                    msg = grad_outputs
+                    grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+                    self.messages.took(msg, grad_outputs)
+                record.received("grad_outputs", grad_outputs, msg)  # kept as it came
+                done = await self.answering.backward_here(
+                    rt.backward,
+                    h,
+                    reply,
+                    inputs,
+                    grad_outputs,
+                    accumulate=here,
+                    receipt=here,
+                    tokens=tokens,
+                    into=into,
+                )
+                grad = done.grad
+                record.sent("grad_inputs", _first(grad))
+                if done.receipt is not None:
+                    receipts.append(done.receipt)
             return pb.StagePushResponse(
-                tensors=done.grad,
-                receipts=[done.receipt] if done.receipt is not None else [],
-                loss_sum=done.loss,
-                queued_seconds=done.queued,
+                tensors=grad,
+                receipts=receipts,
+                uncertain=sorted(pushed.uncertain),
+                loss_sum=pushed.loss_sum,
+                queued_seconds=queued,
+                path=pushed.path,
                 site=site,
             )
-        need_grad = here or h.need_grad_inputs  # a backward here needs its outputs' gradient
-        pushed, queued = await self._forward_on(
-            h,
-            inputs,
-            targets,
-            tokens,
-            time_remaining,
-            accumulate=[k for k in h.accumulate if k > rt.stage],
-            need_grad=need_grad,
-            record=record,
-        )
-        receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
-        if need_grad:
-            assert pushed.grad is not None
-            grad_outputs, msg = pushed.grad, None
-            if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
-                dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
-                header = reply_header(dtype, shape, reply, self.limits.block_size)
-                self.messages.took(header, grad_outputs)
-            else:
-                msg = grad_outputs
-                grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
-                self.messages.took(msg, grad_outputs)
-            record.received("grad_outputs", grad_outputs, msg)  # kept as it came
-            done = await self.answering.backward_here(
-                rt.backward,
-                h,
-                reply,
-                inputs,
-                grad_outputs,
-                accumulate=here,
-                receipt=here,
-                tokens=tokens,
-                into=into,
-            )
-            grad = done.grad
-            record.sent("grad_inputs", _first(grad))
-            if done.receipt is not None:
-                receipts.append(done.receipt)
-        return pb.StagePushResponse(
-            tensors=grad,
-            receipts=receipts,
-            uncertain=sorted(pushed.uncertain),
-            loss_sum=pushed.loss_sum,
-            queued_seconds=queued,
-            path=pushed.path,
-            site=site,
-        )
+        finally:
+            await record.settled()  # its digests read what came and went: taken before it goes
 
     async def _evaluation(
-        self,
-        h: pb.StagePushRequest,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        tokens: torch.Tensor | None,
-        time_remaining: Callable[[], float | None],
+        self, call: ServedPush, time_remaining: Callable[[], float | None]
     ) -> pb.StagePushResponse:
         """A validation microbatch on the push plane: forward here, on to the next stage, the
         last stage's loss back; nothing kept, nothing accumulated."""
-        rt, step = self._runtime(), h.microbatch.step
+        rt, crossing = self._runtime(), call.crossing
         if rt.is_last:
-            loss, queued = await self.worker.run_queued(rt.evaluate, step, inputs, targets, tokens)
+            loss, queued = await self.worker.run_queued(
+                rt.evaluate, call.step, crossing.hidden, call.targets, crossing.tokens
+            )
             return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
         pushed, queued = await self._forward_on(
-            h,
-            inputs,
-            targets,
-            tokens,
-            time_remaining,
-            accumulate=[],
-            need_grad=False,
-            evaluate=True,
+            replace(call, accumulate=()), time_remaining, need_grad=False
         )
         return pb.StagePushResponse(loss_sum=pushed.loss_sum, queued_seconds=queued)
 
     async def _forward_on(
         self,
-        h: pb.StagePushRequest,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        tokens: torch.Tensor | None,
+        call: ServedPush,
         time_remaining: Callable[[], float | None],
-        *,
-        accumulate: list[int],
         need_grad: bool,
-        evaluate: bool = False,
         record: Recording = NO_RECORD,
     ) -> tuple[Pushed, float]:
         """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
         forward waited for the worker."""
-        rt, step, index = self._runtime(), h.microbatch.step, h.microbatch.index
+        rt, step, index, evaluate = self._runtime(), call.step, call.index, call.evaluate
         assert self._next_hop is not None
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
         poison = self._poison()  # a hostile replica's lies (`swarm.ops.poison`): none, honest
         # handed over to a co-located replica, on the wire to another: ready for both it may be
-        near, far = self.messages.handing.forms(list(h.route[0].peers) if h.route else [])
+        near, far = self.messages.handing.forms(list(call.route[0].peers) if call.route else [])
         block_size = self.messages.limits.block_size
         made = Outgoings()  # released when this push ends, however it ends
 
         def on_host(out: torch.Tensor) -> Outgoing:
             # On the worker thread: what it sends, and (where it keeps a record) what it commits
-            # to and its digest: the same message, unless it is a liar that sends another.
+            # to: the same message, unless it is a liar that sends another. Its digest is taken
+            # on the record's digester, beside the next computation.
             said = poison.outputs(step, out)
             forged = poison.sent(step, out) if not evaluate else None
             sent = forged if forged is not None else said
@@ -265,49 +254,39 @@ class PushPlane:
                 on_host,
                 step,
                 index,
-                inputs,
+                call.crossing.hidden,
                 evaluate=evaluate,
-                tokens=tokens,
+                tokens=call.crossing.tokens,
             )
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
-            pushed = await self._next_hop.send(
-                step,
-                index,
-                outputs,
-                beside(targets, "targets"),
-                accumulate,
-                list(h.route),
-                need_grad=need_grad,
-                deadline=_deadline(time_remaining(), rt),
-                evaluate=evaluate,
-                tokens=None if tokens is None else beside(tokens, "tokens"),
-                run=h.run,
+            crossing = call.crossing.carrying(outputs).tokens_as(lambda t: beside(t, "tokens"))
+            onward = call.onward(
+                crossing,
+                beside(call.targets, "targets"),
+                after=rt.stage,
+                need_grad_inputs=need_grad,
             )
+            pushed = await self._next_hop.send(onward, deadline=_deadline(time_remaining(), rt))
         finally:
             made.release()  # every try ended (or the call did): no replica reads them now
         return pushed, queued
 
     def _record(
-        self,
-        h: pb.StagePushRequest,
-        came: dict[str, Arrived],
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        tokens: torch.Tensor | None,
+        self, call: ServedPush, came: dict[str, Arrived], tokens: torch.Tensor | None
     ) -> Recording:
-        """A new record of `h`'s microbatch, with what came in; none (`NO_RECORD`) where the job
-        audits nothing (no fraction, or local steps: replicas differ, nobody can redo their work) or
-        the trainer audits nothing of this run (`run` 0: no stage of its path has another
+        """A new record of `call`'s microbatch, with what came in; none (`NO_RECORD`) where the
+        job audits nothing (no fraction, or local steps: replicas differ, nobody can redo their
+        work) or the trainer audits nothing of this run (`run` 0: no stage of its path has another
         replica to redo its work, `client.audit.push_audit.PushAudits.run_id`; issue 69).
         It keeps each as it `came` (the first stage's token ids, made here: decoded)."""
         rt = self._runtime()
-        if not h.run or not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
+        if not call.run or not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
             return NO_RECORD
-        record = self.records.begin(rt.stage, h.microbatch.step, h.microbatch.index, h.run)
+        record = self.records.begin(rt.stage, call.step, call.index, call.run)
         self.messages.metrics.recorded()
-        record.received("inputs", inputs, came.get("inputs"))
+        record.received("inputs", call.crossing.hidden, came.get("inputs"))
         record.received("tokens", tokens, came.get("tokens"))
-        record.received("targets", targets, came.get("targets"))
+        record.received("targets", call.targets, came.get("targets"))
         return record
 
 

@@ -23,12 +23,19 @@ How long: the last `activation_cache` microbatches (the job's, within this peer'
 oldest dropped first; the trainer asks right after the microbatch's push returns. Each run of a
 microbatch (the trainer's random id of it, passed on along the path) has a record of its own, so
 a replay or a straggler of the same microbatch is never taken for the run audited. Nothing is
-kept where the job audits nothing."""
+kept where the job audits nothing.
+
+The digests are taken on a thread of their own (`PushRecords`' `digester`), beside the stage's
+compute and off the event loop that relays other pushes (issue 69: on the loop they were the
+audits' largest cost); a push waits for its record's (`PushRecord.settled`) before it answers,
+so the tensors they read are still what came and went, and a commitment is whole when asked."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -103,6 +110,10 @@ class Recording(Protocol):
         copy from the device): committed to as its receiver decodes it."""
         ...
 
+    async def settled(self) -> None:
+        """Every digest taken (the tensors they read may go once it returns)."""
+        ...
+
 
 class NoRecord:
     """The null `Recording`: a run nobody audits (`run` 0, or a job that audits nothing)."""
@@ -120,6 +131,9 @@ class NoRecord:
     def sent(self, name: str, made: Callable[[], Sent]) -> None:
         pass
 
+    async def settled(self) -> None:
+        pass
+
 
 NO_RECORD = NoRecord()
 
@@ -127,11 +141,36 @@ NO_RECORD = NoRecord()
 @dataclass
 class PushRecord:
     """One microbatch at this replica: the tensors (as they came in, or the messages sent) and
-    the commitment made of their digests."""
+    the commitment made of their digests (taken on `digester`, or at once where it is None)."""
 
-    commitment: pb.Commitment
+    _commitment: pb.Commitment
     tensors: dict[str, Kept] = field(default_factory=dict)
     kept = True
+    digester: Executor | None = None
+    _pending: dict[str, Future[bytes]] = field(default_factory=dict)
+
+    @property
+    def commitment(self) -> pb.Commitment:
+        """The commitment, its digests all in (waiting for any still being taken: a push
+        `settled` its own before it answered, so `Record` finds them done)."""
+        for name, taken in self._pending.items():
+            setattr(self._commitment, name, taken.result())
+        self._pending.clear()
+        return self._commitment
+
+    async def settled(self) -> None:
+        """Every digest taken: the tensors they read may go."""
+        pending = list(self._pending.values())
+        if pending:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending))
+
+    def _commit(self, name: str, take: Callable[[], bytes]) -> None:
+        """Commit `name` to the digest `take` computes: on the digester, or here and now."""
+        self._pending.pop(name, None)
+        if self.digester is None:
+            setattr(self._commitment, name, take())
+        else:
+            self._pending[name] = self.digester.submit(take)
 
     def received(
         self,
@@ -144,7 +183,7 @@ class PushRecord:
         it came into a slot, decoded already, or it came from nowhere, the first stage's)."""
         if tensor is not None:
             self.tensors[name] = tensor if came is None else came
-            setattr(self.commitment, name, digest(tensor))
+            self._commit(name, lambda: digest(tensor))
 
     def sent(self, name: str, made: Callable[[], Sent]) -> None:
         """What `made` makes went out as `name` ("outputs", "grad_inputs"; a liar's: what it
@@ -152,8 +191,10 @@ class PushRecord:
         msg = made()
         if msg is not None:
             self.tensors[name] = msg
-            said = digest(msg) if isinstance(msg, torch.Tensor) else sent_digest(msg)
-            setattr(self.commitment, name, said)
+            if isinstance(msg, torch.Tensor):
+                self._commit(name, lambda: digest(msg))
+            else:
+                self._commit(name, lambda: sent_digest(msg))
 
     def messages(self, asked: bool = True) -> list[tensor_pb2.Tensor]:
         """The record's tensors (none unless `asked`), as `Record` answers them: each message as
@@ -181,8 +222,11 @@ def sent_digest(msg: tensor_pb2.Tensor | None) -> bytes:
 class PushRecords:
     """The records of the last `limit()` microbatches this replica pushed on."""
 
-    def __init__(self, peer: str, limit: Callable[[], int]) -> None:
-        self.peer, self.limit = peer, limit
+    def __init__(
+        self, peer: str, limit: Callable[[], int], digester: Executor | None = None
+    ) -> None:
+        """`digester`: where the records' digests are taken (None: at once, by their caller)."""
+        self.peer, self.limit, self.digester = peer, limit, digester
         self._records: OrderedDict[tuple[int, int, int], PushRecord] = OrderedDict()
 
     def begin(self, stage: int, step: int, index: int, run: int) -> PushRecord:
@@ -190,7 +234,8 @@ class PushRecords:
         key = (step, index, run)
         self._records.pop(key, None)
         mb = pb.MicrobatchId(step=step, index=index)
-        record = PushRecord(pb.Commitment(peer=self.peer, stage=stage, microbatch=mb, run=run))
+        commitment = pb.Commitment(peer=self.peer, stage=stage, microbatch=mb, run=run)
+        record = PushRecord(commitment, digester=self.digester)
         self._records[key] = record
         while len(self._records) > max(1, self.limit()):
             self._records.popitem(last=False)

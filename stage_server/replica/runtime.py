@@ -21,8 +21,8 @@ import torch
 from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.delayed_copies import copies_for
-from stage_server.replica.digest import backprop_apart
 from stage_server.replica.following import Following
+from stage_server.replica.gradient_digest import backprop_apart
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
 from stage_server.replica.step_sums import Receipt, Sums
@@ -184,7 +184,7 @@ class StageRuntime:
         be None when this replica did the forward: then its cached activations must still be
         here."""
         self._check_step(step, next_ok=True)
-        cached = self._cache.pop((step, index), None)
+        cached = self._cache.take((step, index))
         if cached is None and inputs is None:
             raise ActivationsNotCached(
                 f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "

@@ -35,7 +35,7 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import Message
 
-from stage_server.averaging.staging import DeviceCopies, TorchCopies, staging
+from stage_server.averaging.staging import ChunkCopies, TorchChunkCopies, staging
 
 __all__ = ["Snapshot", "Snapshots"]
 
@@ -52,11 +52,11 @@ class Snapshot:
         step: int,
         state: dict[str, torch.Tensor],
         shared: Collection[str],
-        copies: DeviceCopies | None = None,
+        copies: ChunkCopies | None = None,
     ) -> None:
         self.step = step
         self._given = copies  # a test's fake device, or None: torch's
-        self._copies = copies or TorchCopies()
+        self._copies = copies or TorchChunkCopies()
         self._state = state  # what is left to send
         self._shared = set(shared) & state.keys()  # of those, the replica's own
         # Whether its chunks are copied from a device as they are sent (off the event loop),
@@ -96,7 +96,7 @@ class Snapshot:
 class Snapshots:
     """A replica's open snapshots (weakly: a reply dropped unfinished lets its snapshot go)."""
 
-    def __init__(self, copies: DeviceCopies | None = None) -> None:
+    def __init__(self, copies: ChunkCopies | None = None) -> None:
         self._open: weakref.WeakSet[Snapshot] = weakref.WeakSet()
         self._lock = threading.Lock()
         self.copies = copies  # a test's fake device, or None: torch's

@@ -38,7 +38,7 @@ class Receipt:
     samples: int
     duplicate: bool
     # an audit's re-execution (nothing accumulated): its gradient's digest, where one was asked
-    # (`stage_server.replica.digest`)
+    # (`stage_server.replica.gradient_digest`)
     digest: tuple[float, float, float] | None = None
 
 

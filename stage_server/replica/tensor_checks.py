@@ -18,8 +18,9 @@ import torch
 
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.model.boundary import boundary_of
 from swarm.model.state_checks import StateChecks
-from swarm.model.transformer import DTYPES, boundary_width
+from swarm.model.transformer import DTYPES
 
 __all__ = ["TensorChecks"]
 
@@ -34,8 +35,9 @@ class TensorChecks:
         self.job, self.stage, self.device = job, stage, device
         self.dtype = DTYPES[job.training.dtype]
         self.is_first = stage == 0
-        self.width = boundary_width(job.model)  # features per token crossing a boundary
-        self.needs_tokens = job.model.boundary_rank > 0 and not self.is_first
+        self.boundary = boundary_of(job.model)
+        self.width = self.boundary.width  # features per token crossing a boundary
+        self.needs_tokens = self.boundary.needs_tokens and not self.is_first
         # A state of the stage: the same checks wherever one arrives (a copy, the scheduler).
         self.state = StateChecks(job, stage, module)
         # How an accepted tensor reaches the device: the server's copies (pinned buffers, their
@@ -83,9 +85,7 @@ class TensorChecks:
     def targets(self, targets: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The last stage's targets: int64 token ids [batch, seq] of `inputs`, in the vocabulary
         (under `model.boundary_rank` also as the push plane sends them, narrow: `wire_targets`)."""
-        if self.job.model.boundary_rank and targets.dtype in (torch.uint8, torch.int32):
-            targets = targets.long()
-        return self._ids("targets", targets, inputs)
+        return self._ids("targets", self.boundary.widened(targets), inputs)
 
     def tokens(self, tokens: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
         """The microbatch's token ids beside a subspace boundary's coefficients (`inputs`): int64
@@ -95,12 +95,10 @@ class TensorChecks:
             return None
         if tokens is None:
             raise InvalidArgument(
-                f"stage {self.stage} of a job with model.boundary_rank = "
-                f'{self.job.model.boundary_rank} needs the microbatch\'s token ids ("tokens")'
+                f"stage {self.stage} of a job with {self.boundary} needs the microbatch's token "
+                'ids ("tokens")'
             )
-        if tokens.dtype in (torch.uint8, torch.int32):  # sent narrow (`wire_tokens`)
-            tokens = tokens.long()
-        return self._ids("tokens", tokens, inputs)
+        return self._ids("tokens", self.boundary.widened(tokens), inputs)  # sent narrow
 
     def _ids(self, name: str, ids: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         vocab = self.job.model.vocab_size

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from swarm.device.compute_clock import HOST_CLOCK, ComputeClock
 from swarm.errors import PeerUnavailable
+from swarm.ops import timeline
 
 __all__ = ["LOAD_EMA", "Worker"]
 
@@ -92,7 +93,22 @@ class Worker:
 
         def timed() -> U:
             started.append(clock.now())
-            return after(self._throttled(functools.partial(fn, *args, **kwargs), clock))
+            result = self._throttled(functools.partial(fn, *args, **kwargs), clock)
+            if not timeline.enabled():
+                return after(result)
+            settled = clock.now()
+            out = after(result)
+            # queued, computed until the device settled, then its results to the host (`after`)
+            timeline.span(
+                "compute",
+                started[0],
+                settled,
+                fn=_name(fn),
+                q=submitted,
+                t2=clock.now(),
+                at=_microbatch(args),
+            )
+            return out
 
         try:
             loop = asyncio.get_running_loop()
@@ -129,3 +145,14 @@ class Worker:
 
 def _itself(result: T) -> T:
     return result
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _microbatch(args: tuple[Any, ...]) -> list[int] | None:
+    """(step, index) where a call's first arguments are those (forward, backward, ...)."""
+    if len(args) >= 2 and all(type(a) is int for a in args[:2]):
+        return [args[0], args[1]]
+    return None

@@ -8,7 +8,7 @@ together against its memory (`sharing`, through the host's registry of who compu
 (`handover`: its Protocol, what an `offer` gives its maker, the `site` that tells two processes
 may share memory, POSIX shared memory on the CPU in `shm_handover`, CUDA IPC in `cuda_handover`).
 
-Each reaches the device through a seam (`DeviceFacts`, `Kernels`, `DeviceCopies`,
+Each reaches the device through a seam (`DeviceFacts`, `Kernels`, `HostCopies`,
 `ComputeClock`, `DeviceMemory`, `CompiledRuns`' compile, `CudaIpc`), and `standin` (with
 `cuda_ipc`'s `HostIpc`) holds the CPU stand-ins behind them, so a CPU test runs the same logic a
 GPU does."""

@@ -5,7 +5,7 @@ plane sends on are computed on its device; the event loop only ever sees their b
 The copy runs on the replica's worker thread right after the compute (`Worker.run_then`), so a
 slow device holds that thread, never the loop that moves every other call's bytes.
 
-`DeviceCopies` is the seam: `TorchCopies` is the real one. On CUDA it copies through reusable
+`HostCopies` is the seam: `TorchHostCopies` is the real one. On CUDA it copies through reusable
 page-locked ("pinned") host buffers (`PinnedPool`, bounded in bytes) with `non_blocking=True`
 on a stream of its own, and waits on an event recorded after the copy, on the calling (worker)
 thread: the copy runs at the bus's full speed, a copy to the device does not queue behind the
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["PINNED_POOL_BYTES", "DeviceCopies", "PinnedPool", "TorchCopies"]
+__all__ = ["PINNED_POOL_BYTES", "HostCopies", "PinnedPool", "TorchHostCopies"]
 
 # Page-locked memory is taken from the host's RAM for good (the OS cannot page it out): a
 # replica's largest reply is one microbatch's activations, so a few of those are plenty.
@@ -32,7 +32,7 @@ PINNED_POOL_BYTES = 256 << 20
 _MIN_BUCKET = 1 << 12  # smaller buffers are not worth keeping apart
 
 
-class DeviceCopies(Protocol):
+class HostCopies(Protocol):
     """How a replica's tensors cross between its device and the host."""
 
     def to_host(self, t: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
@@ -101,7 +101,7 @@ class PinnedPool:
         return False
 
 
-class TorchCopies:
+class TorchHostCopies:
     """The real copies: through `pool`'s pinned buffers on CUDA, none needed on the CPU."""
 
     def __init__(self, pool: PinnedPool | None = None) -> None:

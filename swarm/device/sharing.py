@@ -9,7 +9,9 @@ of all the servers on it share `CACHE_SHARE` of the memory they may use: what is
 what their windows hold (they would give it back), split evenly between the live claimants on
 the device (`swarm.device.claims`: a registry on the host, keyed by the device's identity, from
 which a killed server drops out by itself). Four servers on one 80 GiB card each get an eighth of
-it, not half each; one that stops gives its part back to the others.
+it, not half each; one that stops gives its part back to the others. A server that keeps nothing
+between calls (the last stage: its ForwardBackward is one call) claims no part (`keeps`), so the
+three stages before it that keep a step's activations get a sixth each.
 
 Checked before every entry is kept (`DeviceWindow.limit`): the device's free memory is read again,
 with the others' claims, and the cache drops its oldest microbatches (the new one too, if need
@@ -219,16 +221,20 @@ def window_for(
     memory: DeviceMemory | None = None,
     claims: Claims | None = None,
     share: float = CACHE_SHARE,
+    *,
+    keeps: bool = True,
 ) -> Window:
     """The activation window's bound on `device` for a server whose `--max-activation-cache-bytes`
     is `flag`: shared with the device's other servers where the device says its memory and the
-    flag was left alone; the flag within the device's free memory where it was set; the flag as
-    given where the device cannot say (a CPU)."""
+    flag was left alone; the flag within the device's free memory where it was set, or where
+    the server `keeps` nothing between calls (the last stage, whose ForwardBackward is one call:
+    its claim would take a part of the share from the stages that keep a step's activations);
+    the flag as given where the device cannot say (a CPU)."""
     memory = memory or TorchDeviceMemory()
     by_hand = flag != DEFAULT_CACHE_BYTES
     if memory.free_and_total(device) is None:
         return FixedWindow(flag, sized=by_hand)
-    if by_hand:
+    if by_hand or not keeps:
         return DeviceWindow(device, memory, None, by_hand=flag, share=share)
     claim = _claim(claims or Claims(), memory.identity(device))
     return DeviceWindow(device, memory, claim, share=share)

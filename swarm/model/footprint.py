@@ -1,7 +1,7 @@
 """What one stage of a job takes of a peer's memory while it serves, known before any of it is
 allocated: its state (`swarm.model.sizes`), the activations its cache keeps at its bound, and
 the averaging's chunk-sized buffers. A peer checks a job's largest stage against its free
-memory before it measures (`stage_server.peer.measure.check_fits`), and a move checks whether the
+memory before it measures (`stage_server.peer.fits.check_fits`), and a move checks whether the
 new stage fits beside the old one (`stage_server.peer.moving`).
 
 One microbatch's activations are counted as the activation cache counts them
@@ -90,7 +90,7 @@ def stage_footprints(
 ) -> list[StageFootprint]:
     """Each stage's footprint on a peer that keeps at most `activation_cache` microbatches'
     activations and `activation_cache_bytes` of them, and averages in `chunk_bytes` chunks
-    (the peer's bounds, with the job's within them: `stage_server.peer.measure.footprints`)."""
+    (the peer's bounds, with the job's within them: `stage_server.peer.fits.footprints`)."""
     embedding, block, head = layer_activation_bytes(job)
     params = layer_parameters(job)
     width = DTYPES[job.training.dtype].itemsize

@@ -2,7 +2,7 @@
 counted on the meta device, and the bytes of the state a replica keeps for them.
 
 The scheduler refuses at submit a job whose largest stage no peer could hold, and a peer refuses
-to measure one it could not (`stage_server.peer.measure`): a job of 3.3 T parameters must be a clear
+to measure one it could not (`stage_server.peer.fits`): a job of 3.3 T parameters must be a clear
 refusal, not peers killed by the kernel's OOM killer one layer at a time. Every block of a model
 has the same shape, so an embedding, one block and a head, built on the meta device (no memory,
 no time however wide), count every layer.

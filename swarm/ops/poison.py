@@ -7,8 +7,8 @@ step in PERIOD with `@S/PERIOD`) answers finite wrong numbers, as a volunteer wh
 Backward or ForwardBackward answers, `poison-sent-outputs` (the push plane) about the outputs sent
 on to the next stage while it commits to the honest ones' digest: a liar that says one thing and
 sends another, `poison-digest` about the digest of a contribution's gradient it answers as an
-auditor (`stage_server.replica.digest`; its re-execution and its answers honest): a liar that
-blocks the audit of others' contributions. What is sent is the honest tensor plus up to
+auditor (`stage_server.replica.gradient_digest`; its re-execution and its answers honest): a
+liar that blocks the audit of others' contributions. What is sent is the honest tensor plus up to
 `ERROR` in every element, varying along it (`_wrong`): finite, small, far above any rounding,
 and neither a constant shift nor a scaling, which the LayerNorm after a stage would undo."""
 

@@ -23,6 +23,7 @@ from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc import epoch
+from swarm.rpc.push_call import PushCall
 from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
@@ -37,6 +38,7 @@ __all__ = [
     "StageClient",
     "StateSink",
     "TensorLike",
+    "WirePush",
     "as_tensor",
     "named",
 ]
@@ -84,6 +86,8 @@ async def _write(call: Any, message: Any) -> None:
 # A tensor on the trainer's side: a torch tensor to encode, or a message received from another
 # stage and passed on as it is (the trainer never decodes activations or gradients).
 TensorLike = torch.Tensor | tensor_pb2.Tensor
+WirePush = PushCall[TensorLike, TensorLike]
+"""A push as the stage client sends it: tensors to encode, or messages passed on as they are."""
 
 
 @dataclass(frozen=True)
@@ -320,35 +324,23 @@ class StageClient:
 
     @_swarm_errors
     async def push(
-        self,
-        step: int,
-        index: int,
-        inputs: TensorLike,
-        targets: TensorLike,
-        accumulate: Sequence[int],
-        route: Sequence[pb.Route],
-        *,
-        need_grad_inputs: bool,
-        timeout: float,
-        evaluate: bool = False,
-        tokens: TensorLike | None = None,
-        run: int = 0,
-        reply: Offer | None = None,
+        self, call: WirePush, *, timeout: float, reply: Offer | None = None
     ) -> PushResult:
         """The push data plane: this replica computes its stage and pushes the microbatch on
-        through the stages `route` names (see `stage_server.replica.next_hop`), accumulating at the
-        stages in `accumulate`. `timeout` covers the whole path. `reply`: a co-located caller's
-        slot for the gradient (`stage_server.replica.handing`)."""
+        through the stages `call.route` names (see `stage_server.replica.next_hop`),
+        accumulating at the stages in `call.accumulate`. `timeout` covers the whole path.
+        `reply`: a co-located caller's slot for the gradient (`stage_server.replica.handing`)."""
+        crossing = call.crossing
         request = pb.StagePushRequest(
             job=self.job_id,
             stage=self.stage,
-            microbatch=self._id(step, index),
-            tensors=self._inputs_and_targets(inputs, targets, tokens),
-            accumulate=sorted(accumulate),
-            route=list(route),
-            need_grad_inputs=need_grad_inputs,
-            evaluate=evaluate,
-            run=run,
+            microbatch=self._id(call.step, call.index),
+            tensors=self._inputs_and_targets(crossing.hidden, call.targets, crossing.tokens),
+            accumulate=sorted(call.accumulate),
+            route=list(call.route),
+            need_grad_inputs=call.need_grad_inputs,
+            evaluate=call.evaluate,
+            run=call.run,
             reply=reply.handle if reply is not None else None,
         )
         header, received = await self._call(self.stub.Push, request, timeout, reply)

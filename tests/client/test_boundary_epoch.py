@@ -8,7 +8,7 @@ import asyncio
 
 import torch
 
-from client.data_plane.boundary import BoundaryCache
+from client.data_plane.boundary_cache import BoundaryCache
 from swarm.rpc import epoch
 
 

@@ -17,8 +17,10 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.rpc.stage_client import StageClient
+from swarm.rpc.push_call import PushCall
+from swarm.rpc.stage_client import StageClient, WirePush
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 from swarm.wire.digest import digest
 from tests.support.jobs import make_job
 
@@ -70,9 +72,10 @@ async def test_a_record_holds_what_came_in_as_it_crossed_the_boundary(
     clients = [StageClient(running[k].address, job, job_id, k) for k in (1, 2)]
     try:
         route = [pb.Route(peers=[last], addresses=[last])]
-        await clients[0].push(
-            0, 0, inputs, targets, [], route, need_grad_inputs=True, timeout=120, run=RUN
+        call: WirePush = PushCall(
+            0, 0, Crossing(inputs), targets, route=tuple(route), need_grad_inputs=True, run=RUN
         )
+        await clients[0].push(call, timeout=120)
         (c1, at1), (c2, at2) = [await c.record(0, 0, RUN, tensors=True) for c in clients]
     finally:
         for c in clients:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from stage_server.averaging.staging import TorchCopies
+from stage_server.averaging.staging import TorchChunkCopies
 
 __all__ = ["CountingCopies", "GatedCopies", "WatchedCopies", "copy_started"]
 
@@ -30,7 +30,7 @@ async def copy_started(slow: _Slow) -> None:
 
 
 class CountingCopies:
-    """`DeviceCopies` over CPU tensors taken for a device's: each copy's bytes are counted, and
+    """`ChunkCopies` over CPU tensors taken for a device's: each copy's bytes are counted, and
     the largest one."""
 
     def __init__(self) -> None:
@@ -89,7 +89,7 @@ class GatedCopies(CountingCopies):
             self.ended.set()
 
 
-class WatchedCopies(TorchCopies):
+class WatchedCopies(TorchChunkCopies):
     """Torch's own copies, each noting its thread (`threads`) and that thread's current CUDA
     device (`devices`, its index)."""
 

@@ -19,6 +19,8 @@ from swarm.rpc.lease import Lease, Replica, Working
 
 __all__ = ["Swarm", "lease_after_joined", "make_swarm"]
 
+CLOSE_GRACE_S = 1.0  # for the calls in flight when a test's swarm is closed
+
 
 def lease_after_joined(
     coordinator: LocalCoordinator,
@@ -102,8 +104,12 @@ class Swarm:
                 await t.close()
 
     async def close(self) -> None:
+        """Every server stopped at the test's end. A call still in flight then (a step the
+        test's cancelled training left) has `CLOSE_GRACE_S`, not a server's 10 s: the test is
+        over, nothing waits for its answer."""
         for stage in self.servers:
             for s in stage:
+                s.grace_s = min(s.grace_s, CLOSE_GRACE_S)
                 await s.stop()
 
 

@@ -81,7 +81,7 @@ async def reduce_all(
     pool: Sequence[Replica], flats: Sequence[torch.Tensor], **kwargs: Any
 ) -> list[Any]:
     """Every replica's all_reduce, concurrently; results or exceptions in group order. `copies`:
-    each replica's `DeviceCopies` (a fake device's), in group order."""
+    each replica's `ChunkCopies` (a fake device's), in group order."""
     opts: dict[str, Any] = {
         "round": "r0",
         "job": JOB,

@@ -55,9 +55,9 @@ def _table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def children(pid: int) -> set[int]:
-    """Every live (not zombie) descendant of `pid`."""
-    parents = {c: p for c, (p, state) in _table().items() if state != "Z"}
+def children(pid: int, table: dict[int, tuple[int, str]] | None = None) -> set[int]:
+    """Every live (not zombie) descendant of `pid`, in `table` (by default read now)."""
+    parents = {c: p for c, (p, state) in (table or _table()).items() if state != "Z"}
     found: set[int] = set()
     frontier = {pid}
     while frontier:
@@ -66,25 +66,31 @@ def children(pid: int) -> set[int]:
     return found
 
 
-def _zombies(pid: int) -> set[int]:
-    """`pid`'s own children that have exited and wait to be reaped."""
-    return {c for c, (p, state) in _table().items() if p == pid and state == "Z"}
+def _zombies(pid: int, table: dict[int, tuple[int, str]] | None = None) -> set[int]:
+    """`pid`'s own children that have exited and wait to be reaped, in `table` (by default
+    read now)."""
+    return {c for c, (p, state) in (table or _table()).items() if p == pid and state == "Z"}
 
 
 @pytest.fixture(autouse=True)
 def kill_leftovers() -> Iterator[None]:
     me = os.getpid()
     become_subreaper()
-    before = children(me) | _zombies(me)
+    # /proc is read once before the test and once after it (thrice where it left processes):
+    # each read is every process's stat file, a few ms of CPU, for each of the suite's tests.
+    table = _table()
+    before = children(me, table) | _zombies(me, table)
     yield
     servers = forked.server_pids()  # serve every test; their children are covered here
-    leftovers = children(me) - before - servers
+    table = _table()
+    leftovers = children(me, table) - before - servers
     for pid in leftovers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     # Reaped as well, the ones that are this process's children: the adopted orphans (nobody
     # else waits for them) and what the test started and left (its `Popen` then reads 0).
-    table = _table()
+    if leftovers:  # read again: what the kills orphaned is this process's now
+        table = _table()
     mine = {pid for pid in leftovers if table.get(pid, (0, ""))[0] == me}
     deadline = time.monotonic() + REAP_S
     while mine and time.monotonic() < deadline:
@@ -94,6 +100,7 @@ def kill_leftovers() -> Iterator[None]:
                     continue  # SIGKILLed, not yet dead
             mine.discard(pid)
         time.sleep(0.01)
-    for pid in _zombies(me) - before:  # orphans adopted and ended by themselves
+    # orphans adopted and ended by themselves (and, where it killed some, those it killed)
+    for pid in _zombies(me, _table() if leftovers else table) - before:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)

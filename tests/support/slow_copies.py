@@ -1,4 +1,4 @@
-"""A stand-in for a slow device behind `swarm.device.host_copies.DeviceCopies`: its copy to
+"""A stand-in for a slow device behind `swarm.device.host_copies.HostCopies`: its copy to
 the host takes as long as a test says (a wait on a gate the test opens, at most `seconds`), as a
 busy GPU's would while it finishes the work queued before the copy."""
 

@@ -15,7 +15,7 @@ from swarm.device.handover import Offer
 from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.rpc.stage_client import BackwardResult, PushResult, TensorLike
+from swarm.rpc.stage_client import BackwardResult, PushResult, TensorLike, WirePush
 from swarm.wire import codec
 
 __all__ = ["LOSS", "Call", "FakeCalls", "FakeStage"]
@@ -173,31 +173,20 @@ class FakeStage:
         return self._backprop("forward_backward", step, index, accumulate, need_grad_inputs)
 
     async def push(
-        self,
-        step: int,
-        index: int,
-        inputs: TensorLike,
-        targets: TensorLike,
-        accumulate: Sequence[int],
-        route: Sequence[pb.Route],
-        *,
-        need_grad_inputs: bool = False,
-        timeout: float | None = None,
-        evaluate: bool = False,
-        tokens: TensorLike | None = None,
-        run: int = 0,
-        reply: Offer | None = None,
+        self, call: WirePush, *, timeout: float | None = None, reply: Offer | None = None
     ) -> PushResult:
-        """As if this stage and every one after it (the rest of `route`) ran the microbatch:
-        it accumulates at every stage of `accumulate`, each receipt named by this peer. Its
-        inputs and the caller's slot for the gradient (`reply`) are kept in `pushed`."""
-        self.swarm.pushed.append((self.peer, inputs, reply))
-        self._accumulate(list(accumulate), "push", need_grad_inputs)
+        """As if this stage and every one after it (the rest of `call.route`) ran the
+        microbatch: it accumulates at every stage of `call.accumulate`, each receipt named by
+        this peer. Its inputs and the caller's slot for the gradient (`reply`) are kept in
+        `pushed`."""
+        step, index, accumulate = call.step, call.index, call.accumulate
+        self.swarm.pushed.append((self.peer, call.crossing.hidden, reply))
+        self._accumulate(list(accumulate), "push", call.need_grad_inputs)
         receipts = [
             pb.Receipt(peer=self.peer, stage=k, microbatch=pb.MicrobatchId(step=step, index=index))
             for k in accumulate
         ]
-        grad = _tensor("grad_inputs") if need_grad_inputs else None
+        grad = _tensor("grad_inputs") if call.need_grad_inputs else None
         return PushResult(
             grad, receipts, set(), LOSS, 0.0, site=self.swarm.sites.get(self.peer, "")
         )

@@ -101,7 +101,7 @@ def test_a_check_part_that_hangs_is_ended_with_every_group_it_started(
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.delenv("OUT", raising=False)
     args = argparse.Namespace(
-        device="cpu", quick=False, parts={"environment"}, ratio_shapes="short"
+        device="cpu", quick=False, parts={"environment"}, ratio_shapes="short", smoke_stall_s=0.0
     )
     check = gpu_check.Check(args)
     part = gpu_check.Part(

@@ -36,6 +36,7 @@ from tests.support import image
 from tests.support.cli import ROOT, swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
+from tests.support.once import once
 from tests.support.ports import free_port
 from tests.support.status import job_status
 from tests.support.waiting import wait_until_blocking
@@ -48,14 +49,17 @@ RUN_S = 0.3  # the trainer runs this long between two looks (tests/system/test_m
 
 
 @pytest.fixture(scope="module")
-def built() -> str:
+def built(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The image, built once per pytest run, by whichever worker asks first (`once`)."""
     if os.geteuid() != 0:
         pytest.skip("containers here run as root (podman with runc and cgroupfs)")
     try:
         image.ensure_podman()
     except image.Unavailable as e:
         pytest.skip(f"containers cannot run on this host: {e}")
-    image.build(TAG)
+    with once(tmp_path_factory, "image") as (_, first):
+        if first:
+            image.build(TAG)
     return TAG
 
 

@@ -59,9 +59,9 @@ def work_dir(output: str) -> str:
 def test_the_cpu_pass_trains_bf16_mixed_on_real_stage_servers_through_the_handover(
     tmp_path: Path,
 ) -> None:
-    code, output = ratio(
-        tmp_path, "--shapes", "short", "--warmup", "1", "--steps", "2", timeout=450
-    )
+    out = tmp_path / "out"
+    args = ("--shapes", "short", "--warmup", "1", "--steps", "2", "--out", str(out))
+    code, output = ratio(tmp_path, *args, timeout=450)
     assert code == 0, output
     r = report(output)
     assert r["failures"] == [] and r["precision"] == "bf16-mixed", output
@@ -71,6 +71,16 @@ def test_the_cpu_pass_trains_bf16_mixed_on_real_stage_servers_through_the_handov
     assert len(swarm["losses"]) == 3 and swarm["loss_diff"] <= 1e-2  # bf16-mixed's tolerance
     assert swarm["handed"] > 0  # co-located servers handed tensors over, not on the wire
     assert swarm["evictions"] == [0] * 4  # 4 stage servers, each logged its count at INFO
+    # where each timed step's time went, from every process's timeline (bench/timeline_report)
+    steps = swarm["timeline"]["steps"]
+    assert [r["step"] for r in steps] == [1, 2], swarm["timeline"]
+    for r, seconds in zip(steps, swarm["seconds"][1:], strict=True):
+        assert r["wall"] == pytest.approx(seconds, abs=0.01)  # the coordinator's own step
+        assert r["busy"] > 0 and r["idle"] == pytest.approx(r["wall"] - r["busy"])
+        assert min(r["fill"], r["gaps"], r["drain"], r["commit"]) >= 0
+    assert "Where a swarm step's time went" in output
+    trace = json.loads((out / "trace-short-swarm.json").read_text())  # kept for Perfetto
+    assert len({e["pid"] for e in trace["traceEvents"] if e["name"].startswith("forward")}) == 4
     # each run's process group ended and checked before the next started
     for phase in rows:
         assert f"  short {phase}: exit 0 " in output and "left behind: no process" in output

@@ -13,7 +13,7 @@ import torch
 
 from client.audit.audited import Audited
 from client.audit.audits import Audits, Redone, Work
-from client.data_plane.boundary import Answer, BoundaryCache
+from client.data_plane.boundary_cache import Answer, BoundaryCache
 from client.metrics import TrainerMetrics
 from swarm.model.data import DataSource
 from swarm.rpc.lease import MicrobatchResult, Replica, Task

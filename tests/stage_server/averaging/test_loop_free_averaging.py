@@ -1,6 +1,6 @@
 """An averaging round never makes the event loop wait on the device (issue 41, item 3): a
 gradient on a slow device (`tests.support.fake_device.GatedCopies`, behind the staging's
-`DeviceCopies` seam) is copied to the host and its sums back off the loop, so the loop goes on
+`ChunkCopies` seam) is copied to the host and its sums back off the loop, so the loop goes on
 (other rounds' bytes, other calls) while a copy is under way; over real gRPC replicas.
 
 The slow copy holds its thread until the test opens the gate, which the test does from the

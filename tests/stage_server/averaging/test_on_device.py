@@ -1,7 +1,7 @@
 """A gradient on a device (cuda) averaged in place, as on the CPU, staged through host memory a
 chunk at a time (issue 41, deliverable 5), over real gRPC replicas on 127.0.0.1.
 
-On the CPU a counting fake device (`DeviceCopies`) treats the replicas' CPU gradients as a
+On the CPU a counting fake device (`ChunkCopies`) treats the replicas' CPU gradients as a
 device's and measures every byte that crosses: each element goes to the host once and its sum
 comes back once, no copy larger than a chunk, and the sum lands in the gradient itself. Before,
 a device's round built a host tensor of the whole gradient for the total and then a device copy

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from stage_server.agent import PeerAgent
-from stage_server.peer.measure import footprints
+from stage_server.peer.fits import footprints
 from stage_server.replica.runtime import StageRuntime
 from swarm.bus.topics import Topics
 from swarm.job.config import parse_job

@@ -14,6 +14,7 @@ from stage_server.peer.limits import PeerLimits
 from stage_server.replica.messages import Limits
 from stage_server.replica.runtime import StageRuntime
 from swarm.device.claims import Claims
+from swarm.device.sharing import CACHE_SHARE
 from swarm.device.standin import StandInMemory
 from tests.support.jobs import make_job
 
@@ -94,3 +95,29 @@ def test_replicas_on_one_device_say_their_part_of_it_and_keep_within_its_free_me
     assert 0 < len(rt._cache) < 6 and list(rt._cache)[-1] == (0, 6)
     other.release()  # the other server stops serving: its part comes back
     assert alone.capacity(rt) > 0 and len(list((tmp_path / "claims").rglob("*.claim"))) == 1
+
+
+def test_the_last_stage_claims_no_part_of_the_device_for_activations_it_never_keeps(
+    tmp_path: Path,
+) -> None:
+    # The device check on an H200: 4 stage servers on one card, each window an even part of
+    # the card's share, and 25 evictions in 6 steps at 4 microbatches of 8k tokens a step. The
+    # last stage answers ForwardBackward in one call and keeps nothing between calls, yet its
+    # claim took a quarter of the share from the three stages that keep a step's activations.
+    claims = Claims(tmp_path / "claims")
+    memory = StandInMemory(1 << 30, counts=False)
+    job = make_job(tmp_path, training={"stages": 4}, runtime={"activation_cache": 1024})
+    served = []
+    for stage in range(4):
+        limits = Limits(claims=claims)
+        rt = StageRuntime(job, stage)
+        rt.memory = memory
+        limits.serve(job)
+        limits.bound(rt)
+        served.append(rt)
+    share = int(memory.total * CACHE_SHARE)
+    keeping = [rt.window.bytes for rt in served[:3]]
+    assert keeping == [share // 3] * 3, [b / share for b in keeping]
+    assert len(list((tmp_path / "claims").rglob("*.claim"))) == 3
+    last = served[3]
+    assert last.is_last and last.window.bytes <= PeerLimits().max_activation_cache_bytes

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_server.peer.measure import measure_stage
+from stage_server.replica.speed import measure_stage
 from stage_server.replica.worker import Worker
 from swarm.device.compute_clock import HOST_CLOCK, CudaClock, clock_for
 from tests.support.async_device import FakeAsyncDevice

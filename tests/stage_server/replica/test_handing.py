@@ -18,13 +18,15 @@ import torch
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing, Outgoing
 from stage_server.replica.messages import Limits, Messages
-from stage_server.replica.next_hop import NextHop, Pushed
+from stage_server.replica.next_hop import NextHop, Onward, Pushed
 from swarm.device.handover import Offer
-from swarm.device.host_copies import TorchCopies
+from swarm.device.host_copies import TorchHostCopies
 from swarm.errors import Busy, HandoverRefused, InvalidArgument, PeerUnavailable
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
+from swarm.rpc.push_call import PushCall
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 from tests.support.stages import FakeCalls
 
@@ -79,20 +81,23 @@ def handing(fake: FakeHandover, site: str = SITE) -> Handing:
 
 def outgoing(h: Handing, t: torch.Tensor) -> Outgoing:
     header, payload = codec.encode_payload(t, "inputs")
-    return Outgoing(header, payload, TorchCopies(), h)
+    return Outgoing(header, payload, TorchHostCopies(), h)
 
 
 async def push(hop: NextHop, outputs: Outgoing, peer: str) -> object:
-    return await hop.send(
+    call: Onward = PushCall(
         0,
         1,
-        outputs,
+        Crossing(outputs),
         codec.encode(torch.zeros(2, dtype=torch.long), "targets"),
-        [1],
-        [pb.Route(peers=[peer], addresses=[peer], throughput=[1.0]), pb.Route(peers=["later"])],
-        need_grad=True,
-        deadline=time.monotonic() + 10,
+        accumulate=(1,),
+        route=(
+            pb.Route(peers=[peer], addresses=[peer], throughput=[1.0]),
+            pb.Route(peers=["later"]),
+        ),
+        need_grad_inputs=True,
     )
+    return await hop.send(call, deadline=time.monotonic() + 10)
 
 
 async def test_a_push_is_handed_over_once_the_replica_answered_the_same_site(

@@ -23,8 +23,10 @@ from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.stage_client import StageClient
+from swarm.rpc.push_call import PushCall
+from swarm.rpc.stage_client import StageClient, WirePush
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,16 +45,14 @@ async def push(
     micro = job.training.microbatch_size
     tokens = torch.randint(0, job.model.vocab_size, (micro, job.model.seq_len))
     try:
-        await client.push(
+        call: WirePush = PushCall(
             0,
             index,
-            codec.encode(tokens, "inputs"),
+            Crossing(codec.encode(tokens, "inputs")),
             codec.encode(tokens, "targets"),
-            [],
-            [pb.Route(peers=[last.address], addresses=[last.address], throughput=[1.0])],
-            need_grad_inputs=False,
-            timeout=timeout,
+            route=(pb.Route(peers=[last.address], addresses=[last.address], throughput=[1.0]),),
         )
+        await client.push(call, timeout=timeout)
     finally:
         await client.close()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stage_server.replica.worker import Worker
-from swarm.device.host_copies import PinnedPool, TorchCopies
+from swarm.device.host_copies import PinnedPool, TorchHostCopies
 from swarm.wire import codec
 from tests.support.slow_copies import SlowCopies
 
@@ -54,7 +54,7 @@ def test_a_host_that_will_not_page_lock_gets_no_buffer_and_the_pool_stays_balanc
 
 
 def test_on_the_cpu_nothing_is_copied_or_page_locked() -> None:
-    copies = TorchCopies(PinnedPool(alloc=_plain))
+    copies = TorchHostCopies(PinnedPool(alloc=_plain))
     t = torch.randn(3, 5)
     with copies.to_host(t) as host:
         assert host.data_ptr() == t.data_ptr()
@@ -89,7 +89,7 @@ async def test_the_worker_copies_on_its_thread_outside_the_computes_time() -> No
 
 @cuda
 def test_a_cuda_tensor_reaches_the_host_exactly_through_a_reused_pinned_buffer() -> None:
-    copies = TorchCopies(PinnedPool(max_bytes=1 << 24))
+    copies = TorchHostCopies(PinnedPool(max_bytes=1 << 24))
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
         t = (torch.randn(7, 129, device="cuda") * 100).to(dtype)
         with copies.to_host(t) as host:
@@ -102,7 +102,7 @@ def test_a_cuda_tensor_reaches_the_host_exactly_through_a_reused_pinned_buffer()
 
 @cuda
 def test_a_host_tensor_reaches_the_device_exactly() -> None:
-    copies = TorchCopies(PinnedPool(max_bytes=1 << 24))
+    copies = TorchHostCopies(PinnedPool(max_bytes=1 << 24))
     t = torch.randn(64, 257)
     for _ in range(3):
         on = copies.to_device(t, torch.device("cuda"))
@@ -112,7 +112,7 @@ def test_a_host_tensor_reaches_the_device_exactly() -> None:
 
 @cuda
 def test_encode_of_a_cuda_tensor_through_pinned_buffers_equals_the_plain_copy() -> None:
-    copies = TorchCopies(PinnedPool(max_bytes=1 << 24))
+    copies = TorchHostCopies(PinnedPool(max_bytes=1 << 24))
     t = torch.randn(8, 1000, device="cuda")
     for name, value in codec.CODECS.items():
         assert codec.encode(t, "x", value, host=copies.to_host) == codec.encode(t, "x", value), name
@@ -123,7 +123,7 @@ def test_copies_run_on_their_own_stream_after_the_kernels_that_wrote_them() -> N
     """A copy to the host waits for the compute stream's kernels that wrote its tensor (a long
     matmul queued just before), and a copy to the device is complete for the compute stream
     that reads it next: both on the copies' stream, not the compute one."""
-    copies, device = TorchCopies(PinnedPool(max_bytes=1 << 26)), torch.device("cuda:0")
+    copies, device = TorchHostCopies(PinnedPool(max_bytes=1 << 26)), torch.device("cuda:0")
     stream = copies.stream(device)
     assert stream != torch.cuda.current_stream(device) and copies.stream(device) is stream
     a = torch.randn(2048, 2048, device=device)

@@ -1,6 +1,6 @@
 """The event loop never waits on the device (issue 41, item 3): a live stage server (real gRPC on
 a free port, in this process) whose device is slow to copy a Forward's outputs to the host
-(`tests.support.slow_copies`, behind `swarm.device.host_copies.DeviceCopies`) still answers
+(`tests.support.slow_copies`, behind `swarm.device.host_copies.HostCopies`) still answers
 other calls, and its loop wakes on time, while that copy is under way."""
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from client.trainer import PipelineTrainer
-from stage_server.replica.next_hop import NextHop
+from stage_server.replica.next_hop import NextHop, Onward
 from swarm.errors import Busy, NotFound, PeerUnavailable, RemoteError
 from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Task
+from swarm.rpc.push_call import PushCall
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 from tests.support.stages import LOSS, Call, FakeCalls
 
@@ -45,16 +47,16 @@ async def _push(
     need_grad: bool = True,
     deadline_s: float = 10.0,
 ) -> object:
-    return await hop.send(
+    call: Onward = PushCall(
         0,
         3,
-        OUTPUTS,
+        Crossing(OUTPUTS),
         TARGETS,
-        accumulate,
-        [_route(*peers), _route("later")],
-        need_grad=need_grad,
-        deadline=time.monotonic() + deadline_s,
+        accumulate=tuple(accumulate),
+        route=(_route(*peers), _route("later")),
+        need_grad_inputs=need_grad,
     )
+    return await hop.send(call, deadline=time.monotonic() + deadline_s)
 
 
 async def test_a_push_goes_to_a_replica_of_the_next_stage_with_the_rest_of_the_route(
@@ -141,7 +143,10 @@ async def test_no_replica_or_no_time_left_is_a_peer_unavailable(tmp_path: Path) 
     hop = NextHop(_job(tmp_path), "job", 0, None, client_factory=calls.factory())
     try:
         with pytest.raises(PeerUnavailable, match="named no replica"):
-            await hop.send(0, 0, OUTPUTS, TARGETS, [1], [], need_grad=True, deadline=1e18)
+            nowhere: Onward = PushCall(
+                0, 0, Crossing(OUTPUTS), TARGETS, accumulate=(1,), need_grad_inputs=True
+            )
+            await hop.send(nowhere, deadline=1e18)
         with pytest.raises(PeerUnavailable, match="no replica took"):
             await _push(hop, ["a"], [1, 2], deadline_s=-1.0)
         calls.fail_next("a", NotFound("stage 1 is not served here"))  # refused, then banned

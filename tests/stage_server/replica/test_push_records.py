@@ -5,10 +5,13 @@ tensors handed back as they were committed to."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
-from stage_server.replica.push_records import NO_RECORD, Arrived, PushRecords
+from stage_server.replica.push_records import NO_RECORD, Arrived, PushRecords, sent_digest
 from swarm.errors import ActivationsNotCached
 from swarm.proto import stage_pb2 as pb
 from swarm.wire import codec
@@ -77,3 +80,25 @@ def test_a_run_nobody_audits_keeps_nothing_and_makes_nothing() -> None:
     assert not NO_RECORD.kept
     NO_RECORD.received("inputs", torch.zeros(1))
     NO_RECORD.sent("outputs", made)
+
+
+def test_digests_taken_on_the_digester_are_the_same_commitment() -> None:
+    """Off the event loop (issue 69): a record's digests taken on a thread of their own commit
+    to what the same record would at once, and `settled` returns once every one is in."""
+    x = torch.randn(8, 16, 32)
+    out = codec.encode(x * 3, "inputs")
+    at_once = PushRecords("s1r0", lambda: 4).begin(1, 0, 0, run=5)
+    with ThreadPoolExecutor(1) as digester:
+        records = PushRecords("s1r0", lambda: 4, digester)
+        later = records.begin(1, 0, 0, run=5)
+        for record in (at_once, later):
+            record.received("inputs", x)
+            record.sent("outputs", lambda: out)
+            record.sent("grad_inputs", lambda: torch.ones(2))
+        asyncio.run(later.settled())
+        assert all(taken.done() for taken in later._pending.values())  # the answer waits on none
+        answer = records.answer(
+            pb.StageRecordRequest(microbatch=pb.MicrobatchId(step=0, index=0), run=5)
+        )
+    assert answer.commitment == at_once.commitment
+    assert answer.commitment.outputs == digest(codec.decode(out)) == sent_digest(out)

@@ -1,6 +1,6 @@
 """A state download never makes the event loop wait on the device (issue 41, item 3): a live
 stage server (real gRPC on a free port, in this process) whose state lies on a slow device
-(`tests.support.fake_device.GatedCopies` behind the snapshot's `DeviceCopies` seam) copies each
+(`tests.support.fake_device.GatedCopies` behind the snapshot's `ChunkCopies` seam) copies each
 chunk to the host off the loop, so the loop answers another call while a chunk's copy is under
 way, and the joiner still gets the state bit for bit.
 

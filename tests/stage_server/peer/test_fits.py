@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from stage_server.agent import PeerAgent
+from stage_server.peer.fits import check_fits, device_memory, footprints
 from stage_server.peer.limits import PeerLimits
-from stage_server.peer.measure import check_fits, device_memory, footprints, measure_job
+from stage_server.replica.speed import measure_job
 from swarm.bus.topics import Topics
 from swarm.errors import ResourceExhausted
 from swarm.proto import control_pb2 as cpb
@@ -35,7 +36,7 @@ def nothing_built(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def built(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a stage was built (allocated) for a job too large to hold")
 
-    monkeypatch.setattr("stage_server.peer.measure.StageRuntime", built)
+    monkeypatch.setattr("stage_server.replica.speed.StageRuntime", built)
     monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
 
 

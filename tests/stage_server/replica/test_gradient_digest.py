@@ -1,6 +1,7 @@
-"""The digest of a microbatch's parameter gradient (`stage_server.replica.digest`), an audit's
-re-execution that accumulates nothing: the same as the checksum of what an accumulating backward
-adds into the replica's sums, so the digests of its microbatches add up to its contribution's."""
+"""The digest of a microbatch's parameter gradient (`stage_server.replica.gradient_digest`), an
+audit's re-execution that accumulates nothing: the same as the checksum of what an accumulating
+backward adds into the replica's sums, so the digests of its microbatches add up to its
+contribution's."""
 
 from __future__ import annotations
 

@@ -10,11 +10,8 @@ then put four of six peers there). The first to take the lock measures; the othe
 its figures in the cache, so co-located peers of one device agree exactly; the log line that
 shows them says so, with the cache's path (delete it to measure again).
 
-Before it builds anything, a peer counts each stage's footprint on the meta device (its state,
-its activations at the cache's bound, the averaging's buffers: `swarm.model.footprint`) and
-refuses a job with a stage its free memory cannot hold (`check_fits`): an allocation the kernel
-cannot back kills the peer (the OOM killer), it raises nothing, and on a GPU shared with other
-processes, or holding a stage already, the total is not there to take."""
+It times a replica's own compute (`StageRuntime`), so it lives with the replica; before it builds
+anything it asks the peer whether the job's stages fit (`stage_server.peer.fits.check_fits`)."""
 
 from __future__ import annotations
 
@@ -29,25 +26,16 @@ from pathlib import Path
 
 import torch
 
+from stage_server.peer.fits import check_fits
+from stage_server.peer.identity import cache_dir
 from stage_server.peer.limits import PeerLimits
 from stage_server.replica.runtime import StageRuntime
 from swarm.device.compute_clock import ComputeClock, clock_for
-from swarm.device.facts import DeviceFacts, TorchFacts, free_memory
-from swarm.errors import ResourceExhausted
+from swarm.device.facts import DeviceFacts
 from swarm.job.config import JobConfig
-from swarm.model.footprint import StageFootprint, stage_footprints
-from swarm.model.sizes import format_bytes, layer_parameters
 from swarm.model.transformer import boundary_width, layer_costs, partition
 
-__all__ = [
-    "cache_path",
-    "check_fits",
-    "device_memory",
-    "device_model",
-    "footprints",
-    "measure_job",
-    "measure_stage",
-]
+__all__ = ["cache_path", "device_model", "measure_job", "measure_stage"]
 
 log = logging.getLogger(__name__)
 # Timed runs after one warm-up: at least _REPEATS, and more until they add up to _MIN_TIMED_S
@@ -56,8 +44,8 @@ _REPEATS, _MIN_TIMED_S, _MAX_REPEATS = 3, 0.1, 100
 
 
 def cache_path() -> Path:
-    root = os.environ.get("SWARM_CACHE_DIR") or Path.home() / ".cache" / "swarm"
-    return Path(root) / "throughput.json"
+    """The machine's figures: a file in the peers' cache directory, shared by all of them."""
+    return cache_dir() / "throughput.json"
 
 
 def device_model(device: torch.device) -> str:
@@ -99,94 +87,6 @@ def _key(job: JobConfig, stage: int, device: torch.device) -> str:
         ],
         sort_keys=True,
     )
-
-
-def _machine_memory() -> int:
-    """The machine's memory (bytes), or its cgroup's limit when lower; 0 when unknown."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError):
-        total = 0
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    except OSError:
-        limit = "max"
-    if limit.isdigit() and (not total or int(limit) < total):
-        return int(limit)
-    return max(total, 0)
-
-
-def device_memory(device: torch.device | str) -> int:
-    """Bytes of memory `device` has for a stage: a GPU's total, the machine's for the CPU (and
-    MPS, which shares it); 0 when unknown. What a peer announces, and checks a job against."""
-    try:
-        device = torch.device(device)
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-    except (RuntimeError, AssertionError, ValueError):
-        return 0
-    return _machine_memory()
-
-
-def footprints(job: JobConfig, limits: PeerLimits | None = None) -> list[StageFootprint]:
-    """Each stage of `job`'s footprint on a peer of `limits` (default: the defaults): the job's
-    activation cache and chunks within the peer's bounds, as `stage_server.replica.messages` clamps
-    them when the stage is served."""
-    peer = limits or PeerLimits()
-    rt = job.runtime
-    return stage_footprints(
-        job,
-        activation_cache=min(rt.activation_cache, peer.max_activation_cache),
-        activation_cache_bytes=peer.max_activation_cache_bytes,
-        chunk_bytes=min(max(rt.chunk_bytes, peer.min_chunk_bytes), peer.max_chunk_bytes),
-    )
-
-
-def check_fits(
-    job: JobConfig,
-    device: torch.device,
-    memory_bytes: int | None = None,
-    *,
-    limits: PeerLimits | None = None,
-    facts: DeviceFacts | None = None,
-) -> None:
-    """ResourceExhausted when a stage of `job` at its footprint (state, activations at the
-    cache's bound, averaging buffers: `footprints`) cannot fit `memory_bytes`, by default the
-    device's free memory now (`swarm.device.facts.free_memory`, within its total: what other
-    processes and this one hold is not there to take), counted on the meta device, before
-    anything is allocated. A layer is first built in float64 on the CPU
-    (`swarm.model.transformer`): its largest must fit the machine too."""
-    if memory_bytes is None:
-        facts = facts or TorchFacts()
-        try:
-            free, how = free_memory(device, facts)
-        except (RuntimeError, AssertionError):  # a device torch cannot ask: its total bounds
-            free, how = None, ""
-        total = facts.free_total(device.index or 0)[1] if free and device.type == "cuda" else 0
-        total = total or device_memory(device)
-        if free:  # within the total: a container's limit is below the host's free memory
-            memory = min(free, total) if total else free
-            said = f"{format_bytes(memory)} {how}" + (f" of {format_bytes(total)}" if total else "")
-        else:
-            memory, said = total, f"{format_bytes(total)} in all"
-    else:
-        memory, said = memory_bytes, format_bytes(memory_bytes)
-    if memory > 0:
-        each = footprints(job, limits)
-        over = [k for k, footprint in enumerate(each) if footprint.total > memory]
-        if over:
-            stage = over[0]
-            raise ResourceExhausted(
-                f"stage {stage} of job {job.name!r} needs {each[stage]} at least, more than "
-                f"this peer's {said} on {device}: not measured (nothing allocated)"
-            )
-    machine = _machine_memory()
-    layer = max(layer_parameters(job)) * 8
-    if machine > 0 and layer > machine:
-        raise ResourceExhausted(
-            f"a layer of job {job.name!r} is {format_bytes(layer)} in float64, as it is built, "
-            f"more than this machine's {format_bytes(machine)}: not measured (nothing allocated)"
-        )
 
 
 def measure_stage(

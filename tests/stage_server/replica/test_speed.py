@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stage_server.cli import LIFECYCLE_LOGGERS
-from stage_server.peer.measure import device_model, measure_job, measure_stage
+from stage_server.replica.speed import device_model, measure_job, measure_stage
 from swarm.job.config import load_job
 from tests.support.hogs import busy
 from tests.support.jobs import make_job, write_job
@@ -94,10 +94,10 @@ def test_the_figures_say_they_are_shared_by_the_peers_of_the_machine(
     monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
     cache = tmp_path / "cache" / "throughput.json"
     job = make_job(tmp_path, model={"n_layers": 3}, training={"stages": 3})
-    caplog.set_level(logging.INFO, logger="stage_server.peer.measure")
+    caplog.set_level(logging.INFO, logger="stage_server.replica.speed")
     first = measure_job(job, torch.device("cpu"))
     second = measure_job(job, torch.device("cpu"), throttle=2.0)
-    lines = [r.getMessage() for r in caplog.records if r.name == "stage_server.peer.measure"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "stage_server.replica.speed"]
     figures = str({k: round(v, 1) for k, v in first.items()})
     shared = f"(shared by the peers on this machine, cached {cache})"
     assert lines == [
@@ -105,7 +105,7 @@ def test_the_figures_say_they_are_shared_by_the_peers_of_the_machine(
         f"read samples/s per stage on cpu: {figures} {shared}; --throttle 2.0 divides them",
     ]
     assert second == {k: v / 2.0 for k, v in first.items()}
-    assert "stage_server.peer.measure" in LIFECYCLE_LOGGERS  # shown at the default level
+    assert "stage_server.replica.speed" in LIFECYCLE_LOGGERS  # shown at the default level
 
 
 def test_an_fp32_and_a_bf16_mixed_job_of_one_shape_are_measured_apart(
@@ -119,11 +119,11 @@ def test_an_fp32_and_a_bf16_mixed_job_of_one_shape_are_measured_apart(
     model, training = {"n_layers": 2}, {"stages": 2, "dtype": "float32"}
     fp32 = make_job(tmp_path, model=model, training=training)
     bf16 = make_job(tmp_path, model=model, training=training | {"precision": "bf16-mixed"})
-    caplog.set_level(logging.INFO, logger="stage_server.peer.measure")
+    caplog.set_level(logging.INFO, logger="stage_server.replica.speed")
     measure_job(fp32, torch.device("cpu"))
     measure_job(bf16, torch.device("cpu"))
     said = [
-        r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.peer.measure"
+        r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.replica.speed"
     ]
     assert said == ["measured", "measured"], said
     keys = [json.loads(k) for k in json.loads(cache.read_text())]
@@ -141,10 +141,10 @@ def test_a_tf32_job_is_measured_apart_from_its_float32_twin(
     model, training = {"n_layers": 2}, {"stages": 2, "dtype": "float32"}
     fp32 = make_job(tmp_path, model=model, training=training)
     tf32 = make_job(tmp_path, model=model, training=training | {"tf32": True})
-    caplog.set_level(logging.INFO, logger="stage_server.peer.measure")
+    caplog.set_level(logging.INFO, logger="stage_server.replica.speed")
     measure_job(fp32, torch.device("cpu"))
     measure_job(tf32, torch.device("cpu"))
     said = [
-        r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.peer.measure"
+        r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.replica.speed"
     ]
     assert said == ["measured", "measured"], said

@@ -1,0 +1,138 @@
+"""Torch pipelining: samples/s of a job trained by `torch.distributed.pipelining`, the baseline
+a swarm on one machine is held against (issue 69's peer-workload target, bench/peer_workload.py).
+
+    python bench/torch_pipeline.py JOB.toml [--steps N] [--schedule gpipe|1f1b] [--threads T]
+
+One process per stage (`training.stages`), gloo on localhost, each with `--threads` torch
+threads (1: as each `swarm stage-server --threads 1`), each holding swarm's own stage of the
+model (`swarm.model.transformer.build_stage`: the same layers, the same initial weights). A step
+is the job's `target_batch_size` samples in `microbatch_size` microbatches (the job's own
+synthetic data), pushed through the schedule, then AdamW on each stage (the job's lr). No
+gradient clipping (it needs the norm across stages; a job with `grad_clip` is timed without it).
+Rank 0 times each step, the pipeline drained and every rank past its optimizer step (a barrier),
+and prints samples/s over the steps after the first (warm-up): its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_main(
+    job_path: Path, rank: int, port: int, steps: int, schedule: str, threads: int
+) -> None:
+    """One stage of the pipeline: rank `rank` of `training.stages`."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from swarm.job.config import load_job
+    from swarm.model.data import make_data
+    from swarm.model.transformer import build_stage, loss_sum
+
+    torch.set_num_threads(threads)
+    job = load_job(job_path)
+    world, t = job.training.stages, job.training
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    microbatches = t.target_batch_size // t.microbatch_size
+    module = build_stage(job, rank)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    batch = microbatches * t.microbatch_size
+    pipe = kind(stage, n_microbatches=microbatches, loss_fn=lambda y, x: loss_sum(y, x) / batch)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=job.optimizer.lr)
+    data = make_data(job)
+    seconds = []
+    for step in range(steps):
+        pairs = [data.microbatch(step, i) for i in range(microbatches)]
+        ids, labels = torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
+        dist.barrier()
+        started = time.perf_counter()
+        if rank == 0:
+            pipe.step(ids)
+        elif rank == world - 1:
+            pipe.step(target=labels)
+        else:
+            pipe.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        seconds.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        timed = seconds[1:] or seconds
+        print(batch * len(timed) / sum(timed), flush=True)
+
+
+def samples_per_second(
+    job: Path, steps: int, schedule: str = "gpipe", threads: int = 1, timeout: float = 600
+) -> float:
+    """One run, its ranks each a process of this script; rank 0's samples/s."""
+    from bench.small_stages import first_on_path
+    from swarm.job.config import load_job
+
+    world, port = load_job(job).training.stages, free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": first_on_path(ROOT)}
+    # gloo's own links on loopback: a host with no network resolves its name to nothing usable
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    args = [sys.executable, __file__, str(job), "--steps", str(steps)]
+    args += ["--schedule", schedule, "--threads", str(threads), "--port", str(port)]
+    ranks = [
+        subprocess.Popen(
+            [*args, "--rank", str(r)],
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        out, err = ranks[0].communicate(timeout=timeout)
+        for r in ranks[1:]:
+            r.wait(timeout=60)
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+    failed = [i for i, r in enumerate(ranks) if r.returncode]
+    if failed:
+        raise RuntimeError(f"torch pipelining: ranks {failed} failed:\n{err[-4000:]}")
+    return float(out.split()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--steps", type=int, default=6, help="steps (the first is warm-up)")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads a stage")
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        rank_main(args.job, args.rank, args.port, args.steps, args.schedule, args.threads)
+        return
+    print(samples_per_second(args.job, args.steps, args.schedule, args.threads))
+
+
+if __name__ == "__main__":
+    main()

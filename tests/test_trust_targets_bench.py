@@ -1,0 +1,63 @@
+"""Issue 69's target benches judged on canned figures: bench/peer_workload.py's ratios against
+its targets (swarm >= 0.92x in-process, >= 1.0x torch pipelining, medians over rounds), and
+bench/trust_targets.py's reading of a part's verdict lines and exit status."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import peer_workload, trust_targets
+
+
+def test_the_peer_workload_targets_are_medians_over_the_rounds() -> None:
+    rounds = [
+        {"swarm": 25.0, "in-process": 26.0, "torch": 24.0},  # 0.962, 1.042
+        {"swarm": 20.0, "in-process": 26.0, "torch": 24.0},  # a loaded moment: 0.769, 0.833
+        {"swarm": 26.0, "in-process": 27.0, "torch": 25.0},  # 0.963, 1.04
+    ]
+    judged = peer_workload.verdicts(rounds)
+    assert judged["swarm/in-process"] == (pytest.approx(25 / 26), True)
+    assert judged["swarm/torch"] == (pytest.approx(26 / 25), True)
+
+
+def test_a_peer_workload_target_missed_fails() -> None:
+    # b8f54b2's figures: 0.83x in-process, 0.91x torch pipelining
+    judged = peer_workload.verdicts([{"swarm": 24.77, "in-process": 29.84, "torch": 27.22}])
+    assert judged["swarm/in-process"][1] is False
+    assert judged["swarm/torch"][1] is False
+    # the bounds themselves are met
+    judged = peer_workload.verdicts([{"swarm": 0.92, "in-process": 1.0, "torch": 0.92}])
+    assert judged["swarm/in-process"][1] and judged["swarm/torch"][1]
+
+
+def test_a_parts_verdicts_are_its_own_lines_and_its_exit_status() -> None:
+    output = "pair ...\nPASS: a (target <= 1)\nFAIL: b (target >= 2)\nRESULT {}\n"
+    assert trust_targets.verdict_lines(1, output) == [
+        ("PASS", "a (target <= 1)"),
+        ("FAIL", "b (target >= 2)"),
+    ]
+    # no verdict at all (it crashed, or was ended first) fails
+    assert trust_targets.verdict_lines(0, "Traceback ...") == [
+        ("FAIL", "no verdict (exit status 0)")
+    ]
+    # every line passed, yet it exited non-zero: that fails too
+    assert trust_targets.verdict_lines(2, "PASS: a\n")[-1] == ("FAIL", "exit status 2")
+    assert trust_targets.verdict_lines(0, "PASS: a\n") == [("PASS", "a")]
+
+
+def test_the_parts_keep_the_targets_sizes() -> None:
+    """The audit cost at 3 replicas a stage and at least 5 pairs (issue 69, item 4), within a
+    budget of 240 s by default."""
+    defaults = trust_targets.arguments([])
+    assert defaults.budget_s <= 240
+    audit, peer = trust_targets.parts(defaults)
+    assert audit.command[1].endswith("bench/audit_cost.py")
+    assert audit.command[audit.command.index("--replicas") + 1] == "3"
+    assert int(audit.command[audit.command.index("--pairs") + 1]) >= 5
+    assert peer.command[1].endswith("bench/peer_workload.py") and "--tiny" not in peer.command
+    assert sum(trust_targets.SHARES.values()) <= 1.0
