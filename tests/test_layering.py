@@ -257,6 +257,10 @@ OVERSIZE: dict[str, str] = {
         "the orchestrator of a stage server under a scheduler: each state of the peer's life "
         "(announced, measured, assigned, moving, serving, released) is one step of one loop"
     ),
+    "stage_server.servicer": (
+        "the stage service itself: one handler per RPC, each decoded, routed and handed to its "
+        "room (push plane, answering, commit, state transfer); split, the service would be too"
+    ),
     "stage_server.aggregator.main": (
         "the aggregator process's orchestrator: its jobs followed, its pools served, announced"
     ),
