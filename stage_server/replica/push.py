@@ -116,7 +116,7 @@ class PushPlane:
         if rt.is_first:  # the token ids go on beside the outputs where the boundary needs them
             ids = call.crossing.hidden
             call = replace(call, crossing=Crossing(ids, rt.checks.boundary.tokens(ids)))
-        inputs, tokens, targets = call.crossing.hidden, call.crossing.tokens, call.targets
+        targets = call.targets
         step, site = call.step, self.messages.handing.site
         here = rt.stage in call.accumulate  # this stage accumulates (and answers a receipt)
         reply = codec.codec_from_name(rt.job.compression.backward)
@@ -125,7 +125,7 @@ class PushPlane:
             evaluated = await self._evaluation(call, time_remaining)
             evaluated.site = site
             return evaluated
-        record = self._record(call, came, None if rt.is_first else tokens)
+        record = self._record(call, came)
         try:
             # A co-located caller's slot for the gradient; not where this replica keeps a record: it
             # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
@@ -135,11 +135,10 @@ class PushPlane:
                     rt.forward_backward,
                     h,
                     reply,
-                    inputs,
+                    call.crossing,
                     targets,
                     accumulate=here,
                     receipt=here,
-                    tokens=tokens,
                     into=into,
                 )
                 record.received("grad_outputs", targets, came.get("targets"))
@@ -171,11 +170,10 @@ class PushPlane:
                     rt.backward,
                     h,
                     reply,
-                    inputs,
+                    call.crossing,
                     grad_outputs,
                     accumulate=here,
                     receipt=here,
-                    tokens=tokens,
                     into=into,
                 )
                 grad = done.grad
@@ -199,10 +197,10 @@ class PushPlane:
     ) -> pb.StagePushResponse:
         """A validation microbatch on the push plane: forward here, on to the next stage, the
         last stage's loss back; nothing kept, nothing accumulated."""
-        rt, crossing = self._runtime(), call.crossing
+        rt = self._runtime()
         if rt.is_last:
             loss, queued = await self.worker.run_queued(
-                rt.evaluate, call.step, crossing.hidden, call.targets, crossing.tokens
+                rt.evaluate, call.step, call.crossing, call.targets
             )
             return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
         pushed, queued = await self._forward_on(
@@ -254,9 +252,8 @@ class PushPlane:
                 on_host,
                 step,
                 index,
-                call.crossing.hidden,
+                call.crossing,
                 evaluate=evaluate,
-                tokens=call.crossing.tokens,
             )
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
             crossing = call.crossing.carrying(outputs).tokens_as(lambda t: beside(t, "tokens"))
@@ -271,9 +268,7 @@ class PushPlane:
             made.release()  # every try ended (or the call did): no replica reads them now
         return pushed, queued
 
-    def _record(
-        self, call: ServedPush, came: dict[str, Arrived], tokens: torch.Tensor | None
-    ) -> Recording:
+    def _record(self, call: ServedPush, came: dict[str, Arrived]) -> Recording:
         """A new record of `call`'s microbatch, with what came in; none (`NO_RECORD`) where the
         job audits nothing (no fraction, or local steps: replicas differ, nobody can redo their
         work) or the trainer audits nothing of this run (`run` 0: no stage of its path has another
@@ -285,6 +280,7 @@ class PushPlane:
         record = self.records.begin(rt.stage, call.step, call.index, call.run)
         self.messages.metrics.recorded()
         record.received("inputs", call.crossing.hidden, came.get("inputs"))
+        tokens = None if rt.is_first else call.crossing.tokens  # the first stage's: none kept
         record.received("tokens", tokens, came.get("tokens"))
         record.received("targets", call.targets, came.get("targets"))
         return record
