@@ -56,6 +56,8 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from swarm.wire.crossing import Crossing  # noqa: E402
+
 MiB = 1 << 20
 STREAM_METHOD = "/bench.Bulk/Stream"
 POOL_JOB = "bench-bulk"
@@ -330,7 +332,7 @@ async def train_one_step(client: Any) -> None:
     job = client.job
     shape = (job.training.microbatch_size, job.model.seq_len)
     tokens = torch.randint(0, job.model.vocab_size, shape, generator=torch.Generator())
-    await client.forward_backward(0, 0, tokens, tokens, need_grad_inputs=False)
+    await client.forward_backward(0, 0, Crossing(tokens), tokens, need_grad_inputs=False)
     await client.commit(0, [0], job.training.microbatch_size)
 
 
@@ -533,9 +535,9 @@ async def hop(args: dict[str, Any]) -> None:
     hidden = torch.empty(0)
     for rep in range(args["warmup"] + args["reps"]):
         started = time.perf_counter()
-        hidden = as_tensor(await first.forward(0, rep, tokens, evaluate=True))
+        hidden = as_tensor(await first.forward(0, rep, Crossing(tokens), evaluate=True))
         middle = time.perf_counter()
-        logits = as_tensor(await last.forward(0, rep, hidden, evaluate=True))
+        logits = as_tensor(await last.forward(0, rep, Crossing(hidden), evaluate=True))
         ended = time.perf_counter()
         if rep >= args["warmup"]:
             out_s.append(middle - started)

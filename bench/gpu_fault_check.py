@@ -43,6 +43,7 @@ from swarm.job.config import load_job  # noqa: E402
 from swarm.job.schema import JobConfig  # noqa: E402
 from swarm.model.data import make_data  # noqa: E402
 from swarm.model.reference import train_local  # noqa: E402
+from swarm.wire.crossing import Crossing  # noqa: E402
 
 STAGES = 3
 TOLERANCE = 1e-10  # relative, every trained tensor, float64 on the device against the CPU's
@@ -142,9 +143,9 @@ def train(job: JobConfig, device: str, fail_at: int | None) -> tuple[dict[str, A
 def through(runtimes: list[StageRuntime], step: int, index: int, x: Any, y: Any) -> None:
     """Microbatch `index` forward through the replicas and back, as a trainer's hops (again, a
     replay: a replica that holds its receipt already adds nothing)."""
-    h1 = runtimes[0].forward(step, index, x)
-    h2 = runtimes[1].forward(step, index, h1)
-    _, g2, _ = runtimes[2].forward_backward(step, index, h2, y)
+    h1 = runtimes[0].forward(step, index, Crossing(x))
+    h2 = runtimes[1].forward(step, index, Crossing(h1))
+    _, g2, _ = runtimes[2].forward_backward(step, index, Crossing(h2), y)
     assert g2 is not None
     g1, _ = runtimes[1].backward(step, index, None, g2)
     assert g1 is not None

@@ -257,6 +257,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async def body(held: Held) -> pb.StageForwardResponse:
             h, tensors, _ = await self._receive(request_iterator, held)
             (inputs,) = self._messages.need(tensors, "inputs")
+            given = Crossing(inputs, tensors.get("tokens"))  # a subspace boundary's ids beside
             reply = self._messages.reply_codec(h.reply_codec)
             step, index = h.microbatch.step, h.microbatch.index
             maybe_die(Point.FORWARD, step)
@@ -266,9 +267,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 lambda out: self._messages.encode(out, "outputs", reply, "forward"),
                 step,
                 index,
-                inputs,
+                given,
                 evaluate=h.evaluate,
-                tokens=tensors.get("tokens"),  # a subspace boundary's (`model.boundary_rank`)
             )
             return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
@@ -280,15 +280,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors, _ = await self._receive(request_iterator, held)
             (grad_outputs,) = self._messages.need(tensors, "grad_outputs")
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
+            given = None if inputs is None else Crossing(inputs, tensors.get("tokens"))
             reply = self._messages.reply_codec(h.reply_codec)
             done = await self._answering.backward_here(
                 self.compute.backward,
                 h,
                 reply,
-                inputs,
+                given,
                 grad_outputs,
                 accumulate=h.accumulate,
-                tokens=tensors.get("tokens"),
                 digest_seed=0 if h.accumulate else h.digest_seed,
             )
             return pb.StageBackwardResponse(**done.answer())
@@ -303,21 +303,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors, _ = await self._receive(request_iterator, held)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             rt, reply = self.runtime, self._messages.reply_codec(h.reply_codec)
-            tokens = tensors.get("tokens")  # a subspace boundary's (`model.boundary_rank`)
+            given = Crossing(inputs, tensors.get("tokens"))  # a subspace boundary's ids beside
             maybe_die(Point.FORWARD, h.microbatch.step)
             if h.evaluate:
                 loss, queued = await self.worker.run_queued(
-                    rt.evaluate, h.microbatch.step, inputs, targets, tokens
+                    rt.evaluate, h.microbatch.step, given, targets
                 )
                 return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
             done = await self._answering.backward_here(
                 self.compute.forward_backward,
                 h,
                 reply,
-                inputs,
+                given,
                 targets,
                 accumulate=h.accumulate,
-                tokens=tokens,
                 digest_seed=0 if h.accumulate else h.digest_seed,
             )
             return pb.StageForwardBackwardResponse(loss_sum=done.loss, **done.answer())

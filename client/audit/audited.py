@@ -20,7 +20,7 @@ from client.audit.audits import Audits, Work
 from client.audit.reexecute import decoded
 from swarm.model.data import DataSource
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
-from swarm.rpc.stage_client import TensorLike
+from swarm.rpc.stage_client import TensorLike, WireCrossing
 
 __all__ = ["Audited", "Kept", "Plane", "works_of"]
 
@@ -51,9 +51,8 @@ class Answer(Protocol):
 class Kept(Protocol):
     """What the audit reads of the plane's boundary cache (`BoundaryCache`)."""
 
-    def get(self, step: int, index: int) -> dict[int, tuple[TensorLike, TensorLike]] | None: ...
+    def get(self, step: int, index: int) -> dict[int, tuple[WireCrossing, TensorLike]] | None: ...
     def answers(self, step: int, index: int) -> Mapping[int, Answer]: ...
-    def tokens(self, step: int, index: int) -> TensorLike | None: ...
     def held(self, step: int, index: int) -> AbstractContextManager[None]: ...
 
 
@@ -95,28 +94,25 @@ def works_of(kept: Kept, step: int, index: int, lowest: int, last: int) -> list[
     stages = range(lowest, last + 1)
     if sent is None or not all(k in sent and k in answers for k in stages):
         return None
-    tokens = kept.tokens(step, index)
     works = []
     for k in stages:
-        inputs, grad_outputs = sent[k]
+        given, grad_outputs = sent[k]
         answer = answers[k]
-        if k == last:  # its outputs are the loss (it had the token ids, whatever its index)
+        if k == last:  # its outputs are the loss
             outputs = torch.tensor(answer.loss_sum, dtype=torch.float64)
-            given_tokens = tokens
         else:  # its outputs are what the stage above was sent
-            next_inputs = decoded(sent[k + 1][0])
+            next_inputs = decoded(sent[k + 1][0].hidden)
             assert next_inputs is not None
-            outputs, given_tokens = next_inputs, tokens if k else None
+            outputs = next_inputs
         grad_inputs = decoded(answer.grad_inputs)
         work = Work(
             k,
-            inputs,
+            given,
             grad_outputs,
             outputs,
             grad_inputs,
             answer.forward_peer,
             answer.backward_peer,
-            given_tokens,
         )
         works.append(work)
     return works

@@ -43,7 +43,7 @@ from client.metrics import TrainerMetrics
 from swarm.errors import SwarmError
 from swarm.job.tolerance import TOLERANCE, tolerance_of
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
-from swarm.rpc.stage_client import TensorLike
+from swarm.rpc.stage_client import TensorLike, WireCrossing
 
 __all__ = [
     "TOLERANCE",
@@ -64,14 +64,12 @@ class Work:
     """What one stage of a microbatch was given and answered, as the trainer holds it."""
 
     stage: int
-    inputs: TensorLike
+    given: WireCrossing  # its inputs, and the token ids where the boundary needs them
     grad_outputs: TensorLike  # the last stage: the targets
     outputs: torch.Tensor  # the last stage: its loss sum (a 0-d tensor)
     grad_inputs: torch.Tensor | None  # None where none was asked for (stage 0, the lowest)
     forward_peer: str  # who answered `outputs`
     backward_peer: str  # who answered `grad_inputs` (and accumulated the stage's gradient)
-    # the microbatch's token ids, where a subspace boundary needs them (stages above 0)
-    tokens: TensorLike | None = None
 
 
 @dataclass(frozen=True)

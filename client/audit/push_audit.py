@@ -43,6 +43,7 @@ from swarm.model.boundary import boundary_of
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
 from swarm.rpc.routes import Routes
+from swarm.wire.crossing import Crossing
 from swarm.wire.digest import digest
 
 __all__ = ["PushAudits"]
@@ -223,11 +224,11 @@ class PushAudits:
         tensors = got.messages
         return [], Work(
             c.stage,
-            tensors["inputs"],  # sent on as they came (the client relabels them)
+            # sent on as they came (the client relabels them)
+            Crossing(tensors["inputs"], tensors.get("tokens")),
             tensors["grad_outputs"],
             got.decoded["outputs"],
             got.decoded.get("grad_inputs"),
             c.peer,
             c.peer,
-            tensors.get("tokens"),
         )

@@ -41,6 +41,7 @@ from swarm.proto import tensor_pb2
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.routes import Routes
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 from swarm.wire.digest import digest
 
 __all__ = ["PushContributions"]
@@ -159,4 +160,5 @@ class PushContributions:
             return None
         if isinstance(grad_outputs, torch.Tensor):  # the last stage's targets, as the trainer sent
             grad_outputs = codec.encode(grad_outputs, "targets")
-        return Work(k, inputs, grad_outputs, outputs, grad_inputs, c.peer, c.peer, tokens)
+        given = Crossing(inputs, tokens)
+        return Work(k, given, grad_outputs, outputs, grad_inputs, c.peer, c.peer)

@@ -12,7 +12,7 @@ from client.audit.audits import Redone, Work
 from swarm.errors import ActivationsNotCached, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.rpc.routes import Routes
-from swarm.rpc.stage_client import BackwardResult, TensorLike
+from swarm.rpc.stage_client import BackwardResult, TensorLike, WireCrossing
 from swarm.wire import codec
 
 __all__ = ["StageReexecutor", "decoded"]
@@ -45,11 +45,10 @@ class StageReexecutor:
             done = await client.forward_backward(
                 step,
                 index,
-                work.inputs,
+                work.given,
                 work.grad_outputs,
                 accumulate=False,
                 need_grad_inputs=grads,
-                tokens=work.tokens,
                 digest_seed=digest_seed,
             )
             return Redone(
@@ -57,24 +56,23 @@ class StageReexecutor:
                 decoded(done.grad_inputs),
                 _digest(done),
             )
-        outputs = codec.decode(await client.forward(step, index, work.inputs, tokens=work.tokens))
+        outputs = codec.decode(await client.forward(step, index, work.given))
 
-        def backward(inputs: TensorLike | None) -> Awaitable[BackwardResult]:
+        def backward(given: WireCrossing | None) -> Awaitable[BackwardResult]:
             return client.backward(
                 step,
                 index,
-                inputs,
+                given,
                 work.grad_outputs,
                 accumulate=False,
                 need_grad_inputs=grads,
-                tokens=work.tokens if inputs is not None else None,
                 digest_seed=digest_seed,
             )
 
         try:  # its activations are cached there now
             back = await backward(None)
         except ActivationsNotCached:  # evicted meanwhile: send the inputs again
-            back = await backward(work.inputs)
+            back = await backward(work.given)
         return Redone(outputs, decoded(back.grad_inputs), _digest(back))
 
 

@@ -1,14 +1,15 @@
 """The carry plane's boundary cache: per microbatch and stage, the bytes the trainer sent there
-(the stage's inputs, and its output gradient or the targets; under a subspace boundary the
-microbatch's token ids too). A gradient lost at one stage (its
-replica died before the commit) is replayed from these with one call, on any replica: it
-recomputes from the same bytes, so the gradient is the same. Bounded by `limit_bytes`, the
-oldest microbatch forgotten first; a replay that finds nothing re-runs the pipeline instead.
-Each entry keeps who produced its bytes (the replicas that answered the stage before's outputs
-and the stage after's input gradient): a replay from them rests on those replicas' answers, and
-one banned since (issue 55, `scheduler.coordinator.trust.bans`) makes them worthless. So does a
-rollback since (`swarm.rpc.epoch`): bytes of the same `(step, index)` taken before it may rest on
-the banned peer's answers further up the pipeline than the producers kept name.
+(what crossed into the stage, `swarm.wire.crossing.Crossing`: its inputs and, under a subspace
+boundary, the microbatch's token ids; and its output gradient or the targets). A gradient lost at
+one stage (its replica died before the commit) is replayed from these with one call, on any
+replica: it recomputes from the same bytes, so the gradient is the same. Bounded by
+`limit_bytes`, the oldest microbatch forgotten first; a replay that finds nothing re-runs the
+pipeline instead. Each entry keeps who produced its bytes (the replicas that answered the stage
+before's outputs and the stage after's input gradient): a replay from them rests on those
+replicas' answers, and one banned since (issue 55, `scheduler.coordinator.trust.bans`) makes them
+worthless. So does a rollback since (`swarm.rpc.epoch`): bytes of the same `(step, index)` taken
+before it may rest on the banned peer's answers further up the pipeline than the producers kept
+name.
 
 It keeps what each stage answered too (`Answer`: who, and the input gradient, or the loss), so
 that a microbatch's work can be read whole after it ran: the trainer's audits
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
-from swarm.rpc.stage_client import TensorLike
+from swarm.rpc.stage_client import TensorLike, WireCrossing
 
 __all__ = ["Answer", "BoundaryCache"]
 
@@ -47,9 +48,10 @@ class BoundaryCache:
     def __init__(self, limit_bytes: int, *, delays: bool) -> None:
         # delays: the job's rule computes a step on the parameters one update old (`Rule.delays`)
         self.limit_bytes, self.delays = limit_bytes, delays
-        self._entries: OrderedDict[Key, dict[int, tuple[TensorLike, TensorLike]]] = OrderedDict()
+        self._entries: OrderedDict[Key, dict[int, tuple[WireCrossing, TensorLike]]] = OrderedDict()
         self._producers: dict[Key, dict[int, frozenset[str]]] = {}  # of each entry's bytes
-        self._tokens: dict[Key, TensorLike] = {}  # `model.boundary_rank`: each stage needs them
+        # `model.boundary_rank`: the token ids every stage's crossing shares, counted once
+        self._tokens: dict[Key, TensorLike] = {}
         self._epochs: dict[Key, int] = {}  # the rollback epoch each entry's work was leased in
         self._answers: dict[Key, dict[int, Answer]] = {}  # what each stage answered
         self._held: set[Key] = set()  # not forgotten for the budget while held
@@ -60,11 +62,12 @@ class BoundaryCache:
         step: int,
         index: int,
         stage: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         grad: TensorLike,
         producers: Iterable[str] = (),
-        tokens: TensorLike | None = None,
     ) -> None:
+        """What crossed into `stage` of microbatch `(step, index)` and its output gradient (or
+        the targets), as the replicas `producers` answered them."""
         # An old step's are useless (with delayed_update the step before is still live: a failed
         # round of its commit replays from them).
         live = step - 1 if self.delays else step
@@ -73,12 +76,12 @@ class BoundaryCache:
         if self._epochs.get((step, index), epoch.current()) != epoch.current():
             self._forget((step, index))  # a rollback since: the bytes before it are not the run's
         self._epochs[step, index] = epoch.current()
-        self._entries.setdefault((step, index), {})[stage] = (inputs, grad)
+        self._entries.setdefault((step, index), {})[stage] = (crossing, grad)
         self._producers.setdefault((step, index), {})[stage] = frozenset(producers)
-        self.nbytes += _nbytes(inputs) + _nbytes(grad)
-        if tokens is not None and (step, index) not in self._tokens:
-            self._tokens[step, index] = tokens
-            self.nbytes += _nbytes(tokens)
+        self.nbytes += _nbytes(crossing.hidden) + _nbytes(grad)
+        if crossing.tokens is not None and (step, index) not in self._tokens:
+            self._tokens[step, index] = crossing.tokens
+            self.nbytes += _nbytes(crossing.tokens)
         self._trim()
 
     def answered(self, step: int, index: int, stage: int, answer: Answer) -> None:
@@ -106,9 +109,10 @@ class BoundaryCache:
             self._answers.pop((step, index), None)
             self._trim()
 
-    def get(self, step: int, index: int) -> dict[int, tuple[TensorLike, TensorLike]] | None:
-        """Stage -> (inputs, output gradient or targets) of microbatch `(step, index)`, as a run
-        leased in the current task's rollback epoch sent them (none from before a rollback)."""
+    def get(self, step: int, index: int) -> dict[int, tuple[WireCrossing, TensorLike]] | None:
+        """Stage -> (what crossed in, output gradient or targets) of microbatch `(step, index)`,
+        as a run leased in the current task's rollback epoch sent them (none from before a
+        rollback)."""
         if self._epochs.get((step, index)) != epoch.current():
             return None
         return self._entries.get((step, index))
@@ -117,10 +121,6 @@ class BoundaryCache:
         """The replicas whose answers the cached bytes of `stages` are."""
         held = self._producers.get((step, index), {})
         return {peer for k in stages for peer in held.get(k, ())}
-
-    def tokens(self, step: int, index: int) -> TensorLike | None:
-        """The token ids of microbatch `(step, index)` (a subspace boundary's), if remembered."""
-        return self._tokens.get((step, index))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -137,8 +137,8 @@ class BoundaryCache:
         self._producers.pop(key, None)
         self._answers.pop(key, None)
         self._epochs.pop(key, None)
-        for inputs, grad in self._entries.pop(key, {}).values():
-            self.nbytes -= _nbytes(inputs) + _nbytes(grad)
+        for crossing, grad in self._entries.pop(key, {}).values():
+            self.nbytes -= _nbytes(crossing.hidden) + _nbytes(grad)
         tokens = self._tokens.pop(key, None)
         if tokens is not None:
             self.nbytes -= _nbytes(tokens)

@@ -5,12 +5,18 @@ forward-and-backward at S-1, then backward down to the lowest stage it must accu
 Backward goes to the replica that did the Forward at that stage (its activations are cached
 there). Each accumulating hop reports its stage only where it surely accumulated there (see
 `swarm.rpc.hop`). A replay whose boundary tensors are still cached costs one call per stage to
-replay."""
+replay.
+
+What crosses into each stage is one `Crossing` (`swarm.wire.crossing`): stage 0's the token ids
+themselves, each later stage's the outputs the stage before sent back, beside the token ids
+where the job's boundary needs them (`swarm.model.boundary`). Each is made once, then sent, kept
+in the boundary cache and replayed whole."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,9 +29,11 @@ from swarm.job.rule import rule_of
 from swarm.model.boundary import boundary_of
 from swarm.model.data import DataSource
 from swarm.proto import tensor_pb2
+from swarm.rpc.hop import Hopped
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
-from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike
+from swarm.rpc.stage_client import BackwardResult, StageClient, TensorLike, WireCrossing
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 
 __all__ = ["CarryPlane"]
 
@@ -41,6 +49,7 @@ class CarryPlane:
         # What each stage was sent and answered is kept in `cache`: the audits read it there
         # after the microbatch (`client.audit.audited.Audited` wraps this plane).
         self.job, self.hops, self.metrics, self.cache = job, hops, metrics, cache
+        self.last = job.training.stages - 1
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass  # every hop reads the routes as they are when it is made
@@ -53,98 +62,96 @@ class CarryPlane:
             replayed = await self._replay_from_cache(task)
             if replayed is not None:
                 return replayed
-        step, index, stages = task.step, task.index, task.stages
-        last, lowest = self.job.training.stages - 1, min(task.stages)
-        ids, labels = data.microbatch(step, index)
-        # Encoded once; every later hop passes on the messages the stages sent back.
-        boundary: list[TensorLike] = [codec.encode(ids, "inputs")]
-        targets, tokens = codec.encode(labels, "targets"), self._tokens(ids)
-        forward_peer: dict[int, str] = {}
-        for k in range(last):
-            peer, out = await self.hops.any(
-                k,
-                lambda c, k=k: c.forward(  # type: ignore[misc]
-                    step, index, boundary[k], tokens=tokens if k else None
-                ),
-            )
-            forward_peer[k] = peer
-            boundary.append(out)
-        holders: dict[int, str] = {}
-        done = await self.hops.hopped(
-            last,
-            lambda c, a: c.forward_backward(
-                step,
-                index,
-                boundary[last],
-                targets,
-                accumulate=a,
-                need_grad_inputs=lowest < last,
-                tokens=tokens,
-            ),
-            accumulate=last in stages,
-            need_result=lowest < last,
-        )
-        forward_peer[last] = done.peer or ""  # "": unknown (the route record needs none then)
-        back: dict[int, str] = {}
-        result = done.result
-        if done.accumulated and done.peer is not None:
-            holders[last] = done.peer
-        after = done.peer  # who answered the gradient the stage below is given
-        before = [forward_peer[last - 1]] if last else []
-        self.cache.remember(step, index, last, boundary[last], targets, before, tokens=tokens)
-        if result is not None:  # its outputs are the loss; it answered both ways itself
-            peer = forward_peer[last]
-            answer = Answer(peer, peer, result.grad_inputs, loss_sum=result.loss_sum)
-            self.cache.answered(step, index, last, answer)
+        ids, labels = data.microbatch(task.step, task.index)
+        given, peers = await self._forward(task, ids)
+        run = _Run(task, given, dict(enumerate(peers)))
+        done = await self._forward_backward(run, codec.encode(labels, "targets"))
+        await self._backward(run, done)
         # The loss is the same whichever replica computed it, accumulating or not.
-        loss = result.loss_sum if last in stages and result is not None else None
-        grad = result.grad_inputs if result is not None else None
-        for k in range(last - 1, lowest - 1, -1):
-            assert grad is not None
-            g = grad
-            forward_client = self.hops.routes.clients.get(forward_peer[k])  # None: departed
-            before = [forward_peer[k - 1]] if k else []
-            self.cache.remember(step, index, k, boundary[k], g, [*before, *filter(None, [after])])
-            done = await self.hops.hopped(
-                k,
-                lambda c, a, k=k, g=g, f=forward_client: _backward(  # type: ignore[misc]
-                    c, task, k, boundary[k], g, f, a, tokens if k else None
-                ),
-                prefer=forward_peer[k],
-                accumulate=k in stages,
-                need_result=k > lowest,
-            )
-            if done.accumulated and done.peer is not None:
-                holders[k] = done.peer
-            if done.peer is not None and done.peer != forward_peer[k]:
-                back[k] = done.peer
-            after = done.peer
-            result = done.result
-            grad = result.grad_inputs if result is not None else None
-            if result is not None and done.peer is not None:
-                self.cache.answered(step, index, k, Answer(forward_peer[k], done.peer, grad))
-        samples = int(ids.shape[0])
-        if not local:
-            touched = tuple(sorted(filter(None, {*forward_peer.values(), *back.values()})))
-            return MicrobatchResult(step, index, holders, loss, samples, touched=touched)
-        chain = tuple(forward_peer[k] for k in range(last + 1))
-        return MicrobatchResult(
-            step, index, holders, loss, samples, chain, tuple(sorted(back.items()))
-        )
+        last = done.result
+        loss = last.loss_sum if last is not None and self.last in task.stages else None
+        return run.result(loss, int(ids.shape[0]), local)
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor
     ) -> MicrobatchResult:
-        step, index = task.step, task.index
-        inputs, targets = codec.encode(ids, "inputs"), codec.encode(labels, "targets")
-        last, tokens = self.job.training.stages - 1, self._tokens(ids)
-        x: TensorLike = inputs
-        for k in range(last):
-            _, x = await self.hops.any(
-                k, functools.partial(_forward_only, step, index, x, tokens if k else None)
-            )
-        _, loss = await self.hops.any(last, lambda c: c.evaluate(step, index, x, targets, tokens))
+        step, index, targets = task.step, task.index, codec.encode(labels, "targets")
+        given, _ = await self._forward(task, ids, evaluate=True)
+        _, loss = await self.hops.any(
+            self.last, lambda c: c.evaluate(step, index, given[-1], targets)
+        )
         return MicrobatchResult(step, index, {}, loss, int(ids.shape[0]))
+
+    async def _forward(
+        self, task: Task, ids: torch.Tensor, *, evaluate: bool = False
+    ) -> tuple[list[WireCrossing], list[str]]:
+        """Stages 0..S-2 forward, each on any replica: what crossed into every stage (the
+        last's too), and who answered each forward. `evaluate`: a validation microbatch's."""
+        # Encoded once; every later hop passes on the messages the stages sent back.
+        given: list[WireCrossing] = [Crossing(codec.encode(ids, "inputs"))]
+        tokens, peers = self._tokens(ids), []
+        for k in range(self.last):
+            forward = functools.partial(
+                _forward_at, task.step, task.index, given[k], evaluate=evaluate
+            )
+            peer, out = await self.hops.any(k, forward)
+            peers.append(peer)
+            given.append(Crossing(out, tokens))
+        return given, peers
+
+    async def _forward_backward(self, run: _Run, targets: TensorLike) -> Hopped[BackwardResult]:
+        """The last stage, forward and backward on one replica (its outputs are the loss: it
+        answers both ways itself), kept in the cache with what it answered."""
+        task, last, lowest = run.task, self.last, min(run.task.stages)
+        done = await self.hops.hopped(
+            last,
+            lambda c, a: c.forward_backward(
+                task.step,
+                task.index,
+                run.given[last],
+                targets,
+                accumulate=a,
+                need_grad_inputs=lowest < last,
+            ),
+            accumulate=last in task.stages,
+            need_result=lowest < last,
+        )
+        peer = done.peer or ""  # "": unknown (the route record needs none then)
+        run.forward_peer[last] = peer
+        run.held(last, done)
+        self.cache.remember(task.step, task.index, last, run.given[last], targets, run.before(last))
+        if done.result is not None:
+            answer = Answer(peer, peer, done.result.grad_inputs, loss_sum=done.result.loss_sum)
+            self.cache.answered(task.step, task.index, last, answer)
+        return done
+
+    async def _backward(self, run: _Run, done: Hopped[BackwardResult]) -> None:
+        """Backward from the stage below the last down to the lowest the task accumulates at,
+        each given the input gradient the stage above answered (`done`), preferably on the
+        replica that did its forward; what each was sent and answered kept in the cache."""
+        task = run.task
+        step, index = task.step, task.index
+        for k in range(self.last - 1, min(task.stages) - 1, -1):
+            grad = done.result.grad_inputs if done.result is not None else None
+            assert grad is not None
+            after = done.peer  # who answered the gradient this stage is given
+            producers = [*run.before(k), *filter(None, [after])]
+            self.cache.remember(step, index, k, run.given[k], grad, producers)
+            forward_peer = run.forward_peer[k]
+            cached_on = self.hops.routes.clients.get(forward_peer)  # None: departed
+            done = await self.hops.hopped(
+                k,
+                functools.partial(_backward_at, task, k, run.given[k], grad, cached_on),
+                prefer=forward_peer,
+                accumulate=k in task.stages,
+                need_result=k > min(task.stages),
+            )
+            run.held(k, done)
+            if done.peer is not None and done.peer != forward_peer:
+                run.back[k] = done.peer
+            if done.result is not None and done.peer is not None:
+                answer = Answer(forward_peer, done.peer, done.result.grad_inputs)
+                self.cache.answered(step, index, k, answer)
 
     def _tokens(self, ids: torch.Tensor) -> tensor_pb2.Tensor | None:
         """The token ids every stage after the first needs under a subspace boundary
@@ -161,29 +168,15 @@ class CarryPlane:
         producers = self.cache.producers(task.step, task.index, task.stages)
         if not producers <= self.hops.routes.clients.keys():
             return None  # one is no member now (gone, or banned): its bytes are not trusted
-        last, holders = self.job.training.stages - 1, {}
-        tokens = self.cache.tokens(task.step, task.index)
+        holders = {}
         for k in sorted(task.stages):
-            inputs, grad = cached[k]
-            t = tokens if k else None
-            if k == last:
-                peer, _ = await self.hops.accumulating(
-                    k,
-                    lambda c, a, i=inputs, g=grad, t=t: c.forward_backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
-                    ),
-                    accumulate=True,
-                    need_result=False,
-                )
-            else:
-                peer, _ = await self.hops.accumulating(
-                    k,
-                    lambda c, a, i=inputs, g=grad, t=t: c.backward(  # type: ignore[misc]
-                        task.step, task.index, i, g, accumulate=a, need_grad_inputs=False, tokens=t
-                    ),
-                    accumulate=True,
-                    need_result=False,
-                )
+            given, grad = cached[k]
+            peer, _ = await self.hops.accumulating(
+                k,
+                functools.partial(_replayed, task, k == self.last, given, grad),
+                accumulate=True,
+                need_result=False,
+            )
             if peer is not None:
                 holders[k] = peer
         self.metrics.cached_replays.inc()
@@ -198,18 +191,55 @@ class CarryPlane:
         )
 
 
-async def _backward(
-    client: StageClient,
+@dataclass
+class _Run:
+    """One run of a microbatch through the pipeline: what crossed into each stage, and who
+    answered it each way and accumulated it."""
+
+    task: Task
+    given: list[WireCrossing]  # stage -> what crossed into it
+    forward_peer: dict[int, str]  # stage -> who answered its outputs
+    back: dict[int, str] = field(default_factory=dict)  # who answered a backward elsewhere
+    holders: dict[int, str] = field(default_factory=dict)  # stage -> who accumulated it
+
+    def before(self, stage: int) -> list[str]:
+        """Who answered the outputs that crossed into `stage` (none: it is stage 0)."""
+        return [self.forward_peer[stage - 1]] if stage else []
+
+    def held(self, stage: int, done: Hopped[BackwardResult]) -> None:
+        """`done`, the hop of `stage` that accumulates, surely accumulated where it says."""
+        if done.accumulated and done.peer is not None:
+            self.holders[stage] = done.peer
+
+    def result(self, loss: float | None, samples: int, local: bool) -> MicrobatchResult:
+        """The run's result; `local` (replicas differ): with every replica it went through."""
+        step, index = self.task.step, self.task.index
+        if not local:
+            peers = {*self.forward_peer.values(), *self.back.values()}
+            touched = tuple(sorted(filter(None, peers)))
+            return MicrobatchResult(step, index, self.holders, loss, samples, touched=touched)
+        chain = tuple(self.forward_peer[k] for k in sorted(self.forward_peer))
+        back = tuple(sorted(self.back.items()))
+        return MicrobatchResult(step, index, self.holders, loss, samples, chain, back)
+
+
+async def _forward_at(
+    step: int, index: int, given: WireCrossing, client: StageClient, *, evaluate: bool
+) -> tensor_pb2.Tensor:
+    return await client.forward(step, index, given, evaluate=evaluate)
+
+
+async def _backward_at(
     task: Task,
     stage: int,
-    inputs: TensorLike,
+    given: WireCrossing,
     grad: TensorLike,
     cached_on: StageClient | None,
+    client: StageClient,
     accumulate: bool,
-    tokens: TensorLike | None,
 ) -> BackwardResult:
-    """Backward at `stage`; without re-sending the inputs when `client` did the forward (its
-    activations are cached), with them (and `tokens`) if it no longer has them."""
+    """Backward at `stage`; without re-sending what crossed into it when `client` did the
+    forward (its activations are cached), with it (`given`) if it no longer has them."""
     need = stage > min(task.stages)
     if client is cached_on:
         try:
@@ -219,17 +249,21 @@ async def _backward(
         except ActivationsNotCached:
             pass  # evicted there: resend with the inputs, and the replica recomputes
     return await client.backward(
-        task.step,
-        task.index,
-        inputs,
-        grad,
-        accumulate=accumulate,
-        need_grad_inputs=need,
-        tokens=tokens,
+        task.step, task.index, given, grad, accumulate=accumulate, need_grad_inputs=need
     )
 
 
-async def _forward_only(
-    step: int, index: int, inputs: TensorLike, tokens: TensorLike | None, client: StageClient
-) -> tensor_pb2.Tensor:
-    return await client.forward(step, index, inputs, evaluate=True, tokens=tokens)
+async def _replayed(
+    task: Task,
+    last: bool,
+    given: WireCrossing,
+    grad: TensorLike,
+    client: StageClient,
+    accumulate: bool,
+) -> BackwardResult:
+    """A stage of a replay from the cache, from the bytes it was sent (`given`; `grad`, the
+    targets at the `last` stage): on any replica, which recomputes it, no gradient back."""
+    again = client.forward_backward if last else client.backward
+    return await again(
+        task.step, task.index, given, grad, accumulate=accumulate, need_grad_inputs=False
+    )

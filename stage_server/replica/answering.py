@@ -17,6 +17,7 @@ import torch
 
 from stage_server.replica.messages import Messages
 from stage_server.replica.runtime import Receipt, StageRuntime
+from stage_server.replica.tensor_checks import Given
 from stage_server.replica.worker import Worker
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
@@ -67,18 +68,20 @@ class Answering:
         fn: Callable[..., tuple[Any, ...]],
         h: Any,
         reply: int,
-        *tensors: torch.Tensor | None,
+        given: Given | None,
+        grad_outputs: torch.Tensor,
+        *,
         accumulate: bool,
         receipt: bool = True,
-        tokens: torch.Tensor | None = None,
         into: tensor_pb2.Handover | None = None,
         digest_seed: int = 0,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (the replica's compute's `backward`, or the
         last stage's `forward_backward`: `stage_server.replica.lying.Compute`) of `h`'s
-        microbatch on the worker, the BACKWARD fault point, then the input gradient in codec
-        `reply` (into a co-located caller's slot `into`, when it opens:
-        `stage_server.replica.handing`) and (unless `receipt` is False) the receipt."""
+        microbatch on the worker, from what crossed in (`given`; None: the activations cached
+        here) and `grad_outputs` (the last stage's: the targets), the BACKWARD fault point, then
+        the input gradient in codec `reply` (into a co-located caller's slot `into`, when it
+        opens: `stage_server.replica.handing`) and (unless `receipt` is False) the receipt."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
@@ -99,10 +102,10 @@ class Answering:
             on_host,
             step,
             index,
-            *tensors,
+            given,
+            grad_outputs,
             accumulate=accumulate,
             need_grad_inputs=h.need_grad_inputs,
-            tokens=tokens,  # a subspace boundary's token ids (`model.boundary_rank`)
             # an audit of a contribution (`stage_server.replica.gradient_digest`)
             digest_seed=digest_seed,
         )

@@ -34,6 +34,7 @@ from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import Hop, NextHop, Pushed
 from stage_server.replica.push_records import NO_RECORD, Arrived, PushRecords, Recording
 from stage_server.replica.runtime import StageRuntime
+from stage_server.replica.tensor_checks import Given
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
 from swarm.job.rule import rule_of
@@ -128,7 +129,7 @@ class PushPlane:
         if call.evaluate:
             answer = await self._evaluation(call, time_remaining)
         else:
-            record = self._record(call, came, None if rt.is_first else call.crossing.tokens)
+            record = self._record(call, came)
             try:
                 # A co-located caller's slot for the gradient; not where this replica keeps a
                 # record: it commits to (and an audit re-reads) the gradient's bytes, which a
@@ -149,9 +150,8 @@ class PushPlane:
         self, here: _Here, call: ServedPush, record: Recording, came: dict[str, Arrived]
     ) -> pb.StagePushResponse:
         """The last stage: its forward_backward here, the loss and the input gradient back."""
-        crossing = call.crossing
         done = await self._backward_here(
-            here, self._compute().forward_backward, crossing.hidden, call.targets, crossing.tokens
+            here, self._compute().forward_backward, call.crossing, call.targets
         )
         record.received("grad_outputs", call.targets, came.get("targets"))
         record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
@@ -206,9 +206,8 @@ class PushPlane:
             grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
             self.messages.took(msg, grad_outputs)
         record.received("grad_outputs", grad_outputs, msg)  # kept as it came
-        crossing = call.crossing
         done = await self._backward_here(
-            here, self._compute().backward, crossing.hidden, grad_outputs, crossing.tokens
+            here, self._compute().backward, call.crossing, grad_outputs
         )
         record.sent("grad_inputs", _first(done.grad))
         return done
@@ -217,9 +216,8 @@ class PushPlane:
         self,
         here: _Here,
         fn: Callable[..., tuple[Any, ...]],
-        inputs: torch.Tensor,
+        given: Given,
         other: torch.Tensor,
-        tokens: torch.Tensor | None,
     ) -> Answered:
         """`fn` (the backward, or the last stage's forward_backward) of `inputs` and `other`
         (the gradient of the outputs, or the targets), answered as every accumulating call is
@@ -228,11 +226,10 @@ class PushPlane:
             fn,
             here.h,
             here.reply,
-            inputs,
+            given,
             other,
             accumulate=here.accumulate,
             receipt=here.accumulate,
-            tokens=tokens,
             into=here.into,
         )
 
@@ -241,10 +238,10 @@ class PushPlane:
     ) -> pb.StagePushResponse:
         """A validation microbatch on the push plane: forward here, on to the next stage, the
         last stage's loss back; nothing kept, nothing accumulated."""
-        rt, crossing = self._runtime(), call.crossing
+        rt = self._runtime()
         if rt.is_last:
             loss, queued = await self.worker.run_queued(
-                self._compute().evaluate, call.step, crossing.hidden, call.targets, crossing.tokens
+                self._compute().evaluate, call.step, call.crossing, call.targets
             )
             return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
         pushed, queued = await self._forward_on(
@@ -284,9 +281,8 @@ class PushPlane:
                 on_host,
                 step,
                 index,
-                call.crossing.hidden,
+                call.crossing,
                 evaluate=call.evaluate,
-                tokens=call.crossing.tokens,
             )
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
             crossing = call.crossing.carrying(outputs).tokens_as(lambda t: beside(t, "tokens"))
@@ -301,9 +297,7 @@ class PushPlane:
             made.release()  # every try ended (or the call did): no replica reads them now
         return pushed, queued
 
-    def _record(
-        self, call: ServedPush, came: dict[str, Arrived], tokens: torch.Tensor | None
-    ) -> Recording:
+    def _record(self, call: ServedPush, came: dict[str, Arrived]) -> Recording:
         """A new record of `call`'s microbatch, with what came in; none (`NO_RECORD`) where the
         job audits nothing (no fraction, or local steps: replicas differ, nobody can redo their
         work) or the trainer audits nothing of this run (`run` 0: no stage of its path has another
@@ -315,6 +309,7 @@ class PushPlane:
         record = self.records.begin(rt.stage, call.step, call.index, call.run)
         self.messages.metrics.recorded()
         record.received("inputs", call.crossing.hidden, came.get("inputs"))
+        tokens = None if rt.is_first else call.crossing.tokens  # the first stage's: none kept
         record.received("tokens", tokens, came.get("tokens"))
         record.received("targets", call.targets, came.get("targets"))
         return record

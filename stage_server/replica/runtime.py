@@ -26,7 +26,7 @@ from stage_server.replica.gradient_digest import backprop_apart
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
 from stage_server.replica.step_sums import Receipt, Sums
-from stage_server.replica.tensor_checks import TensorChecks
+from stage_server.replica.tensor_checks import Given, TensorChecks
 from stage_server.replica.update_log import UpdateLog
 from swarm.device.compiled import CompiledRuns
 from swarm.device.kernels import apply_kernels
@@ -106,9 +106,10 @@ class StageRuntime:
                 else f"stage {self.stage} is at step {self.step}; step {step} has not started here"
             )
 
-    def _run(self, step: int, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, step: int, given: Given) -> torch.Tensor:
+        """The stage's outputs of `given` (its inputs as accepted, and the token ids beside)."""
         module = self.copies.module_at(step, self.step)  # the parameters step `step` computes on
-        tokens = self.checks.tokens(tokens, x)
+        x, tokens = given.hidden, self.checks.tokens(given)
         if self.compiled is not None and tokens is None:  # CUDA, --compile-stage
             return self.compiled.run(module, x)  # (`swarm.device.compiled`)
         if self.low is not None:
@@ -134,20 +135,19 @@ class StageRuntime:
         self,
         step: int,
         index: int,
-        inputs: torch.Tensor,
+        given: Given,
         *,
         evaluate: bool = False,
-        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The stage's outputs; kept with their graph for this microbatch's Backward, unless
-        `evaluate` (a validation microbatch: no Backward follows, no graph is built). `tokens`:
-        the microbatch's token ids, which a subspace boundary (`model.boundary_rank`) needs at
-        every stage after the first."""
+        """The stage's outputs of what crossed into it (`given`: its inputs, and the token ids
+        a subspace boundary, `model.boundary_rank`, needs at every stage after the first); kept
+        with their graph for this microbatch's Backward, unless `evaluate` (a validation
+        microbatch: no Backward follows, no graph is built)."""
         self._check_step(step, next_ok=True)
         if evaluate:
-            with torch.no_grad(), self._precision(step), self._named("Forward", inputs):
-                return self._run(step, self.checks.inputs(inputs), tokens)
-        x = self._leaf(self.checks.inputs(inputs))
+            with torch.no_grad(), self._precision(step), self._named("Forward", given.hidden):
+                return self._run(step, given.carrying(self.checks.inputs(given.hidden)))
+        x = self._leaf(self.checks.inputs(given.hidden))
         with (
             torch.enable_grad(),
             self._precision(step),
@@ -155,7 +155,7 @@ class StageRuntime:
             self._cache.counting(self.device, self.memory) as held,
         ):
             inject(Point.FORWARD_OOM, step)
-            out = self._run(step, x, tokens)
+            out = self._run(step, given.carrying(x))
         self._cache.keep((step, index), x, out, held, self.activation_cache, self.window)
         return out.detach()
 
@@ -172,30 +172,29 @@ class StageRuntime:
         self,
         step: int,
         index: int,
-        inputs: torch.Tensor | None,
+        given: Given | None,
         grad_outputs: torch.Tensor,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
-        tokens: torch.Tensor | None = None,
         digest_seed: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
-        """Backward of microbatch `(step, index)`. `inputs` (and `tokens`, as for `forward`) may
-        be None when this replica did the forward: then its cached activations must still be
-        here."""
+        """Backward of microbatch `(step, index)`. What crossed in (`given`, as for `forward`)
+        may be None when this replica did the forward: then its cached activations must still
+        be here."""
         self._check_step(step, next_ok=True)
         cached = self._cache.take((step, index))
-        if cached is None and inputs is None:
+        if cached is None and given is None:
             raise ActivationsNotCached(
                 f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "
                 f"{self.stage}; send its inputs"
             )
         with self._named("Backward", grad_outputs):
             if cached is None:  # another replica did the forward, or the cache evicted it
-                assert inputs is not None
-                x = self._leaf(self.checks.inputs(inputs))
+                assert given is not None
+                x = self._leaf(self.checks.inputs(given.hidden))
                 with torch.enable_grad(), self._precision(step):
-                    out = self._run(step, x, tokens)
+                    out = self._run(step, given.carrying(x))
             else:
                 x, out = cached
             grad = self.checks.grad(grad_outputs, out)
@@ -207,12 +206,11 @@ class StageRuntime:
         self,
         step: int,
         index: int,
-        inputs: torch.Tensor,
+        given: Given,
         targets: torch.Tensor,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
-        tokens: torch.Tensor | None = None,
         digest_seed: int = 0,
     ) -> tuple[float, torch.Tensor | None, Receipt]:
         if not self.is_last:
@@ -220,12 +218,12 @@ class StageRuntime:
                 f"ForwardBackward is for the last stage; this is stage {self.stage}"
             )
         self._check_step(step, next_ok=True)
-        x = self._leaf(self.checks.inputs(inputs))
+        x = self._leaf(self.checks.inputs(given.hidden))
         y = self.checks.targets(targets, x)
         with self._named("ForwardBackward", x):
             with torch.enable_grad(), self._precision(step):
                 inject(Point.FORWARD_OOM, step)
-                loss = loss_sum(self._run(step, x, tokens), y)
+                loss = loss_sum(self._run(step, given.carrying(x)), y)
             grad_x, receipt = self._backprop(
                 step, index, x, loss, None, accumulate, need_grad_inputs, digest_seed
             )
@@ -234,19 +232,18 @@ class StageRuntime:
     def evaluate(
         self,
         step: int,
-        inputs: torch.Tensor,
+        given: Given,
         targets: torch.Tensor,
-        tokens: torch.Tensor | None = None,
     ) -> float:
         """The last stage's loss sum of a validation microbatch: forward only, nothing kept,
         nothing accumulated."""
         if not self.is_last:
             raise InvalidArgument(f"the loss is the last stage's; this is stage {self.stage}")
         self._check_step(step, next_ok=True)
-        x = self.checks.inputs(inputs)
+        x = self.checks.inputs(given.hidden)
         y = self.checks.targets(targets, x)
         with torch.no_grad(), self._precision(step):
-            return float(loss_sum(self._run(step, x, tokens), y))
+            return float(loss_sum(self._run(step, given.carrying(x)), y))
 
     def _backprop(
         self,

@@ -34,6 +34,7 @@ from swarm.device.compute_clock import ComputeClock, clock_for
 from swarm.device.facts import DeviceFacts
 from swarm.job.config import JobConfig
 from swarm.model.transformer import boundary_width, layer_costs, partition
+from swarm.wire.crossing import Crossing
 
 __all__ = ["cache_path", "device_model", "measure_job", "measure_stage"]
 
@@ -103,16 +104,17 @@ def measure_stage(
         inputs = tokens
     else:
         inputs = torch.randn(b, t, boundary_width(cfg), generator=gen).to(rt.dtype)
+    given = Crossing(inputs, tokens)  # the token ids beside: a subspace boundary's need them
     targets = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
     times: list[float] = []
     while len(times) <= _REPEATS or (sum(times[1:]) < _MIN_TIMED_S and len(times) <= _MAX_REPEATS):
         i = len(times)
         start = clock.now()
         if rt.is_last:
-            rt.forward_backward(0, i, inputs, targets, accumulate=False, tokens=tokens)
+            rt.forward_backward(0, i, given, targets, accumulate=False)
         else:
-            out = rt.forward(0, i, inputs, tokens=tokens)
-            rt.backward(0, i, inputs, torch.ones_like(out), accumulate=False, tokens=tokens)
+            out = rt.forward(0, i, given)
+            rt.backward(0, i, given, torch.ones_like(out), accumulate=False)
         clock.settle()
         times.append(clock.now() - start)
     # The fastest run, not the median: other processes on the machine (peers that measure at the

@@ -21,8 +21,14 @@ from swarm.job.config import JobConfig
 from swarm.model.boundary import boundary_of
 from swarm.model.state_checks import StateChecks
 from swarm.model.transformer import DTYPES
+from swarm.wire.crossing import Crossing
 
-__all__ = ["TensorChecks"]
+__all__ = ["Given", "TensorChecks"]
+
+Given = Crossing[torch.Tensor, torch.Tensor]
+"""What crosses into a stage as the replica takes it: its inputs (stage 0's are the token ids),
+and the microbatch's token ids beside them where the job's boundary needs them
+(`swarm.model.boundary`)."""
 
 
 class TensorChecks:
@@ -87,18 +93,19 @@ class TensorChecks:
         (under `model.boundary_rank` also as the push plane sends them, narrow: `wire_targets`)."""
         return self._ids("targets", self.boundary.widened(targets), inputs)
 
-    def tokens(self, tokens: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The microbatch's token ids beside a subspace boundary's coefficients (`inputs`): int64
-        [batch, seq] in the vocabulary, required after stage 0 under `model.boundary_rank`, and
-        never taken elsewhere (None then)."""
+    def tokens(self, given: Given) -> torch.Tensor | None:
+        """The microbatch's token ids that crossed beside a subspace boundary's coefficients
+        (`given.hidden`): int64 [batch, seq] in the vocabulary, required after stage 0 under
+        `model.boundary_rank`, and never taken elsewhere (None then)."""
         if not self.needs_tokens:
             return None
-        if tokens is None:
+        if given.tokens is None:
             raise InvalidArgument(
                 f"stage {self.stage} of a job with {self.boundary} needs the microbatch's token "
                 'ids ("tokens")'
             )
-        return self._ids("tokens", self.boundary.widened(tokens), inputs)  # sent narrow
+        tokens = self.boundary.widened(given.tokens)  # sent narrow
+        return self._ids("tokens", tokens, given.hidden)
 
     def _ids(self, name: str, ids: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         vocab = self.job.model.vocab_size

@@ -30,6 +30,7 @@ from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.chunking import grpc_options
 from swarm.wire.codec import CODEC_NONE
+from swarm.wire.crossing import Crossing
 
 __all__ = [
     "BackwardResult",
@@ -38,6 +39,7 @@ __all__ = [
     "StageClient",
     "StateSink",
     "TensorLike",
+    "WireCrossing",
     "WirePush",
     "as_tensor",
     "named",
@@ -86,6 +88,9 @@ async def _write(call: Any, message: Any) -> None:
 # A tensor on the trainer's side: a torch tensor to encode, or a message received from another
 # stage and passed on as it is (the trainer never decodes activations or gradients).
 TensorLike = torch.Tensor | tensor_pb2.Tensor
+WireCrossing = Crossing[TensorLike, TensorLike]
+"""What crosses into a stage as the stage client sends it: tensors to encode, or messages passed
+on as they are."""
 WirePush = PushCall[TensorLike, TensorLike]
 """A push as the stage client sends it: tensors to encode, or messages passed on as they are."""
 
@@ -182,25 +187,21 @@ class StageClient:
         return received.header, tensors
 
     def _inputs_and_targets(
-        self, inputs: TensorLike, targets: TensorLike, tokens: TensorLike | None
+        self, crossing: WireCrossing, targets: TensorLike
     ) -> list[tensor_pb2.Tensor]:
-        """The last stage's (or a push's) tensors: activations in the forward codec, targets as
-        they are."""
-        return self._with_tokens(
-            [
-                self._tensor(inputs, "inputs", self._forward),
-                self._tensor(targets, "targets", CODEC_NONE),
-            ],
-            tokens,
-        )
+        """The last stage's (or a push's) tensors: what crosses, with the targets as they are."""
+        return self._crossing(crossing, self._tensor(targets, "targets", CODEC_NONE))
 
-    def _with_tokens(
-        self, tensors: list[tensor_pb2.Tensor], tokens: TensorLike | None
+    def _crossing(
+        self, crossing: WireCrossing, *beside: tensor_pb2.Tensor
     ) -> list[tensor_pb2.Tensor]:
-        """`tensors` and, under a subspace boundary (`model.boundary_rank`), the microbatch's
-        token ids, from which the stage rebuilds the residual beside the coefficients."""
-        if tokens is not None:
-            tensors.append(self._tensor(tokens, "tokens", CODEC_NONE))
+        """What crosses into the stage, with the tensors `beside` it: the inputs in the forward
+        codec, then `beside`, then, under a subspace boundary (`model.boundary_rank`), the
+        microbatch's token ids as they are, from which the stage rebuilds the residual beside
+        the coefficients."""
+        tensors = [self._tensor(crossing.hidden, "inputs", self._forward), *beside]
+        if crossing.tokens is not None:
+            tensors.append(self._tensor(crossing.tokens, "tokens", CODEC_NONE))
         return tensors
 
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
@@ -211,19 +212,18 @@ class StageClient:
         self,
         step: int,
         index: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         *,
         evaluate: bool = False,
-        tokens: TensorLike | None = None,
     ) -> tensor_pb2.Tensor:
-        """The stage's outputs; the time the call waited at the replica is in `last_queued_s`.
-        `evaluate`: a validation microbatch, whose activations the replica need not keep.
-        `tokens`: the token ids a subspace boundary needs after stage 0 (`_with_tokens`)."""
+        """The stage's outputs of what crosses into it (`crossing`); the time the call waited at
+        the replica is in `last_queued_s`. `evaluate`: a validation microbatch, whose
+        activations the replica need not keep."""
         request = pb.StageForwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=self._with_tokens([self._tensor(inputs, "inputs", self._forward)], tokens),
+            tensors=self._crossing(crossing),
             reply_codec=self._forward,
             evaluate=evaluate,
         )
@@ -236,21 +236,18 @@ class StageClient:
         self,
         step: int,
         index: int,
-        inputs: TensorLike | None,
+        crossing: WireCrossing | None,
         grad_outputs: TensorLike,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
-        tokens: TensorLike | None = None,
         digest_seed: int = 0,
     ) -> BackwardResult:
-        """`inputs=None`: this replica did the forward and should still cache its activations
-        (if not, it raises `ActivationsNotCached`: send it again with the inputs, and `tokens`).
+        """`crossing=None`: this replica did the forward and should still cache its activations
+        (if not, it raises `ActivationsNotCached`: send it again with what crossed).
         `digest_seed`, with `accumulate` false: the digest of the parameter gradient too."""
-        tensors = [self._tensor(grad_outputs, "grad_outputs", self._backward)]
-        if inputs is not None:
-            tensors.insert(0, self._tensor(inputs, "inputs", self._forward))
-            tensors = self._with_tokens(tensors, tokens)
+        grad = self._tensor(grad_outputs, "grad_outputs", self._backward)
+        tensors = [grad] if crossing is None else self._crossing(crossing, grad)
         request = pb.StageBackwardRequest(
             job=self.job_id,
             stage=self.stage,
@@ -274,19 +271,18 @@ class StageClient:
         self,
         step: int,
         index: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         targets: TensorLike,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
-        tokens: TensorLike | None = None,
         digest_seed: int = 0,
     ) -> BackwardResult:
         request = pb.StageForwardBackwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=self._inputs_and_targets(inputs, targets, tokens),
+            tensors=self._inputs_and_targets(crossing, targets),
             reply_codec=self._backward,
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
@@ -306,16 +302,15 @@ class StageClient:
         self,
         step: int,
         index: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         targets: TensorLike,
-        tokens: TensorLike | None = None,
     ) -> float:
         """The last stage's loss sum of validation microbatch `index` at `step`'s parameters."""
         request = pb.StageForwardBackwardRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(step, index),
-            tensors=self._inputs_and_targets(inputs, targets, tokens),
+            tensors=self._inputs_and_targets(crossing, targets),
             evaluate=True,
         )
         header, _ = await self._call(self.stub.ForwardBackward, request)
@@ -330,12 +325,11 @@ class StageClient:
         through the stages `call.route` names (see `stage_server.replica.next_hop`),
         accumulating at the stages in `call.accumulate`. `timeout` covers the whole path.
         `reply`: a co-located caller's slot for the gradient (`stage_server.replica.handing`)."""
-        crossing = call.crossing
         request = pb.StagePushRequest(
             job=self.job_id,
             stage=self.stage,
             microbatch=self._id(call.step, call.index),
-            tensors=self._inputs_and_targets(crossing.hidden, call.targets, crossing.tokens),
+            tensors=self._inputs_and_targets(call.crossing, call.targets),
             accumulate=sorted(call.accumulate),
             route=list(call.route),
             need_grad_inputs=call.need_grad_inputs,

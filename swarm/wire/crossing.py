@@ -3,14 +3,15 @@ one's inputs; the first stage's inputs are the token ids themselves) and, where 
 boundary needs them beside it, the microbatch's token ids (`swarm.model.boundary`).
 
 The token ids once travelled as a keyword of their own beside the inputs, through every call of
-the stage client, the next hop and the replica (issue 66): a new kind of boundary would have
-widened each of them again. A `Crossing` is made once, where the boundary is known
-(`Boundary.crossing`), and passed on whole.
+the stage client, the carry plane, its boundary cache and audits, the next hop and the replica's
+runtime (issue 66): a new kind of boundary would have widened each of them again. A `Crossing`
+is made once, where the boundary is known (`Boundary.tokens`: the trainer's carry plane, a first
+stage's replica on the push plane), and passed on whole.
 
 Generic in the hidden state's form and the ids': the trainer and the stage client hold messages
-they pass on untouched (`swarm.rpc.stage_client.TensorLike`), the replica decoded tensors, and a
-replica's next hop its outputs as it hands them on (`stage_server.replica.handing.Outgoing`)
-beside the ids' message."""
+they pass on untouched (`swarm.rpc.stage_client.WireCrossing`), the replica decoded tensors
+(`stage_server.replica.tensor_checks.Given`), and a replica's next hop its outputs as it hands
+them on (`stage_server.replica.handing.Outgoing`) beside the ids' message."""
 
 from __future__ import annotations
 

@@ -10,12 +10,15 @@ import torch
 
 from client.data_plane.boundary_cache import BoundaryCache
 from swarm.rpc import epoch
+from swarm.rpc.stage_client import WireCrossing
+from swarm.wire.crossing import Crossing
 
 
 def test_bytes_remembered_before_a_rollback_are_not_replayed_after_it() -> None:
     async def run() -> None:
         cache = BoundaryCache(1 << 20, delays=False)
-        x, g = torch.ones(2), torch.zeros(2)
+        x: WireCrossing = Crossing(torch.ones(2))
+        g = torch.zeros(2)
         epoch.leased_in(5)
         cache.remember(0, 3, 1, x, g, ["a"])
         assert cache.get(0, 3) == {1: (x, g)}

@@ -25,6 +25,7 @@ from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc.stage_client import StageClient, as_tensor
 from swarm.wire import chunking as wire
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 MiB = 1 << 20
@@ -211,7 +212,7 @@ async def test_chunked_activations_pass_and_health_says_serving(
     client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         x = _hidden()
-        out = as_tensor(await client.forward(0, 0, x))
+        out = as_tensor(await client.forward(0, 0, Crossing(x)))
         grad = await client.backward(0, 0, None, torch.ones_like(out))  # uses the cached forward
         assert grad.grad_inputs is not None and as_tensor(grad.grad_inputs).shape == x.shape
         assert grad.receipt.samples == 4 and not grad.receipt.duplicate
@@ -234,7 +235,7 @@ async def test_prepare_answers_its_norm_and_the_clipping_coefficient_reaches_its
 ) -> None:
     client = StageClient(server.address, job, fingerprint(job), 1)
     try:
-        out = as_tensor(await client.forward(0, 0, _hidden()))
+        out = as_tensor(await client.forward(0, 0, Crossing(_hidden())))
         await client.backward(0, 0, None, torch.ones_like(out))
         server.runtime.updates.follow("f", 0)  # a copy of step 0 follows this replica
         prepared = await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
@@ -264,8 +265,8 @@ async def test_backward_without_inputs_needs_the_cached_forward(
         assert cause.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert ActivationsNotCached.PREFIX in str(info.value)
         # with the inputs, the replica recomputes; the same gradient as from the cache
-        recomputed = await client.backward(0, 3, x, torch.ones_like(x), accumulate=False)
-        await client.forward(0, 4, x)
+        recomputed = await client.backward(0, 3, Crossing(x), torch.ones_like(x), accumulate=False)
+        await client.forward(0, 4, Crossing(x))
         cached = await client.backward(0, 4, None, torch.ones_like(x), accumulate=False)
         assert recomputed.grad_inputs is not None and cached.grad_inputs is not None
         assert torch.equal(as_tensor(recomputed.grad_inputs), as_tensor(cached.grad_inputs))
@@ -381,9 +382,9 @@ async def test_each_direction_travels_with_its_own_codec(
     client = StageClient(server.address, directed, fingerprint(job), 1)
     try:
         x = _hidden()
-        out = await client.forward(0, 0, x)
+        out = await client.forward(0, 0, Crossing(x))
         assert isinstance(out, tensor_pb2.Tensor) and out.codec == codec.CODEC_HADAMARD3
-        result = await client.backward(0, 0, x, torch.ones_like(as_tensor(out)))
+        result = await client.backward(0, 0, Crossing(x), torch.ones_like(as_tensor(out)))
         grad = result.grad_inputs
         assert isinstance(grad, tensor_pb2.Tensor) and grad.codec == codec.CODEC_FP16
         assert as_tensor(grad).shape == x.shape
@@ -409,14 +410,14 @@ async def test_a_data_plane_call_leaves_no_chunk_of_its_request_held(
     client = StageClient(running.address, job, fingerprint(job), 1)
     x = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=torch.float64)
     try:
-        await client.forward(0, 0, x)  # warm
+        await client.forward(0, 0, Crossing(x))  # warm
         gc.collect()
         gc.disable()
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
             for index in range(1, 9):
-                await client.forward(0, index, x)
+                await client.forward(0, index, Crossing(x))
             await asyncio.sleep(0.1)
             held = tracemalloc.get_traced_memory()[0] - before
         finally:

@@ -15,7 +15,13 @@ from swarm.device.handover import Offer
 from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.rpc.stage_client import BackwardResult, PushResult, TensorLike, WirePush
+from swarm.rpc.stage_client import (
+    BackwardResult,
+    PushResult,
+    TensorLike,
+    WireCrossing,
+    WirePush,
+)
 from swarm.wire import codec
 
 __all__ = ["LOSS", "Call", "FakeCalls", "FakeStage"]
@@ -103,10 +109,9 @@ class FakeStage:
         self,
         step: int,
         index: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         *,
         evaluate: bool = False,
-        tokens: TensorLike | None = None,
     ) -> tensor_pb2.Tensor:
         self.swarm.calls.append(Call(self.peer, self.stage, "forward"))
         self._refused()
@@ -116,9 +121,8 @@ class FakeStage:
         self,
         step: int,
         index: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         targets: TensorLike,
-        tokens: TensorLike | None = None,
     ) -> float:
         self.swarm.calls.append(Call(self.peer, self.stage, "evaluate"))
         self._refused()
@@ -150,12 +154,11 @@ class FakeStage:
         self,
         step: int,
         index: int,
-        inputs: TensorLike | None,
+        crossing: WireCrossing | None,
         grad_outputs: TensorLike,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
-        tokens: TensorLike | None = None,
     ) -> BackwardResult:
         return self._backprop("backward", step, index, accumulate, need_grad_inputs)
 
@@ -163,12 +166,11 @@ class FakeStage:
         self,
         step: int,
         index: int,
-        inputs: TensorLike,
+        crossing: WireCrossing,
         targets: TensorLike,
         *,
         accumulate: bool = True,
         need_grad_inputs: bool = True,
-        tokens: TensorLike | None = None,
     ) -> BackwardResult:
         return self._backprop("forward_backward", step, index, accumulate, need_grad_inputs)
 

@@ -17,6 +17,7 @@ from client.data_plane.boundary_cache import Answer, BoundaryCache
 from client.metrics import TrainerMetrics
 from swarm.model.data import DataSource
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.wire.crossing import Crossing
 
 X0, X1 = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)  # stage 0's inputs, stage 1's
 TARGETS, G1 = torch.zeros(2, 3), torch.full((2, 3), 0.5)  # stage 1's input gradient: G1
@@ -36,9 +37,9 @@ class TwoStages:
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
         step, index = task.step, task.index
         if self.answers:
-            self.cache.remember(step, index, 1, X1, TARGETS, ["f"])
+            self.cache.remember(step, index, 1, Crossing(X1), TARGETS, ["f"])
             self.cache.answered(step, index, 1, Answer("a", "a", G1, loss_sum=2.5))
-            self.cache.remember(step, index, 0, X0, G1, ["a"])
+            self.cache.remember(step, index, 0, Crossing(X0), G1, ["a"])
             self.cache.answered(step, index, 0, Answer("f", "b", None))
         return MicrobatchResult(step, index, {0: "b", 1: "a"}, 2.5, 2, touched=("a", "b", "f"))
 
@@ -89,7 +90,7 @@ async def test_each_stages_work_is_read_from_the_cache_after_the_microbatch() ->
     # stage 0's outputs are what stage 1 was sent; the last stage's, its loss
     assert torch.equal(zero.outputs, X1) and zero.grad_inputs is None
     assert (zero.forward_peer, zero.backward_peer) == ("f", "b")
-    assert zero.inputs is X0 and zero.grad_outputs is G1  # as the plane sent them
+    assert zero.given.hidden is X0 and zero.grad_outputs is G1  # as the plane sent them
     assert float(one.outputs) == 2.5 and one.grad_inputs is G1
     assert (one.forward_peer, one.backward_peer) == ("a", "a")
     assert cache.answers(3, 1) == {}  # read once: a replay from the cache answers nothing

@@ -20,6 +20,7 @@ from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.rpc.lease import ContributionAudit, GradientDigest
 from swarm.rpc.routes import Routes
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 from tests.support.waiting import wait_until
 
@@ -52,7 +53,7 @@ class Replicas:
 
 def _work(outputs: torch.Tensor = TRUE_OUT, grads: torch.Tensor = TRUE_GRAD) -> Work:
     inputs = torch.zeros(2, 3)
-    return Work(1, inputs, torch.ones(2, 3), outputs, grads, "a", "a")
+    return Work(1, Crossing(inputs), torch.ones(2, 3), outputs, grads, "a", "a")
 
 
 def _audits(replicas: Replicas, fraction: float = 1.0, seed: int = 0) -> Audits:

@@ -18,6 +18,7 @@ from swarm.clock import MonotonicClock
 from swarm.errors import PeerUnavailable
 from swarm.policy.wiring import Wiring
 from swarm.rpc.routes import Routes
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 
@@ -26,6 +27,6 @@ async def test_a_replica_no_longer_followed_is_gone_not_a_key_error(tmp_path: Pa
     wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
     reexecutor = StageReexecutor(job, Routes(job, "job", None, wiring))
     x = torch.zeros(2, 3)
-    work = Work(1, x, x, x, x, "a", "a")
+    work = Work(1, Crossing(x), x, x, x, "a", "a")
     with pytest.raises(PeerUnavailable, match="banned-peer"):
         await reexecutor.redo("banned-peer", 5, 1, work)

@@ -31,6 +31,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import codec
 from swarm.wire.chunking import TENSOR_OVERHEAD_BYTES
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import WIDE, make_job
 
 MiB = 1 << 20
@@ -566,7 +567,7 @@ def test_a_microbatch_above_the_whole_byte_bound_is_not_kept_and_said(
     runtime = StageRuntime(job, 1)
     runtime.window = FixedWindow(1024, sized=True)
     with caplog.at_level(logging.WARNING, logger="stage_server.replica.activation_cache"):
-        runtime.forward(0, 0, torch.randn(1, 16, 32, dtype=torch.float64))
+        runtime.forward(0, 0, Crossing(torch.randn(1, 16, 32, dtype=torch.float64)))
     assert len(runtime._cache) == 0
     (record,) = caplog.records
     assert "--max-activation-cache-bytes 1024" in record.getMessage()

@@ -40,6 +40,7 @@ from swarm.local.procs import start_process
 from swarm.proto import control_pb2 as cpb
 from swarm.proto.framing import Framed
 from swarm.rpc.stage_client import StageClient
+from swarm.wire.crossing import Crossing
 from tests.support.brokers import Mosquitto
 from tests.support.cli import ROOT, swarm
 from tests.support.jobs import WIDE, make_job, write_job
@@ -386,7 +387,7 @@ async def test_activations_received_measure_the_download(tmp_path: Path) -> None
     client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         inputs = torch.randn(8, 256, 256, dtype=torch.float64)
-        await client.forward(0, 0, inputs)
+        await client.forward(0, 0, Crossing(inputs))
         await wait_until(lambda: server.servicer.metrics.link.measured("down") > 0, timeout_s=20)
         assert server.servicer.metrics.link.measured("up") == 0
     finally:

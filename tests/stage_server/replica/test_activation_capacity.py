@@ -16,6 +16,7 @@ from stage_server.replica.runtime import StageRuntime
 from swarm.device.claims import Claims
 from swarm.device.sharing import CACHE_SHARE
 from swarm.device.standin import StandInMemory
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,26 +35,26 @@ def test_a_bound_set_by_the_operator_holds_what_fits_the_measured_footprint(
 ) -> None:
     inputs = torch.randint(0, 64, (4, 16))
     probe = _served(tmp_path, 0, Limits(PeerLimits(max_activation_cache_bytes=1 << 30)))
-    probe.forward(0, 0, inputs)
+    probe.forward(0, 0, Crossing(inputs))
     one = probe.cached_footprint
     assert one > 0
     limits = Limits(PeerLimits(max_activation_cache_bytes=3 * one + one // 2))
     rt = _served(tmp_path, 0, limits)
     assert limits.capacity(rt) == 0  # nothing measured yet: not said
     for index in range(4):
-        rt.forward(0, index, inputs)
+        rt.forward(0, index, Crossing(inputs))
     assert rt.cached_footprint == one
     assert limits.capacity(rt) == 3  # three fit the bytes, within the job's six
     roomy = Limits(PeerLimits(max_activation_cache_bytes=1 << 30))
     rt = _served(tmp_path, 0, roomy)
-    rt.forward(0, 0, inputs)
+    rt.forward(0, 0, Crossing(inputs))
     assert roomy.capacity(rt) == 6  # the job's count bound
 
 
 def test_the_cpu_default_and_the_last_stage_say_nothing(tmp_path: Path) -> None:
     default = Limits()
     rt = _served(tmp_path, 0, default)
-    rt.forward(0, 0, torch.randint(0, 64, (4, 16)))
+    rt.forward(0, 0, Crossing(torch.randint(0, 64, (4, 16))))
     assert rt.cached_footprint > 0 and default.capacity(rt) == 0
     limits = Limits(PeerLimits(max_activation_cache_bytes=1 << 30))
     last = _served(tmp_path, 1, limits)
@@ -80,18 +81,18 @@ def test_replicas_on_one_device_say_their_part_of_it_and_keep_within_its_free_me
         return limits, rt
 
     alone, rt = on_the_device()
-    rt.forward(0, 0, inputs)
+    rt.forward(0, 0, Crossing(inputs))
     one = rt.cached_footprint
     memory.used_elsewhere = memory.total - 40 * one  # room for 20 in one window (half of it)
     assert alone.capacity(rt) == 20
     other, rt2 = on_the_device()
-    rt2.forward(0, 0, inputs)
+    rt2.forward(0, 0, Crossing(inputs))
     assert alone.capacity(rt) == other.capacity(rt2) == 10
     for index in range(1, 6):
-        rt.forward(0, index, inputs)
+        rt.forward(0, index, Crossing(inputs))
     assert len(rt._cache) == 6 and rt.cache_evictions == 0
     memory.used_elsewhere = memory.total - 2 * one  # the device filled up meanwhile
-    rt.forward(0, 6, inputs)
+    rt.forward(0, 6, Crossing(inputs))
     assert 0 < len(rt._cache) < 6 and list(rt._cache)[-1] == (0, 6)
     other.release()  # the other server stops serving: its part comes back
     assert alone.capacity(rt) > 0 and len(list((tmp_path / "claims").rglob("*.claim"))) == 1

@@ -16,6 +16,7 @@ from swarm.device.activation_bytes import DeviceFootprint, Footprint, measured_o
 from swarm.device.standin import StandInMemory
 from swarm.model.footprint import layer_activation_bytes
 from swarm.model.transformer import precision
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 
@@ -30,13 +31,13 @@ def test_the_graphs_of_forwards_dropped_past_the_bound_are_freed(tmp_path: Path)
     job = make_job(tmp_path, runtime={"activation_cache": 2})
     rt = StageRuntime(job, 1)
     inputs = torch.randn(4, 16, 32, dtype=torch.float64)
-    rt.forward(0, 0, inputs)  # whatever the stage makes once and keeps is made here
+    rt.forward(0, 0, Crossing(inputs))  # whatever the stage makes once and keeps is made here
     before = {id(t) for t in _live_tensors()}
-    rt.forward(0, 1, inputs)
+    rt.forward(0, 1, Crossing(inputs))
     graph = [weakref.ref(t) for t in _live_tensors() if id(t) not in before]
     assert len(graph) > 2  # the saved activations, not only the leaf input and the output
     for index in range(2, 6):  # (0, 1) is dropped by the count bound
-        rt.forward(0, index, inputs)
+        rt.forward(0, index, Crossing(inputs))
     assert sorted(rt._cache) == [(0, 4), (0, 5)]
     assert rt.cache_evictions == 4  # (0, 0)..(0, 3), each dropped to the count bound
     gc.collect()
@@ -151,7 +152,9 @@ def test_on_cuda_the_allocator_counts_what_the_hooks_would_with_no_python_per_te
     job = make_job(tmp_path, training={"precision": "bf16-mixed", "dtype": "float32"})
     rt = StageRuntime(job, 1, device="cuda:0")
     inputs = torch.randn(4, 16, 32, device="cuda:0")
-    rt.forward(0, 0, inputs)  # what the stage makes once (RoPE tables, the allocator's pools)
+    rt.forward(
+        0, 0, Crossing(inputs)
+    )  # what the stage makes once (RoPE tables, the allocator's pools)
     hooks = ActivationCache()
     x = inputs.detach().requires_grad_(True)
     with torch.enable_grad(), precision(job, rt.device), hooks.counting() as counted:
@@ -166,7 +169,7 @@ def test_on_cuda_the_allocator_counts_what_the_hooks_would_with_no_python_per_te
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rt.forward(0, 1, inputs)  # counted by the allocator: no hook of the cache's runs
+        rt.forward(0, 1, Crossing(inputs))  # counted by the allocator: no hook of the cache's runs
     assert packed > 0  # the innermost hooks win: had the cache set its own, none came here
     measured = rt._cache._entries[(0, 1)][1]
     assert measured == pytest.approx(counted.nbytes, rel=0.25), (measured, counted.nbytes)

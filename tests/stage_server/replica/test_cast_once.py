@@ -13,6 +13,7 @@ from swarm.job.config import JobConfig
 from swarm.model.optim import build_optimizer
 from swarm.model.reference import train_local
 from swarm.model.transformer import precision
+from swarm.wire.crossing import Crossing
 from tests.support.cuda_param import CPU_AND_CUDA
 from tests.support.jobs import make_job
 
@@ -23,7 +24,7 @@ def _casts(rt: StageRuntime, step: int, index: int, x: torch.Tensor) -> dict[tup
     """The bfloat16 weight casts microbatch `(step, index)`'s kept graph saved, by shape (the
     stage's matmul weights, each shape its own); held, so their memory is not reused."""
     weights = {tuple(p.shape) for p in rt.module.parameters() if p.dim() == 2}
-    rt.forward(step, index, x)
+    rt.forward(step, index, Crossing(x))
     kept = rt._cache._entries[(step, index)][0][1]
     seen: dict[tuple, torch.Tensor] = {}
     todo, done = [kept.grad_fn], set()
@@ -92,13 +93,13 @@ def test_casting_once_gives_the_bits_casting_per_microbatch_gives(tmp_path: Path
     grads = [torch.randn(4, 16, 32, generator=gen) for _ in range(3)]
     for step in range(2):
         for i, (x, g) in enumerate(zip(xs, grads, strict=True)):
-            out = rt.forward(step, i, x)
+            out = rt.forward(step, i, Crossing(x))
             leaf = x.detach().requires_grad_(True)
             with torch.enable_grad(), precision(job, plain.device):
                 expected = plain.module(leaf)
             assert torch.equal(out, expected.detach())
             rt.backward(step, i, None, g)
-            plain.backward(step, i, x, g)  # recomputed in its own region: cast afresh
+            plain.backward(step, i, Crossing(x), g)  # recomputed in its own region: cast afresh
         sums, expected_sums = rt.prepare(step, [0, 1, 2], 12), plain.prepare(step, [0, 1, 2], 12)
         assert all(torch.equal(a, b) for a, b in zip(sums, expected_sums, strict=True))
         _apply(rt, step, [0, 1, 2], 12)
@@ -113,7 +114,7 @@ def test_the_reference_on_the_same_thread_never_sees_a_stage_call_s_casts(tmp_pa
     job = make_job(tmp_path, training=MIXED)
     alone = _reference(job)
     rt = StageRuntime(job, 1)
-    rt.forward(0, 0, torch.randn(4, 16, 32))  # casts kept on this thread
+    rt.forward(0, 0, Crossing(torch.randn(4, 16, 32)))  # casts kept on this thread
     beside = _reference(job)
-    rt.forward(0, 1, torch.randn(4, 16, 32))
+    rt.forward(0, 1, Crossing(torch.randn(4, 16, 32)))
     assert all(torch.equal(alone[k], beside[k]) for k in alone)

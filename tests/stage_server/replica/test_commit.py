@@ -17,6 +17,7 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
+from swarm.wire.crossing import Crossing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +32,9 @@ async def client(job: JobConfig, server: RunningStageServer) -> AsyncIterator[St
 async def _poisoned_backward(client: StageClient, bad: float) -> None:
     """Microbatch 0 of step 0, whose output gradient (a trainer's, or a later stage's) holds
     one `bad` value: the stage's parameter gradients are NaN or infinite."""
-    out = as_tensor(await client.forward(0, 0, torch.randn(4, 16, 32, dtype=torch.float64)))
+    out = as_tensor(
+        await client.forward(0, 0, Crossing(torch.randn(4, 16, 32, dtype=torch.float64)))
+    )
     grad = torch.ones_like(out)
     grad[0, 0, 0] = bad
     await client.backward(0, 0, None, grad)

@@ -20,6 +20,7 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,7 +51,7 @@ async def _microbatch(client: StageClient, index: int, job: JobConfig) -> None:
     """Microbatch `index` of step 0 (its forward and backward), the same wherever it runs."""
     gen = torch.Generator().manual_seed(index)
     x = torch.randn(4, job.model.seq_len, job.model.d_model, generator=gen, dtype=torch.float64)
-    out = as_tensor(await client.forward(0, index, x))
+    out = as_tensor(await client.forward(0, index, Crossing(x)))
     await client.backward(0, index, None, torch.randn(out.shape, generator=gen, dtype=out.dtype))
 
 

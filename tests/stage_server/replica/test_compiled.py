@@ -12,6 +12,7 @@ from stage_server.replica.runtime import StageRuntime
 from stage_server.server import StageServerOptions, start_stage_server
 from swarm.device.compiled import CompiledRuns, Run, compiles
 from swarm.device.standin import traced
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 
@@ -40,7 +41,9 @@ def test_a_stage_compiled_through_the_cpu_stand_in_computes_what_the_eager_one_d
     for index in range(3):  # the first compiles; the others reuse it
         x = torch.randn(4, 16, 32, generator=gen, dtype=torch.float64)
         g = torch.randn(4, 16, 32, generator=gen, dtype=torch.float64)
-        torch.testing.assert_close(compiled.forward(0, index, x), eager.forward(0, index, x))
+        torch.testing.assert_close(
+            compiled.forward(0, index, Crossing(x)), eager.forward(0, index, Crossing(x))
+        )
         ga, _ = eager.backward(0, index, None, g)
         gb, _ = compiled.backward(0, index, None, g)
         assert ga is not None and gb is not None
@@ -69,7 +72,7 @@ def test_a_compiled_cuda_stage_computes_what_the_eager_one_does(tmp_path: Path) 
     for index in range(3):  # the first compiles; the others reuse it
         x = torch.randn(4, 16, 32, generator=gen).cuda()
         g = torch.randn(4, 16, 32, generator=gen).cuda()
-        a, b = eager.forward(0, index, x), compiled.forward(0, index, x)
+        a, b = eager.forward(0, index, Crossing(x)), compiled.forward(0, index, Crossing(x))
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)  # bf16 rounding, fused
         ga, _ = eager.backward(0, index, None, g)
         gb, _ = compiled.backward(0, index, None, g)

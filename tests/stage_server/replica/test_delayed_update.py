@@ -26,6 +26,7 @@ from swarm.model.reference import train_local
 from swarm.model.transformer import build_model, loss_sum
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
+from swarm.wire.crossing import Crossing
 from tests.support.equality import assert_equal_to_local, assert_states_within
 from tests.support.inprocess import Swarm, lease_after_joined
 from tests.support.jobs import DELAYED, make_job
@@ -77,7 +78,7 @@ def test_the_reference_is_sgd_with_a_gradient_one_step_stale(tmp_path: Path) -> 
 
 def _microbatch(rt: StageRuntime, step: int, index: int) -> None:
     inputs, targets = make_data(rt.job).microbatch(step, index)
-    rt.forward_backward(step, index, inputs, targets)
+    rt.forward_backward(step, index, Crossing(inputs), targets)
 
 
 def _all(rt: StageRuntime, step: int) -> list[int]:

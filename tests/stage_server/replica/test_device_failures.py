@@ -16,6 +16,8 @@ from swarm.device.oom import OutOfDeviceMemory
 from swarm.job.config import JobConfig
 from swarm.model.data import make_data
 from swarm.ops import faults
+from swarm.wire.crossing import Crossing
+from tests.support.crossing import first_stage
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -49,23 +51,23 @@ def test_a_backward_that_raises_half_way_leaves_no_receipt_and_a_retry_adds_it_o
     job = _job(tmp_path)
     data, rt = make_data(job), StageRuntime(job, 0)
     m = job.training.microbatches_per_step
-    rt.forward_backward(0, 0, *data.microbatch(0, 0))
+    rt.forward_backward(0, 0, *first_stage(data.microbatch(0, 0)))
     _raise_after_first_accumulation(rt)
     with pytest.raises(OutOfDeviceMemory, match=OOM_SAYS):
-        rt.forward_backward(0, 1, *data.microbatch(0, 1))
+        rt.forward_backward(0, 1, *first_stage(data.microbatch(0, 1)))
     # Before: the receipt of microbatch 1 stayed (recorded before the backward ran), so the
     # retry below answered duplicate=True and added nothing: the commit applied a gradient
     # without it (or with part of it).
     assert 1 not in rt.receipts()
     for index in range(1, m):  # the failed microbatch replayed here, then the rest
-        _, _, receipt = rt.forward_backward(0, index, *data.microbatch(0, index))
+        _, _, receipt = rt.forward_backward(0, index, *first_stage(data.microbatch(0, index)))
         assert not receipt.duplicate
     held = sorted(rt.receipts())
     # Sums that held a half-added microbatch are withdrawn whole (their receipts with them):
     # the coordinator voids them and the step's microbatches are replayed elsewhere; here,
     # as a coordinator would, replay what the replica no longer holds.
     for index in sorted(set(range(m)) - set(held)):
-        rt.forward_backward(0, index, *data.microbatch(0, index))
+        rt.forward_backward(0, index, *first_stage(data.microbatch(0, index)))
     assert sorted(rt.receipts()) == list(range(m))
     assert rt.commit(0, list(range(m)), m * job.training.microbatch_size) is False
     assert_states_within(rt.state_dict(), local_state(job), tol=1e-12)
@@ -101,9 +103,9 @@ def test_the_fault_plan_raises_out_of_memory_once_and_the_replay_is_exact(
         x, y = data.microbatch(0, index)
         while True:
             try:
-                h1 = runtimes[0].forward(0, index, x)
-                h2 = runtimes[1].forward(0, index, h1)
-                _, g2, _ = runtimes[2].forward_backward(0, index, h2, y)
+                h1 = runtimes[0].forward(0, index, Crossing(x))
+                h2 = runtimes[1].forward(0, index, Crossing(h1))
+                _, g2, _ = runtimes[2].forward_backward(0, index, Crossing(h2), y)
                 assert g2 is not None
                 g1, _ = runtimes[1].backward(0, index, None, g2)
                 assert g1 is not None
@@ -137,18 +139,18 @@ def test_a_real_cuda_allocation_failure_mid_backward_leaves_no_receipt_and_repla
     job = _job(tmp_path)
     data, rt = make_data(job), StageRuntime(job, 0, device="cuda:0")
     m = job.training.microbatches_per_step
-    rt.forward_backward(0, 0, *data.microbatch(0, 0))
+    rt.forward_backward(0, 0, *first_stage(data.microbatch(0, 0)))
     lift = failing_once(rt)
     try:
         with pytest.raises(OutOfDeviceMemory, match="Tried to allocate"):
-            rt.forward_backward(0, 1, *data.microbatch(0, 1))
+            rt.forward_backward(0, 1, *first_stage(data.microbatch(0, 1)))
     finally:
         lift()
     assert 1 not in rt.receipts()
     for index in range(1, m):
-        rt.forward_backward(0, index, *data.microbatch(0, index))
+        rt.forward_backward(0, index, *first_stage(data.microbatch(0, index)))
     for index in sorted(set(range(m)) - set(rt.receipts())):
-        rt.forward_backward(0, index, *data.microbatch(0, index))
+        rt.forward_backward(0, index, *first_stage(data.microbatch(0, index)))
     assert sorted(rt.receipts()) == list(range(m))
     assert rt.commit(0, list(range(m)), m * job.training.microbatch_size) is False
     state = {k: v.cpu() for k, v in rt.state_dict().items()}

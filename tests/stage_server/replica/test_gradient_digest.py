@@ -14,6 +14,7 @@ from stage_server.averaging.checksum import dots
 from stage_server.averaging.flat import flatten
 from stage_server.replica.runtime import StageRuntime
 from swarm.model.data import make_data
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 
 SEED = 0x5EED
@@ -27,16 +28,16 @@ def test_a_digest_is_the_checksum_of_what_a_backward_accumulates(
     rts = [StageRuntime(job, k) for k in range(2)]
     audit = StageRuntime(job, stage)  # another replica of the stage: the same parameters
     inputs, targets = make_data(job).microbatch(0, 0)
-    hidden = rts[0].forward(0, 0, inputs)
+    hidden = rts[0].forward(0, 0, Crossing(inputs))
     if stage == 1:
-        _, grad_x, _ = rts[1].forward_backward(0, 0, hidden, targets)
+        _, grad_x, _ = rts[1].forward_backward(0, 0, Crossing(hidden), targets)
         _, _, receipt = audit.forward_backward(
-            0, 0, hidden, targets, accumulate=False, digest_seed=SEED
+            0, 0, Crossing(hidden), targets, accumulate=False, digest_seed=SEED
         )
     else:
-        _, grad_x, _ = rts[1].forward_backward(0, 0, hidden, targets)
-        rts[0].backward(0, 0, inputs, grad_x, need_grad_inputs=False)
-        audit.forward(0, 0, inputs)
+        _, grad_x, _ = rts[1].forward_backward(0, 0, Crossing(hidden), targets)
+        rts[0].backward(0, 0, Crossing(inputs), grad_x, need_grad_inputs=False)
+        audit.forward(0, 0, Crossing(inputs))
         _, receipt = audit.backward(
             0, 0, None, grad_x, accumulate=False, need_grad_inputs=False, digest_seed=SEED
         )
@@ -46,5 +47,5 @@ def test_a_digest_is_the_checksum_of_what_a_backward_accumulates(
     assert receipt.digest == (dot, magnitude, math.sqrt(squares))  # bit for bit, on the CPU
     assert audit.receipts(0) == {}  # nothing accumulated there
     if stage == 1:  # none asked, none computed
-        _, _, plain = audit.forward_backward(0, 1, hidden, targets, accumulate=False)
+        _, _, plain = audit.forward_backward(0, 1, Crossing(hidden), targets, accumulate=False)
         assert plain.digest is None

@@ -20,6 +20,7 @@ from swarm.model.outer_rules import ordered_sum
 from swarm.model.reference import train_local
 from swarm.model.routes import Join, Record, Run, StepRuns, Sync
 from swarm.proto import stage_pb2 as pb
+from swarm.wire.crossing import Crossing
 from tests.support.equality import assert_states_within
 from tests.support.jobs import make_job
 
@@ -36,7 +37,7 @@ def _train(rt: StageRuntime, job: JobConfig, step: int, indices: list[int]) -> i
     data = make_data(job)
     for index in indices:
         inputs, targets = data.microbatch(step, index)
-        rt.forward_backward(step, index, inputs, targets)
+        rt.forward_backward(step, index, Crossing(inputs), targets)
     samples = len(indices) * job.training.microbatch_size
     rt.prepare(step, indices, samples)
     rt.set_prepared(step, rt.sums.accum_or_zeros(step), samples)

@@ -33,6 +33,7 @@ from swarm.proto import control_pb2 as cpb
 from swarm.rpc import epoch
 from swarm.rpc.lease import Lease, Task, lease_from_proto, lease_to_proto
 from swarm.rpc.stage_client import StageClient
+from swarm.wire.crossing import Crossing
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 from tests.support.waiting import wait_until
@@ -64,14 +65,14 @@ async def test_a_backward_leased_before_a_rollback_is_refused_once_its_state_loa
     client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         epoch.leased_in(BEFORE)  # a task leased between the two rollbacks
-        await client.forward(0, 7, x)
+        await client.forward(0, 7, Crossing(x))
         await client.load_state(0, state, rollback_epoch=AFTER)  # the second rollback
         with pytest.raises(FailedPrecondition, match="leased before a rollback"):
-            await client.backward(0, 7, x, stale)  # its Backward lands after the load
+            await client.backward(0, 7, Crossing(x), stale)  # its Backward lands after the load
         assert server.runtime.receipts(0) == {}
 
         epoch.leased_in(AFTER)  # the replay of microbatch 7, leased after the rollback
-        done = await client.backward(0, 7, x, replayed)
+        done = await client.backward(0, 7, Crossing(x), replayed)
         assert not done.receipt.duplicate
         assert server.runtime.receipts(0) == {7: 4}
     finally:
@@ -80,7 +81,7 @@ async def test_a_backward_leased_before_a_rollback_is_refused_once_its_state_loa
     # holds the same, bit for bit.
     alone = StageRuntime(job, 1)
     alone.load_state(0, state)
-    alone.backward(0, 7, x, replayed)
+    alone.backward(0, 7, Crossing(x), replayed)
     held, expected = server.runtime.sums.accum_or_zeros(0), alone.sums.accum_or_zeros(0)
     assert all(torch.equal(a, b) for a, b in zip(held, expected, strict=True))
 
@@ -95,9 +96,9 @@ async def test_a_newer_epoch_in_a_call_retires_no_work(
     client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         epoch.leased_in(2**62)  # a liar's
-        await client.backward(0, 1, x, torch.ones_like(x))
+        await client.backward(0, 1, Crossing(x), torch.ones_like(x))
         epoch.leased_in(BEFORE)  # the job's own, no rollback since
-        await client.backward(0, 2, x, torch.ones_like(x))
+        await client.backward(0, 2, Crossing(x), torch.ones_like(x))
         assert server.runtime.receipts(0) == {1: 4, 2: 4}
     finally:
         await client.close()
@@ -156,10 +157,10 @@ async def test_a_replica_that_joins_after_a_rollback_refuses_work_leased_before_
         x = torch.randn(4, 16, 32, dtype=torch.float64)
         epoch.leased_in(stale.epoch)
         with pytest.raises(FailedPrecondition, match="leased before a rollback"):
-            await client.backward(stale.step, stale.index, x, torch.ones_like(x))
+            await client.backward(stale.step, stale.index, Crossing(x), torch.ones_like(x))
         assert joiner.runtime.receipts(0) == {}  # before: {0: 4}, the stale work in the step
         epoch.leased_in(fresh.epoch)
-        await client.backward(fresh.step, fresh.index, x, torch.ones_like(x))
+        await client.backward(fresh.step, fresh.index, Crossing(x), torch.ones_like(x))
         assert joiner.runtime.receipts(0) == {fresh.index: 4}
     finally:
         if client is not None:
@@ -182,7 +183,7 @@ async def test_only_the_schedulers_join_moves_a_replicas_epoch(
             await client.join("127.0.0.1:1", 0, rollback_epoch=2**62)
         assert server.runtime.sums.epoch == 0
         epoch.leased_in(BEFORE)  # the job's own, no rollback since
-        await client.backward(0, 1, x, torch.ones_like(x))
+        await client.backward(0, 1, Crossing(x), torch.ones_like(x))
         assert server.runtime.receipts(0) == {1: 4}
     finally:
         await client.close()

@@ -15,6 +15,8 @@ from swarm.model.data import make_data
 from swarm.model.optim import clip_scale
 from swarm.model.transformer import loss_sum
 from swarm.rpc.state_streams import Update
+from swarm.wire.crossing import Crossing
+from tests.support.crossing import first_stage
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -33,14 +35,16 @@ def _run_step(
         inputs, targets = data.microbatch(step, index)
         boundary = [inputs]
         for rt in runtimes[:-1]:
-            boundary.append(rt.forward(step, index, boundary[-1]))
+            boundary.append(rt.forward(step, index, Crossing(boundary[-1])))
             if recompute:
                 rt._cache.clear()  # as if another replica had done the forward
-        loss, grad, _ = runtimes[-1].forward_backward(step, index, boundary[-1], targets)
+        loss, grad, _ = runtimes[-1].forward_backward(step, index, Crossing(boundary[-1]), targets)
         loss_total += loss
         samples += inputs.shape[0]
         for k in range(len(runtimes) - 2, -1, -1):
-            grad, _ = runtimes[k].backward(step, index, boundary[k], grad, need_grad_inputs=k > 0)
+            grad, _ = runtimes[k].backward(
+                step, index, Crossing(boundary[k]), grad, need_grad_inputs=k > 0
+            )
     if clipped:  # two phases, as the coordinator commits: one coefficient for every stage
         for rt in runtimes:
             rt.set_prepared(step, rt.prepare(step, order, samples), samples)
@@ -105,9 +109,9 @@ def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
     job = make_job(tmp_path, training={"stages": 1})
     rt = StageRuntime(job, 0)
     x, y = make_data(job).microbatch(0, 0)
-    _, _, first = rt.forward_backward(0, 0, x, y)
+    _, _, first = rt.forward_backward(0, 0, Crossing(x), y)
     accum = [a.clone() for a in rt.sums[0].accum or []]
-    _, _, again = rt.forward_backward(0, 0, x, y)
+    _, _, again = rt.forward_backward(0, 0, Crossing(x), y)
     assert not first.duplicate and again.duplicate
     assert all(torch.equal(a, b) for a, b in zip(accum, rt.sums[0].accum or [], strict=True))
     assert rt.receipts() == {0: 4}
@@ -117,7 +121,7 @@ def test_commit_needs_exactly_the_named_receipts(tmp_path: Path) -> None:
     job = make_job(tmp_path, training={"stages": 1})
     rt = StageRuntime(job, 0)
     x, y = make_data(job).microbatch(0, 0)
-    rt.forward_backward(0, 0, x, y)
+    rt.forward_backward(0, 0, Crossing(x), y)
     with pytest.raises(FailedPrecondition, match=r"missing for microbatches \[1\]"):
         rt.commit(0, [0, 1], 8)
     with pytest.raises(FailedPrecondition, match=r"unexpected \[0\]"):
@@ -125,7 +129,7 @@ def test_commit_needs_exactly_the_named_receipts(tmp_path: Path) -> None:
     assert rt.commit(0, [0], 4) is False and rt.step == 1
     assert rt.commit(0, [0], 4) is True and rt.step == 1  # a retried commit changes nothing
     with pytest.raises(FailedPrecondition, match="stale"):
-        rt.forward_backward(0, 1, x, y)
+        rt.forward_backward(0, 1, Crossing(x), y)
     with pytest.raises(FailedPrecondition, match="not started"):
         rt.commit(5, [], 4)
 
@@ -137,9 +141,9 @@ def test_a_late_backward_after_prepare_does_not_reach_the_update(tmp_path: Path)
     data = make_data(job)
     late, clean = StageRuntime(job, 0), StageRuntime(job, 0)
     for rt in (late, clean):
-        rt.forward_backward(0, 0, *data.microbatch(0, 0))
+        rt.forward_backward(0, 0, *first_stage(data.microbatch(0, 0)))
     sums = late.prepare(0, [0], 4)
-    late.forward_backward(0, 1, *data.microbatch(0, 1))
+    late.forward_backward(0, 1, *first_stage(data.microbatch(0, 1)))
     late.set_prepared(0, sums, 4)
     assert late.apply(0) is False
     assert clean.commit(0, [0], 4) is False
@@ -154,14 +158,14 @@ def test_prepare_lends_the_sums_and_a_late_backward_adds_into_a_copy(tmp_path: P
     job = make_job(tmp_path, training={"stages": 1})
     data = make_data(job)
     rt = StageRuntime(job, 0)
-    rt.forward_backward(0, 0, *data.microbatch(0, 0))
+    rt.forward_backward(0, 0, *first_stage(data.microbatch(0, 0)))
     accum = list(rt.sums[0].accum or [])
     sums = rt.prepare(0, [0], 4)
     assert [s.data_ptr() for s in sums] == [a.data_ptr() for a in accum]  # lent, not copied
     flat = flatten(sums)
     assert flat.numel() == rt.num_parameters() and flat.data_ptr() == sums[0].data_ptr()
     before = flat.clone()
-    rt.forward_backward(0, 1, *data.microbatch(0, 1))  # a straggler after PREPARE
+    rt.forward_backward(0, 1, *first_stage(data.microbatch(0, 1)))  # a straggler after PREPARE
     assert torch.equal(flat, before)  # the prepared sums are untouched
     assert (rt.sums[0].accum or [])[0].data_ptr() != sums[0].data_ptr()  # it went to a copy
     seen: list[int] = []
@@ -203,7 +207,7 @@ def test_a_retried_prepare_gets_back_the_sums_a_round_overwrote_in_place(tmp_pat
     rt, clean = StageRuntime(job, 0), StageRuntime(job, 0)
     for r in (rt, clean):
         for index in (0, 1):
-            r.forward_backward(0, index, *data.microbatch(0, index))
+            r.forward_backward(0, index, *first_stage(data.microbatch(0, index)))
     sums = rt.prepare(0, [0, 1], 8)
     before = flatten(sums).clone()
     _averaged_in_place_half_way(rt, sums, tmp_path)
@@ -225,10 +229,10 @@ def test_a_straggler_after_an_in_place_round_adds_into_the_sums_as_they_were(
     data = make_data(job)
     rt, clean = StageRuntime(job, 0), StageRuntime(job, 0)
     for r in (rt, clean):
-        r.forward_backward(0, 0, *data.microbatch(0, 0))
+        r.forward_backward(0, 0, *first_stage(data.microbatch(0, 0)))
     _averaged_in_place_half_way(rt, rt.prepare(0, [0], 4), tmp_path)
     for r in (rt, clean):  # microbatch 1 reaches rt mid-round: into a copy of its sums
-        r.forward_backward(0, 1, *data.microbatch(0, 1))
+        r.forward_backward(0, 1, *first_stage(data.microbatch(0, 1)))
     rt.set_prepared(0, rt.prepare(0, [0, 1], 8), 8)  # the step is prepared anew, with both
     assert rt.apply(0) is False and clean.commit(0, [0, 1], 8) is False
     _assert_same_states(rt, clean)
@@ -244,7 +248,7 @@ def test_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Pa
     rt = StageRuntime(job, 1)
     x = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
     y = data.microbatch(0, 0)[1]
-    rt.forward_backward(0, 0, x, y)
+    rt.forward_backward(0, 0, Crossing(x), y)
     accum = rt.sums[0].accum or []
     check = StageRuntime(job, 1)
     first = torch.autograd.grad(loss_sum(check.module(x), y), check.params)
@@ -253,8 +257,8 @@ def test_microbatches_add_into_the_sums_in_place_with_the_same_bits(tmp_path: Pa
     expected = [a.clone() for a in accum]
     where = [a.data_ptr() for a in accum]
     x2 = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=rt.dtype)
-    _, grad_x, _ = rt.forward_backward(0, 1, x2, y)
-    _, grad_ref, _ = check.forward_backward(0, 1, x2, y, accumulate=False)
+    _, grad_x, _ = rt.forward_backward(0, 1, Crossing(x2), y)
+    _, grad_ref, _ = check.forward_backward(0, 1, Crossing(x2), y, accumulate=False)
     reference = check.sums[0].accum  # accumulate=False kept none: compute them as before
     assert reference is None
     leaf = x2.detach().requires_grad_(True)
@@ -272,7 +276,7 @@ def test_accumulate_false_returns_gradients_without_a_receipt(tmp_path: Path) ->
     rt = StageRuntime(job, 1)
     x = torch.randn(4, 16, 32, dtype=torch.float64)
     y = torch.randint(0, 64, (4, 16))
-    _, grad, receipt = rt.forward_backward(0, 0, x, y, accumulate=False)
+    _, grad, receipt = rt.forward_backward(0, 0, Crossing(x), y, accumulate=False)
     assert grad is not None and grad.shape == x.shape and rt.receipts() == {}
     assert not receipt.duplicate
 
@@ -295,28 +299,28 @@ def test_bad_inputs_are_refused(
 ) -> None:
     rt = StageRuntime(make_job(tmp_path), stage)
     with pytest.raises(InvalidArgument, match=message):
-        rt.forward(0, 0, inputs)
+        rt.forward(0, 0, Crossing(inputs))
 
 
 def test_bad_grad_and_targets_are_refused(tmp_path: Path) -> None:
     job = make_job(tmp_path)
     rt = StageRuntime(job, 1)
     x = torch.zeros(4, 16, 32, dtype=torch.float64)
-    rt.forward(0, 0, x)
+    rt.forward(0, 0, Crossing(x))
     with pytest.raises(InvalidArgument, match="grad_outputs must be"):
-        rt.backward(0, 0, x, torch.zeros(4, 16, 31, dtype=torch.float64))
+        rt.backward(0, 0, Crossing(x), torch.zeros(4, 16, 31, dtype=torch.float64))
     last = StageRuntime(job, 3)
     with pytest.raises(InvalidArgument, match="targets must be int64"):
-        last.forward_backward(0, 0, x, torch.zeros(4, 15, dtype=torch.int64))
+        last.forward_backward(0, 0, Crossing(x), torch.zeros(4, 15, dtype=torch.int64))
     with pytest.raises(InvalidArgument, match="for the last stage"):
-        rt.forward_backward(0, 0, x, torch.zeros(4, 16, dtype=torch.int64))
+        rt.forward_backward(0, 0, Crossing(x), torch.zeros(4, 16, dtype=torch.int64))
 
 
 def test_activation_cache_is_bounded(tmp_path: Path) -> None:
     job = make_job(tmp_path, runtime={"activation_cache": 2})
     rt = StageRuntime(job, 1)
     for index in range(5):
-        rt.forward(0, index, torch.randn(4, 16, 32, dtype=torch.float64))
+        rt.forward(0, index, Crossing(torch.randn(4, 16, 32, dtype=torch.float64)))
     assert sorted(rt._cache) == [(0, 3), (0, 4)]
 
 
@@ -362,8 +366,8 @@ def test_bf16_mixed_computes_in_bf16_and_keeps_float32_weights_and_sums(tmp_path
     mixed = StageRuntime(make_job(tmp_path, "m", training=bf16), 0)
     full = StageRuntime(make_job(tmp_path, "f", training=training), 0)
     inputs, targets = make_data(mixed.job).microbatch(0, 0)
-    loss, _, _ = mixed.forward_backward(0, 0, inputs, targets)
-    loss32, _, _ = full.forward_backward(0, 0, inputs, targets)
+    loss, _, _ = mixed.forward_backward(0, 0, Crossing(inputs), targets)
+    loss32, _, _ = full.forward_backward(0, 0, Crossing(inputs), targets)
     assert loss != loss32 and abs(loss - loss32) < 1e-2 * loss32  # bf16 matmuls: close, not equal
     assert mixed.sums[0].accum is not None and full.sums[0].accum is not None
     assert {t.dtype for t in [*mixed.params, *mixed.sums[0].accum]} == {torch.float32}

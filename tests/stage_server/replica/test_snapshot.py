@@ -13,6 +13,7 @@ import torch
 from stage_server.replica.messages import state_reply
 from stage_server.replica.runtime import StageRuntime
 from swarm.model.data import make_data
+from tests.support.crossing import first_stage
 from tests.support.downloads import decoded_state
 from tests.support.jobs import make_job
 
@@ -25,7 +26,7 @@ def _trained(tmp_path: Path, steps: int = 1, **pool: Any) -> StageRuntime:
     job = make_job(tmp_path, training={"stages": 1}, **({"pool": pool} if pool else {}))
     rt, data = StageRuntime(job, 0), make_data(job)
     for step in range(steps):
-        rt.forward_backward(step, 0, *data.microbatch(step, 0))
+        rt.forward_backward(step, 0, *first_stage(data.microbatch(step, 0)))
         assert rt.commit(step, [0], 4) is False
     return rt
 
@@ -33,7 +34,7 @@ def _trained(tmp_path: Path, steps: int = 1, **pool: Any) -> StageRuntime:
 def _step(rt: StageRuntime) -> None:
     """One more commit: changes every parameter and moment in place."""
     data = make_data(rt.job)
-    rt.forward_backward(rt.step, 0, *data.microbatch(rt.step, 0))
+    rt.forward_backward(rt.step, 0, *first_stage(data.microbatch(rt.step, 0)))
     assert rt.commit(rt.step, [0], 4) is False
 
 

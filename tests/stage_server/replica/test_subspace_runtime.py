@@ -14,6 +14,7 @@ from stage_server.replica.runtime import StageRuntime
 from swarm.errors import InvalidArgument
 from swarm.model.data import make_data
 from swarm.model.subspace import wire_targets, wire_tokens
+from swarm.wire.crossing import Crossing
 from tests.support.equality import assert_states_within, local_state
 from tests.support.jobs import make_job
 
@@ -32,17 +33,17 @@ def test_stages_exchanging_coefficients_equal_local_training(tmp_path: Path, kin
             tokens = wire_tokens(ids, job.model.vocab_size)  # as they travel
             boundary = [ids]
             for rt in runtimes[:-1]:
-                out = rt.forward(step, index, boundary[-1], tokens=tokens)
+                out = rt.forward(step, index, Crossing(boundary[-1], tokens))
                 assert out.shape[-1] == RANK  # r coefficients per token cross, not d_model
                 boundary.append(out)
                 rt._cache.clear()  # Backward recomputes from the coefficients and token ids
             _, grad, _ = runtimes[-1].forward_backward(
-                step, index, boundary[-1], targets, tokens=tokens
+                step, index, Crossing(boundary[-1], tokens), targets
             )
             for k in range(len(runtimes) - 2, -1, -1):
                 assert grad is not None and grad.shape[-1] == RANK  # and r come back
                 grad, _ = runtimes[k].backward(
-                    step, index, boundary[k], grad, need_grad_inputs=k > 0, tokens=tokens
+                    step, index, Crossing(boundary[k], tokens), grad, need_grad_inputs=k > 0
                 )
             samples += int(ids.shape[0])
         for rt in runtimes:
@@ -61,17 +62,17 @@ def test_peers_of_another_boundary_are_refused_by_name(tmp_path: Path) -> None:
     wide = torch.zeros(4, 16, 32, dtype=torch.float64)
     # a full-boundary stage sent coefficients, a subspace stage sent a full residual
     with pytest.raises(InvalidArgument, match=r"\[batch, seq, 32\]"):
-        StageRuntime(full, 1).forward(0, 0, coefficients)
+        StageRuntime(full, 1).forward(0, 0, Crossing(coefficients))
     with pytest.raises(InvalidArgument, match=rf"\[batch, seq, {RANK}\]"):
-        StageRuntime(subspace, 1).forward(0, 0, wide, tokens=ids)
+        StageRuntime(subspace, 1).forward(0, 0, Crossing(wide, ids))
     # a subspace stage sent no token ids, or ids of another shape
     with pytest.raises(InvalidArgument, match=r"model.boundary_rank = 4 needs .* token ids"):
-        StageRuntime(subspace, 1).forward(0, 0, coefficients)
+        StageRuntime(subspace, 1).forward(0, 0, Crossing(coefficients))
     with pytest.raises(InvalidArgument, match="tokens must be int64"):
-        StageRuntime(subspace, 2).forward(0, 0, coefficients, tokens=ids[:, :3])
+        StageRuntime(subspace, 2).forward(0, 0, Crossing(coefficients, ids[:, :3]))
     last = StageRuntime(subspace, 3)
     with pytest.raises(InvalidArgument, match="token ids"):
-        last.forward_backward(0, 0, coefficients, ids)
+        last.forward_backward(0, 0, Crossing(coefficients), ids)
 
 
 @pytest.mark.parametrize("bad", [-1, 64])
@@ -82,7 +83,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_lookup(
     tokens = torch.zeros(4, 16, dtype=torch.int32)
     tokens[2, 5] = bad  # would index past the fixed table (or wrap around)
     with pytest.raises(InvalidArgument, match=r"tokens must lie in \[0, 64\)"):
-        rt.forward(0, 0, torch.zeros(4, 16, RANK, dtype=torch.float64), tokens=tokens)
+        rt.forward(0, 0, Crossing(torch.zeros(4, 16, RANK, dtype=torch.float64), tokens))
 
 
 def test_the_last_stage_takes_the_targets_as_narrow_as_the_push_plane_sends_them(
@@ -98,9 +99,10 @@ def test_the_last_stage_takes_the_targets_as_narrow_as_the_push_plane_sends_them
     c = torch.randn(ids.shape[0], ids.shape[1], RANK, dtype=torch.float64)
     last = StageRuntime(job, job.training.stages - 1)
     tokens = wire_tokens(ids, job.model.vocab_size)
-    assert last.evaluate(0, c, narrow, tokens) == last.evaluate(0, c, ids, tokens)
+    given = Crossing(c, tokens)
+    assert last.evaluate(0, given, narrow) == last.evaluate(0, given, ids)
     full = make_job(tmp_path, "full")
     assert wire_targets(ids, 0, full.model.vocab_size) is ids
     x = torch.zeros(ids.shape[0], ids.shape[1], full.model.d_model, dtype=torch.float64)
     with pytest.raises(InvalidArgument, match="targets must be int64"):
-        StageRuntime(full, full.training.stages - 1).evaluate(0, x, narrow)
+        StageRuntime(full, full.training.stages - 1).evaluate(0, Crossing(x), narrow)

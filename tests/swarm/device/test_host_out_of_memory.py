@@ -15,6 +15,7 @@ import torch
 from stage_server.averaging.owner import AveragingAborted
 from stage_server.replica.runtime import StageRuntime
 from swarm.device.oom import OutOfDeviceMemory, is_out_of_memory, out_of_memory
+from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 from tests.support.pools import fail_in_round, reduce_all, replicas
 
@@ -61,10 +62,10 @@ def test_a_cpu_allocation_failing_in_a_computation_answers_out_of_device_memory(
 
     if computation == "Forward":
         block.register_forward_hook(allocate)
-        call: Any = lambda: rt.forward(0, 0, x)  # noqa: E731
+        call: Any = lambda: rt.forward(0, 0, Crossing(x))  # noqa: E731
     else:
         block.register_full_backward_hook(allocate)  # before the forward, whose graph runs it
-        out = rt.forward(0, 0, x)
+        out = rt.forward(0, 0, Crossing(x))
         call = lambda: rt.backward(0, 0, None, torch.ones_like(out))  # noqa: E731
     # Before: the RuntimeError itself, which the servicer answers INTERNAL.
     with pytest.raises(OutOfDeviceMemory, match=f"out of device memory in {computation}"):

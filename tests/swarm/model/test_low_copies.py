@@ -18,6 +18,7 @@ from swarm.model.flat import flat_copy
 from swarm.model.low_copies import LowCopies, castable
 from swarm.model.transformer import build_model, loss_sum, precision
 from swarm.ops import faults
+from swarm.wire.crossing import Crossing
 from tests.support.cuda_param import CPU_AND_CUDA
 from tests.support.jobs import make_job
 
@@ -129,9 +130,9 @@ def test_a_replica_s_sums_are_bitwise_autocast_s(tmp_path: Path, device: str) ->
     gen = torch.Generator().manual_seed(0)
     for index in range(2):
         x, g = (torch.randn(4, 16, 32, generator=gen).to(device) for _ in range(2))
-        rt.forward(0, index, x)
+        rt.forward(0, index, Crossing(x))
         rt.backward(0, index, None, g)
-        reference.forward(0, index, x)
+        reference.forward(0, index, Crossing(x))
         reference.backward(0, index, None, g)
     _assert_same_sums(rt, reference)
 
@@ -162,19 +163,20 @@ def test_a_backward_failing_after_a_copy_s_add_withdraws_the_sums_and_replays_ex
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(torch.randn(4, 16, 32, generator=gen) for _ in range(2)) for _ in range(2)]
     for index, (x, g) in enumerate(batches):
-        clean.backward(0, index, x, g)
-    rt.backward(0, 0, *batches[0])
+        clean.backward(0, index, Crossing(x), g)
+    (x0, g0), (x1, g1) = batches
+    rt.backward(0, 0, Crossing(x0), g0)
     added.clear()
     faults.arm("backward-oom@0")
     try:
         with pytest.raises(OutOfDeviceMemory, match="injected: SWARM_FAULTS backward-oom@0"):
-            rt.backward(0, 1, *batches[1])
+            rt.backward(0, 1, Crossing(x1), g1)
     finally:
         faults.arm("")
     assert len(added) == 1  # the failing backward's one add: a copy's, inside its cast
     assert rt.receipts() == {}  # withdrawn whole, microbatch 0's receipt with them
     for index, (x, g) in enumerate(batches):  # the coordinator replays them
-        rt.backward(0, index, x, g)
+        rt.backward(0, index, Crossing(x), g)
     _assert_same_sums(rt, clean)
 
 
@@ -219,7 +221,7 @@ def test_a_delayed_update_s_copies_of_the_module_are_cast_and_summed_as_autocast
         for index in range(m):
             x, g = (torch.randn(4, 16, 32, generator=gen) for _ in range(2))
             for r in (rt, reference):
-                r.forward(step, index, x)
+                r.forward(step, index, Crossing(x))
                 r.backward(step, index, None, g)
         sums = [r.prepare(step, list(range(m)), 4 * m) for r in (rt, reference)]
         assert all(torch.equal(a, b) for a, b in zip(*sums, strict=True)), step
