@@ -54,7 +54,7 @@ def test_lying_compute_lies_as_its_poison_says_and_only_then(tmp_path: Path) -> 
     lies = "poison-grad-inputs@{0},poison-digest@{0}"
     later = Lying(honest, Poison.of(parse_faults(lies.format(1))))
     now = Lying(honest, Poison.of(parse_faults(lies.format(0))))
-    x = torch.randn(2, 8, job.model.d_model, dtype=torch.float64)
+    x = Crossing(torch.randn(2, 8, job.model.d_model, dtype=torch.float64))
     y = torch.randint(0, job.model.vocab_size, (2, 8))
     loss, grad, receipt = honest.forward_backward(0, 0, x, y, accumulate=False, digest_seed=7)
     assert grad is not None and receipt.digest is not None
