@@ -215,7 +215,7 @@ TRUST_DOORS: dict[str, str] = {
     ),
     "scheduler.coordinator.eager_rounds": "the checksums its background sum is sent with",
     "scheduler.coordinator.replicas": "the checksums a PREPARE carries on the wire",
-    "scheduler.job_training": "a `Ban` told to the job's history and `swarm status`",
+    "scheduler.job_reports": "a `Ban` told to the job's history and `swarm status`",
     "scheduler.stored_bans": "the job store keeps each `Ban` across restarts",
 }
 
