@@ -194,13 +194,13 @@ class Run:
         self, poison: str = "", *, until_banned: bool = False
     ) -> tuple[LocalCoordinator, float]:
         for k in range(STAGES):
+            # the first replica of each stage lies as `poison` says, armed at its start
+            told = Told(Poison.of(parse_faults(poison)).faults) if poison else None
             made = [
-                await start_stage_server(self.job, StageServerOptions(stage=k))
-                for _ in range(REPLICAS)
+                await start_stage_server(self.job, StageServerOptions(stage=k, poison=liar))
+                for liar in [told, *[None] * (REPLICAS - 1)]
             ]
-            if poison:
-                told = Told(Poison.of(parse_faults(poison)).faults)
-                made[0].servicer.poison = told
+            if told is not None:
                 self.hostile[made[0].address] = told
             self.stage_of |= {s.address: k for s in made}
             self.servers.append(made)

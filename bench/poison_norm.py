@@ -76,23 +76,19 @@ def _bent(t: torch.Tensor) -> None:
     t.mul_(torch.arange(t.numel(), dtype=torch.float64).cos_().add_(1).to(t.dtype).reshape(t.shape))
 
 
-def _computing(lies: str) -> Hostile:
-    """The last replica of every stage answers its stage compute wrong (`swarm.ops.poison`)."""
-
-    def hostile(swarm: Swarm) -> None:
-        for stage in swarm.servers:
-            stage[-1].servicer.poison = Poison.of(parse_faults(lies))
-
-    return hostile
+def _computing(lies: str) -> Poison:
+    """The last replica of every stage answers its stage compute wrong (`swarm.ops.poison`),
+    armed at its start."""
+    return Poison.of(parse_faults(lies))
 
 
-async def _run(job: JobConfig, hostile: Hostile | None) -> tuple[float, int]:
+async def _run(job: JobConfig, hostile: Hostile | Poison | None) -> tuple[float, int]:
     """The final model's validation loss, and the times a replica was left out (the
     coordinator's counter), of one run of `job`."""
     swarm = Swarm(job)
     try:
-        await swarm.add_replicas(3)
-        if hostile is not None:
+        await swarm.add_replicas(3, hostile if isinstance(hostile, Poison) else None)
+        if hostile is not None and not isinstance(hostile, Poison):
             hostile(swarm)
         coordinator = LocalCoordinator(job, fingerprint(job), swarm.members)
         await swarm.train(coordinator, trainers=2)
@@ -131,7 +127,7 @@ async def main(steps: int, scale: float) -> dict[str, tuple[float, int]]:
         training = {"steps": steps, "target_batch_size": 32, "checkpoint_every": 0}
         scaled = _contributing(lambda t: t.mul_(scale))
         bound = make_job(Path(tmp), "bound", training=training)
-        runs: dict[str, tuple[JobConfig, Hostile | None]] = {
+        runs: dict[str, tuple[JobConfig, Hostile | Poison | None]] = {
             "honest": (make_job(Path(tmp), "honest", training=training), None),
             f"x{scale:g}, clip off": (
                 make_job(Path(tmp), "off", training=training, trust={"clip": "off"}),

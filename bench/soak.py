@@ -1,7 +1,8 @@
 """Soak: a whole swarm trained for a set time under a seeded chaos schedule, its processes'
 resources sampled throughout, and the result checked against `swarm local`.
 
-    .venv/bin/python bench/soak.py [--minutes 30] [--seed 0] [--peers 7] [--kill-stage] [--json]
+    .venv/bin/python bench/soak.py [--minutes 30] [--seed 0] [--peers 7] [--kill-stage]
+        [--standby 0] [--json]
 
 It starts, on loopback only and each in its own process group, a Mosquitto broker, a scheduler
 using it (fixed ports, so a restart is found at the same address), `--peers` stage servers and a
@@ -19,7 +20,9 @@ two stops, one broker and one scheduler restart, each round in a seeded random o
   first 60% of the run, so the last scheduler lives long enough for its growth to be judged).
 
 A peer is only chosen from a stage with at least two serving replicas, so no stage ever loses all
-of them; `--kill-stage` adds one deliberate whole-stage SIGKILL halfway (one rollback expected).
+of them; `--kill-stage` adds one deliberate whole-stage SIGKILL halfway (one rollback expected,
+none with `--standby 1`: the job's `runtime.standby`, each peer announcing a host of its own, so
+that the stage's standby, which serves nothing and is never chosen to die, takes the stage over).
 
 Every `--sample-every` seconds each process's RSS, open descriptors (`/proc/PID/fd`) and threads
 are sampled. The descriptors judged are those not explained by the swarm's membership: every open
@@ -308,7 +311,10 @@ class Procs:
     def __init__(self, work: Path, env: dict[str, str]) -> None:
         self.work, self.env, self.all, self.count = work, env, list[Instance](), 0
 
-    def start(self, role: str, name: str, argv: list[str], swarm: bool = True) -> Instance:
+    def start(
+        self, role: str, name: str, argv: list[str], swarm: bool = True, host: str = ""
+    ) -> Instance:
+        """`host`: the SWARM_HOST_ID it announces ("": the machine's)."""
         self.count += 1
         log_path = self.work / f"{self.count:03d}-{name}.log"
         cmd = [sys.executable, "-m", "swarm.cli", *argv] if swarm else argv
@@ -318,7 +324,12 @@ class Procs:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    **self.env,
+                    **({"SWARM_HOST_ID": host} if host else {}),
+                },
                 cwd=ROOT,
                 start_new_session=True,
             )
@@ -424,6 +435,17 @@ def serving(status: Any) -> dict[int, set[str]]:
     }
 
 
+def standby(r: Any) -> bool:
+    """Whether status shows replica `r` as a standby (`runtime.standby`): it serves nothing, and is
+    in place all the same (its words: "standby for stage K, N steps behind")."""
+    return bool(r.state == 1 and r.joining.startswith("standby for stage"))  # PEER_STATE_JOINING
+
+
+def standing_by(status: Any) -> set[str]:
+    """The standbys, as the scheduler sees them."""
+    return {r.peer for s in status.stages for r in s.replicas if standby(r)}
+
+
 # -- the soak -------------------------------------------------------------------------------------
 class Soak:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
@@ -489,7 +511,8 @@ class Soak:
     def start_peer(self, name: str) -> Instance:
         argv = ["stage-server", "--broker", self.broker_url, "--host", HOST, "--port", "0"]
         argv += ["--metrics-port", "0", "--throttle", str(self.args.throttle), "--peer", name]
-        self.peers[name] = self.procs.start("peer", name, argv)
+        host = f"soak-{name}" if self.args.standby else ""  # a standby needs another host
+        self.peers[name] = self.procs.start("peer", name, argv, host=host)
         return self.peers[name]
 
     def start_trainer(self, job: str) -> None:
@@ -499,7 +522,8 @@ class Soak:
     def new_job(self) -> None:
         n = len(self.jobs) + 1
         path = self.work / f"soak-{n}.toml"
-        runtime = "\n".join(f"{k} = {v}" for k, v in RUNTIME.items())
+        settings = {**RUNTIME, "standby": self.args.standby}
+        runtime = "\n".join(f"{k} = {v}" for k, v in settings.items())
         path.write_text(
             JOB.format(
                 name=f"soak-{n}",
@@ -599,7 +623,7 @@ class Soak:
             return False
         if status.state not in (3,):  # RUNNING
             return False
-        everyone = set().union(*serving(status).values())
+        everyone = set().union(*serving(status).values(), standing_by(status))
         return all(n in everyone for n, p in self.peers.items() if p.alive())
 
     def chaos(self, event: dict[str, Any] | None, status: Any | None) -> dict[str, Any] | None:
@@ -695,7 +719,13 @@ class Soak:
         elif kind == "stage":
             status = job_status(self.address, self.jobs[-1][0])
             stages = serving(status) if status is not None else {}
-            stage = max(stages, key=lambda s: len(stages[s])) if stages else 0
+            held = (
+                {s.stage for s in status.stages for r in s.replicas if standby(r)}
+                if status
+                else set()
+            )
+            # a stage with a standby (which it kills not: it takes the stage over), the largest
+            stage = max(stages, key=lambda s: (s in held, len(stages[s]))) if stages else 0
             names = sorted(stages.get(stage, set()) & set(self.peers))
             for name in names:
                 self.peers[name].kill()
@@ -867,6 +897,7 @@ class Soak:
         self.dump_samples()
         growth = self.growth()
         logged, metric = self.rollbacks()
+        expected = 0 if self.args.standby else self.stage_kills  # a standby takes a lost stage
         elapsed = self.end_t if self.end_t is not None else self.now()
         rate = self.commits / elapsed if elapsed else 0.0
         after = None
@@ -903,8 +934,9 @@ class Soak:
                 + f" (limit {TOL:g})",
             ),
             "rollbacks": (
-                logged <= self.stage_kills and metric <= self.stage_kills,
-                f"{logged} logged, {metric:g} counted; {self.stage_kills} whole-stage kills",
+                logged <= expected and metric <= expected,
+                f"{logged} logged, {metric:g} counted; {self.stage_kills} whole-stage kills"
+                + (f", standby {self.args.standby}: none expected" if self.args.standby else ""),
             ),
             "progress": (
                 not failed_jobs
@@ -1044,6 +1076,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--kill-stage", action="store_true", help="also kill every replica of one stage, halfway"
+    )
+    parser.add_argument(
+        "--standby", type=int, default=0, help="runtime.standby: peers per stage standing by"
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory on PASS")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -5,13 +5,17 @@ swarm unshaped, measured in the same run.
     sudo .venv/bin/python bench/wan.py [--rate 100mbit|20mbit|none] [--delay-ms 0]
         [--codec none|fp16|bf16|int8_blockwise] [--data-plane push|relay] [--steps 10]
         [--max-in-flight 8] [--workload d256|tiny | --small] [--replicas 1]
-        [--delayed-update] [--json]
+        [--delayed-update] [--standby 0] [--json]
 
 Pools. `--replicas R` serves each stage with R replicas, each a host of its own (`s<k>r<j>`), so
 every step ends with each pool averaging its gradients over the shaped links; the seconds per
 step no microbatch could be leased because a commit was under way (the coordinator's
 `blocked_seconds`) are printed for both runs. `--delayed-update` runs the job with
 `training.delayed_update`, which overlaps each step's averaging with the next step.
+`--standby N` (with `--replicas` above N) makes N of each stage's servers standbys
+(`runtime.standby`, issue 67): they follow the stage's updates and serve nothing, so their hosts'
+received bytes are a standby's cost a microbatch, and the samples/s against a run of
+`--replicas` less N without one is its cost in speed.
 
 Hosts. The trainer and each stage server run in a namespace of their own (`swb-<pid>-<host>`),
 with one address on 10.77.0.0/24 on their `eth0`: one end of a veth pair whose other end is a
@@ -247,6 +251,7 @@ def job_toml(
     data_plane: str,
     in_flight: int = 8,
     delayed_update: bool = False,
+    standby: int = 0,
 ) -> str:
     p = WORKLOADS[workload]
     plane = f'data_plane = "{data_plane}"\n'
@@ -275,6 +280,7 @@ lr = 1e-3
 wire = "{codec}"
 [runtime]
 max_in_flight = {in_flight}
+standby = {standby}
 {plane}"""
 
 
@@ -407,6 +413,7 @@ def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> di
         "data_plane": args.data_plane,
         "replicas": args.replicas,
         "delayed_update": args.delayed_update,
+        "standby": args.standby,
         "timed_steps": args.steps,
         "addresses": addresses(args.replicas),
         "unshaped": vars(unshaped),
@@ -439,12 +446,13 @@ def mb(n: float) -> str:
 
 def print_report(r: dict[str, Any], out: IO[str]) -> None:
     w = r["workload"]
+    standby = f", {r['standby']} of them standby" if r.get("standby") else ""
     print(
         f"workload {w['name']}: gpt d_model {w['d_model']}, {w['n_layers']} blocks, "
         f"{w['n_heads']} heads, seq {w['seq_len']}, {w['stages']} stages; "
         f"{w['microbatch_size']} samples x {w['microbatches']} microbatches per step, "
         f"{w['dtype']}; wire {r['codec']}, data plane {r['data_plane']}; "
-        f"{r['replicas']} replica(s) per stage"
+        f"{r['replicas']} replica(s) per stage{standby}"
         f"{', delayed_update' if r['delayed_update'] else ''}",
         file=out,
     )
@@ -529,6 +537,9 @@ def parse_args() -> argparse.Namespace:
         help="training.delayed_update: each step's averaging overlaps the next step",
     )
     parser.add_argument(
+        "--standby", type=int, default=0, help="runtime.standby: of each stage's --replicas"
+    )
+    parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds each run may take at most"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -559,6 +570,8 @@ def check(args: argparse.Namespace) -> str | None:
         return "--replicas must be in 1..8"
     if args.delay_ms < 0:
         return "--delay-ms must be >= 0"
+    if not 0 <= args.standby < args.replicas:
+        return "--standby must be in 0..replicas-1 (a stage keeps a replica)"
     try:
         parse_job(
             job_toml(args.workload, 2, args.codec, args.data_plane, args.max_in_flight),
@@ -609,6 +622,7 @@ def main() -> int:
             args.data_plane,
             args.max_in_flight,
             args.delayed_update,
+            args.standby,
         )
         job.write_text(toml)
         print(f"unshaped run (1 + {args.steps} + 1 steps) ...", file=sys.stderr, flush=True)

@@ -103,6 +103,8 @@ async def _train(
         checkpoint_dir=checkpoint_dir,
         on_route=on_route,
     )
+    if coordinator.rounds.readmits:  # standbys (issue 67) where a member's state is the stage's
+        coordinator.membership.standbys.wanted = job.runtime.standby
     metrics = TrainerMetrics(fingerprint(job), registry)
     runs += [
         PipelineTrainer(job, coordinator, metrics=metrics, token=token, seed=i)

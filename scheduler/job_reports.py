@@ -131,13 +131,16 @@ class AttemptReports:
         elif self._news.aged(self.message(), step):
             await self.set_status(self.job_id, None, "training")
 
-    async def rolled_back(self, step: int) -> None:
+    async def rolled_back(self, step: int, missed: str = "") -> None:
         """The coordinator rolled the job back to `step`: said with its cause, the bans since
-        the last rollback or a stage that lost every replica."""
+        the last rollback or a stage that lost every replica (and, `missed`, why no standby
+        took it)."""
         self.store.rewind(self.job_id, step)
         self._rolled.append(step)
         self.speed.start()  # training starts again now: the stall is not its speed
         cause = f"{', '.join(self._bans)} banned" if self._bans else "a stage lost every replica"
+        if missed and not self._bans:  # why no standby took the stage: the rollback names it
+            cause = f"{cause}: {missed}"
         self._bans.clear()
         self._said.append(
             f"rolled back to step {step}: {cause}; training from the last checkpoint"

@@ -37,6 +37,7 @@ from scheduler.coordinator.groups import Aggregator, Groups, Link, link_of
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.coordinator.replicas import grpc_replicas
+from scheduler.failure_domains import domains_of
 from scheduler.history import History
 from scheduler.job_reports import NEWS_SAID_STEPS, AttemptReports
 from scheduler.rebalance_loop import Mover
@@ -152,7 +153,10 @@ class JobTraining:
             connect=grpc_replicas(job, job_id, self.token, self.signing),
             on_step=reports.committed,
             checkpoint_dir=self.checkpoint_dir / job_id,
-            on_rollback=reports.rolled_back,
+            # a rollback says why no standby took a lost stage (`Standbys.missed`, read then)
+            on_rollback=lambda step: reports.rolled_back(
+                step, coordinator.membership.standbys.missed
+            ),
             on_status=reports.status,
             on_ban=reports.banned,
             bans=StoredBans(self.store, job_id, self.bans_bind_credentials),  # kept across restarts
@@ -168,6 +172,7 @@ class JobTraining:
             ),
         )
         coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
+        self._stand_by(job_id, job, coordinator)
         return coordinator
 
     async def _train(
@@ -184,7 +189,15 @@ class JobTraining:
         coordinator says the job is finished; then the helpers stop."""
         stages = job.training.stages
         floor = self.assignments.floor(job)
-        mover = Mover(job_id, stages, job.rebalance, self.assignments, self.moves, floor)
+        mover = Mover(
+            job_id,
+            stages,
+            job.rebalance,
+            self.assignments,
+            self.moves,
+            floor,
+            coordinator.membership.standbys.peers,
+        )
         watch = self._stall_watch(job_id, job, coordinator, trainer, reports, mover, floor)
         try:
             async with asyncio.TaskGroup() as group:
@@ -239,6 +252,32 @@ class JobTraining:
             cause=lambda: trainer.failure,
             patience_s=job.runtime.patience_s,
         )
+
+    def _stand_by(self, job_id: str, job: JobConfig, coordinator: LocalCoordinator) -> None:
+        """The job's standbys (`scheduler.coordinator.standbys`), each on a host none of its
+        stage's replicas is on; a promotion is in the job's history. Only where a stage's state
+        is whole at every member (the plain rules): under rounds a replica holds its own."""
+        standbys, wanted = coordinator.membership.standbys, job.runtime.standby
+        if wanted and not coordinator.rounds.readmits:
+            log.warning("job %s: runtime.standby = %d: none under pool rounds", job_id, wanted)
+            wanted = 0
+        standbys.wanted = wanted
+
+        def host(peer: str) -> str:  # one peer's, not every peer's domains: asked per pair
+            announced, registry = self.peer_registry.peers.get(peer), self.peer_registry
+            domains = domains_of(announced, registry.relayed(peer)) if announced else None
+            return domains.host if domains is not None and domains.host else f"peer:{peer}"
+
+        def promoted(step: int, stage: int, peer: str) -> None:
+            self.history.record(
+                job_id,
+                "promotion",
+                f"{peer} promoted from standby to replica of stage {stage} at step {step}: it "
+                "held the stage's state at the job's step, so nothing rolls back",
+            )
+
+        standbys.host = host
+        standbys.promoted.append(promoted)
 
     def _step(self, job_id: str) -> int:
         record = self.store.get(job_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Collection
 
 from prometheus_client import Counter
 
@@ -35,6 +36,7 @@ class Mover:
         assignments: Assignments,
         moves: Counter,
         min_replicas: int = 1,
+        standbys: Callable[[], Collection[str]] = lambda: (),
     ) -> None:
         """`moves` counts the moves ordered (label `job`); `min_replicas`: the job's floor, which
         no move to the bottleneck takes a stage below. With `config.enabled` false no replica
@@ -42,6 +44,9 @@ class Mover:
         self.job_id, self.stages, self.config = job_id, stages, config
         self.assignments, self.moves = assignments, moves
         self.rebalancer = Rebalancer(config, min_replicas)
+        # The job's standbys (`scheduler.coordinator.standbys`): no replica to move or to count
+        # as one, and no work measured.
+        self.standbys = standbys
         # stage -> (the peer sent to fill it, what was done in words, clock time it was sent)
         self._filling: dict[int, tuple[str, str, float]] = {}
 
@@ -50,7 +55,7 @@ class Mover:
         registry = self.assignments.registry
         while True:
             await asyncio.sleep(self.config.period_s)
-            measured = registry.measured(self.job_id, self.stages)
+            measured = registry.measured(self.job_id, self.stages, self.standbys())
             if measured is None:
                 continue  # decide on measured throughput only: wait for every member's report
             assignment, speeds = measured

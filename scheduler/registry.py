@@ -371,15 +371,17 @@ class PeerRegistry:
         return available
 
     def measured(
-        self, job_id: str, stages: int
+        self, job_id: str, stages: int, leave_out: Collection[str] = ()
     ) -> tuple[dict[str, int], dict[str, list[float]]] | None:
         """The job's members as rebalancing sees them: each one's stage, and its samples/s on
         every stage (measured where it serves, announced elsewhere; a relayed one's at its path's
         price, `placement.path_speeds`, as placement counts it: its compute was measured, not its
         relay). None until every member has reported a measurement on its stage: decide on
-        measured throughput only."""
+        measured throughput only. `leave_out`: peers that serve no work (standbys)."""
         members = self.members(job_id, stages)
-        assignment = {rep.peer: k for k, reps in enumerate(members) for rep in reps}
+        assignment = {
+            r.peer: k for k, reps in enumerate(members) for r in reps if r.peer not in leave_out
+        }
         speeds: dict[str, list[float]] = {}
         for peer, k in assignment.items():
             load = self._loads.get(peer)

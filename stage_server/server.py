@@ -31,6 +31,7 @@ from swarm.net.ports import PortInUse
 from swarm.net.tokens import add_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready
 from swarm.ops.metrics import serve_metrics
+from swarm.ops.poison import Poison
 from swarm.ops.rated import RatedLog
 from swarm.proto import pool_pb2_grpc, stage_pb2_grpc
 from swarm.relay.limits import raise_nofile
@@ -76,6 +77,9 @@ class StageServerOptions:
     relay: bool = False
     relay_port: int = 0
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
+    # the lies it tells in its stage compute (tests, benchmarks: `swarm.ops.poison`), armed at
+    # its start; None: its process's SWARM_FAULTS'
+    poison: Poison | None = None
 
 
 @dataclass
@@ -181,6 +185,7 @@ async def start_grpc(
         token=opts.token,
         limits=opts.limits,
         spill_dir=spill_directory(opts.spill_dir),
+        poison=opts.poison,
     )
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     served = servicer.limits  # the defaults within the peer's until a stage is installed

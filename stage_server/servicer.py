@@ -31,6 +31,7 @@ from stage_server.peer.limits import PeerLimits
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.answering import Answering
 from stage_server.replica.commit import Commit, Committer
+from stage_server.replica.lying import Compute, lies_of
 from stage_server.replica.messages import Limits, Messages, info_reply
 from stage_server.replica.push import PushPlane
 from stage_server.replica.push_records import Arrived
@@ -77,6 +78,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         token: str | None = None,
         limits: PeerLimits | None = None,
         spill_dir: Path | None = None,
+        poison: Poison | None = None,  # its lies (tests: `swarm.ops.poison`); None: SWARM_FAULTS'
     ) -> None:
         self.peer, self.metrics = peer, metrics
         self.job_id = ""
@@ -86,6 +88,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.commit_auth: CommitVerifier | None = None
         self._refusals = RatedLog(log)
         self._runtime: StageRuntime | None = None
+        self._compute: Compute | None = None  # the runtime's, or a liar's wrapper of it
         self.token = token
         self.limits = Limits(limits or PeerLimits())  # the served job's, within this peer's
         # The bodies of the requests this process holds at once (the pool's averaging too).
@@ -118,14 +121,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Under a scheduler, it alone names followers (its tickets, issue 44 N7).
             scheduler_key=lambda: self.commit_auth.public if self.commit_auth else None,
         )
-        # a hostile replica's lies that audits must catch, for tests (`swarm.ops.poison`)
-        self.poison = Poison.armed()
+        # a hostile replica's lies that audits must catch, for tests (`replica.lying`)
+        self._lies = lies_of(Poison.armed() if poison is None else poison)
         self._answering = Answering(
-            peer=peer,
-            worker=self.worker,
-            messages=self._messages,
-            runtime=lambda: self.runtime,
-            poison=lambda: self.poison,
+            peer=peer, worker=self.worker, messages=self._messages, runtime=lambda: self.runtime
         )
         self._push = PushPlane(
             peer=peer,
@@ -134,7 +133,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             messages=self._messages,
             runtime=lambda: self.runtime,
             answering=self._answering,
-            poison=lambda: self.poison,
+            lies=self._lies,
         )
 
     # The worker's figures and the feedback, where the agent and tests read them.
@@ -173,6 +172,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         """Start serving `runtime` as job `job_id` (called on the event loop between calls);
         `announced`: the job's announcement, by its scheduler (`trust`)."""
         self._runtime, self.job_id = runtime, job_id
+        self._compute = self._lies.compute(runtime)  # a liar's wrapper over it, once
         self.trust(announced)
         self._commits.serve()  # a state installed anew starts from no residuals
         self.limits.serve(runtime.job)
@@ -193,7 +193,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
-        self._runtime, self.job_id = None, ""
+        self._runtime, self._compute, self.job_id = None, None, ""
         self.limits.release()  # its activation window's part of the device, for the others
         self._transfer.stop_copy()
         self._push.release()
@@ -203,6 +203,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if self._runtime is None:
             raise NotFound(f"peer {self.peer} serves no stage yet")
         return self._runtime
+
+    @property
+    def compute(self) -> Compute:  # the served stage's, as this replica says it computed
+        assert self._compute is not None  # a data-plane call is routed (`_route`) before
+        return self._compute
 
     # -- plumbing -------------------------------------------------------------------------------
     def _route(self, job: str, stage: int) -> None:
@@ -257,10 +262,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             maybe_die(Point.FORWARD, step)
             # The outputs' copy to the host on the worker thread, right after the compute.
             outputs, queued = await self.worker.run_then(
-                self.runtime.forward,
-                lambda out: self._messages.encode(
-                    self.poison.outputs(step, out), "outputs", reply, "forward"
-                ),
+                self.compute.forward,
+                lambda out: self._messages.encode(out, "outputs", reply, "forward"),
                 step,
                 index,
                 inputs,
@@ -279,7 +282,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             reply = self._messages.reply_codec(h.reply_codec)
             done = await self._answering.backward_here(
-                self.runtime.backward,
+                self.compute.backward,
                 h,
                 reply,
                 inputs,
@@ -308,7 +311,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 )
                 return pb.StageForwardBackwardResponse(loss_sum=loss, queued_seconds=queued)
             done = await self._answering.backward_here(
-                rt.forward_backward,
+                self.compute.forward_backward,
                 h,
                 reply,
                 inputs,

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
+from stage_server.server import RunningStageServer
 from swarm.job.fingerprint import fingerprint
 from swarm.ops.faults import Fault, Point
 from swarm.ops.poison import Poison
@@ -88,12 +89,12 @@ async def test_a_liar_that_joins_late_costs_only_the_steps_since_the_checkpoint_
     swarm = Swarm(job)
     make_swarm.append(swarm)
     await swarm.add_replicas(2)
-    joined, rolled = [], []
+    joined: list[RunningStageServer] = []
+    rolled: list[int] = []
 
     async def after_step(record: StepRecord) -> None:
         if record.step == 2 and not joined:
-            liar = await swarm.add(1)
-            liar.servicer.poison = Poison.of([Fault("", poison, 0)])
+            liar = await swarm.add(1, Poison.of([Fault("", poison, 0)]))  # armed at its start
             joined.append(liar)
 
     coordinator = LocalCoordinator(

@@ -8,7 +8,8 @@ A joiner is told the coordinator's rollback epoch with each Join (`swarm.rpc.epo
 joins after a rollback got none of its LoadStates, and would take work leased before it. It is
 admitted only on the answer to a Join that said the epoch current then: one answered across a
 rollback is asked again, with the new one. A peer new to the job starts joining within its
-stage's entry rate (`entry`)."""
+stage's entry rate (`entry`). A standby (`standbys`) copies and follows as a joiner does, but
+is made a member only when its stage lost every replica (`readmit`)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from scheduler.coordinator.entry import Entry
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
+from scheduler.coordinator.standbys import Standbys
 from swarm.clock import Clock
 from swarm.errors import SwarmError
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff, Backoffs
 from swarm.proto import stage_pb2 as pb
+from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
 __all__ = ["Membership"]
@@ -94,11 +97,12 @@ class Membership:
         # replica becomes a member: from then on it counts (the job's history says so).
         self.admitted: list[Callable[[int, int, str, str], None]] = []
         self._rated = RatedLog(log, every_s=JOIN_LOG_EVERY_S, clock=clock.now)
+        self.standbys = Standbys()  # none unless the job asks (its coordinator's owner sets it)
 
     def waits(self) -> dict[str, str]:
         """What each replica that serves its stage but is not a member yet waits for before it
         is one (and counts), in words: its join's progress as the coordinator sees it."""
-        members = self.members()
+        members, step = self.members(), next((ledger.step for ledger in self.ledgers()), 0)
         said: dict[str, str] = {}
         for stage, replicas in enumerate(members):
             sources = [r.peer for r in replicas if r.peer in self.synced]
@@ -106,7 +110,9 @@ class Membership:
                 if r.peer in self.synced:
                     continue
                 failed = self._failed.get(r.peer)
-                if r.peer in self.entry.held:
+                if self.standbys.of(r.peer) is not None:
+                    said[r.peer] = self.standbys.words(r.peer, step, self._sources.get(r.peer, ""))
+                elif r.peer in self.entry.held:
                     said[r.peer] = (
                         f"waiting its turn to enter stage {stage}: {self.entry.why(stage)}"
                     )
@@ -167,17 +173,14 @@ class Membership:
                 self.drop(r.peer)
 
     async def readmit(self, step: int) -> bool:
-        """Before a stage is declared lost: a replica left out for a missed deadline that answers
-        at `step` (the coordinator's; after an APPLY the step just applied moved it there) still
-        holds its stage's state, so it becomes a member again. Its gradients of `step` no longer
-        count in the ledger: they are discarded (and replayed) first. Every replica of a stage
-        with no member is looked at, and every former member elsewhere: a home outage leaves out
-        a stage's only replica and, beside it, one of another stage's; both come back holding
-        the state at the step the job stalled at, and the second must not be shown joining and
-        made to download it (it would be, at the boundary, once the first let a step commit).
-        One whose rollback epoch is older than the last rollback's missed its LoadState (it did
-        not answer then): what it holds at `step` is of the training before that rollback, and it
-        would take work leased before it; it is not re-admitted (the rollback loads it instead).
+        """Before a stage is declared lost: a replica that answers at `step` (the coordinator's)
+        holds its stage's state, so it becomes a member (again): a replica left out for a missed
+        deadline, or a standby (`standbys`: promoted). Its gradients of `step` are discarded
+        (and replayed) first. Every replica of a stage with no member is looked at, and every
+        former member elsewhere: a home outage leaves out a stage's only replica and one of
+        another's, and the second must not be made to download the state it holds. One whose
+        rollback epoch is older than the last rollback's missed its LoadState: what it holds is
+        of the training before it; it is not re-admitted (the rollback loads it instead).
         Returns whether every stage has a member now."""
         members, current = self.members(), self.replicas()
         candidates = [
@@ -189,10 +192,12 @@ class Membership:
         infos = await asyncio.gather(
             *(self.clients.get(k, r).info() for k, r in candidates), return_exceptions=True
         )
+        seen: dict[str, int] = {}  # the step each answered at: why a standby was not promoted
         for (stage, r), info in zip(candidates, infos, strict=True):
             if isinstance(info, BaseException):
                 log.info("stage %d: %s does not answer: %r", stage, r.peer, info)
                 continue
+            seen[r.peer] = info.step if (info.job, info.stage) == (self.job_id, stage) else -1
             if (info.job, info.stage, info.step) != (self.job_id, stage, step):
                 continue  # restarted empty, or serving something else: it does not hold it
             if info.epoch < self.rolled_back:
@@ -212,13 +217,17 @@ class Membership:
             except SwarmError as e:
                 log.warning("stage %d: %s not re-admitted (discard failed): %s", stage, r.peer, e)
                 continue
-            log.warning("stage %d: %s answers at step %d: re-admitted", stage, r.peer, step)
+            promoted = self.standbys.promote(step, stage, r.peer)  # a standby: its replica now
+            how = "promoted from standby" if promoted else "re-admitted"
+            log.warning("stage %d: %s answers at step %d: %s", stage, r.peer, step, how)
             self.synced.add(r.peer)
             self._left.discard(r.peer)
             self._failed.pop(r.peer, None)
             for told in self.admitted:
                 told(step, stage, r.peer, "")
-        return all(self.replicas())
+        lost = [k for k, replicas in enumerate(self.replicas()) if not replicas]
+        self.standbys.explain(lost, step, seen)
+        return not lost
 
     async def sync(self, step: int) -> None:
         """At a step boundary: every replica not yet a member starts copying a member of its
@@ -234,6 +243,10 @@ class Membership:
         for peer in [p for p in self._joining if p not in current]:
             self._joining.pop(peer).cancel()
         self.entry.forget(current)
+        for peer in self.standbys.choose(members, self.synced):
+            self.synced.discard(peer)  # a standby from this step on: it holds no work of it
+            for ledger in self.ledgers():
+                self.metrics.replays.inc(len(ledger.lose(peer)))
         await self.clients.keep(members)
         for stage, replicas in enumerate(members):
             for r in replicas:
@@ -280,7 +293,7 @@ class Membership:
                 except GONE as e:  # the joiner itself is absent: try it less often
                     self.clients.drop(stage, joiner)  # and then over a new connection
                     delay = self._joins.failed(joiner.peer)
-                    self._failed[joiner.peer] = (_short(e), self.clock.now() + delay)
+                    self._failed[joiner.peer] = (brief(e), self.clock.now() + delay)
                     first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
                     self._rated.log(
                         logging.WARNING if first else logging.INFO,
@@ -317,6 +330,9 @@ class Membership:
         """Make `joiner` a member if it is a copy at `step` and may become one now: its Join
         said `epoch`, which must still be the coordinator's (a rollback since: it refuses no
         work leased before that rollback yet, and is asked again)."""
+        if self.standbys.of(joiner.peer) is not None:  # it follows; `readmit` promotes it
+            self.standbys.answered(joiner.peer, at)
+            return False
         if at == step and joiner.peer not in self.synced:
             self._copied.add(joiner.peer)  # a copy: it waits for a moment it may join at
         else:
@@ -368,20 +384,18 @@ class Membership:
                 self._copying[peer] = (stage, joiner, source)
                 self._sources[peer] = source.peer
             copying.append((stage, joiner, source))
-        epoch = self.epoch()
-        answers = await asyncio.gather(
-            *(
-                self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
-                for k, joiner, source in copying
-            ),
-            return_exceptions=True,
-        )
-        for (stage, joiner, _), at in zip(copying, answers, strict=True):
+        epoch, asked = self.epoch(), []
+        for k, joiner, source in copying:
+            call = self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
+            if not self.standbys.nudge(joiner, call):  # a standby's: the pool never waits for it
+                asked.append((k, joiner, call))
+        answers = await asyncio.gather(*(call for _, _, call in asked), return_exceptions=True)
+        for (stage, joiner, _), at in zip(asked, answers, strict=True):
             if isinstance(at, int):
                 self._admit(stage, joiner, step, at, epoch)
 
     async def close(self) -> None:
-        tasks = list(self._joining.values())
+        tasks = [*self._joining.values(), *self.standbys.asking()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -402,7 +416,7 @@ class Membership:
         for (stage, r), info in zip(pairs, answers, strict=True):
             if isinstance(info, SwarmError):
                 log.warning("stage %d: %s does not answer: left out (%s)", stage, r.peer, info)
-                unanswered.setdefault(stage, []).append(f"{r.peer} at {r.address}: {_short(info)}")
+                unanswered.setdefault(stage, []).append(f"{r.peer} at {r.address}: {brief(info)}")
                 continue
             if isinstance(info, BaseException):
                 raise info  # a bug, not a replica's state
@@ -432,12 +446,3 @@ class Membership:
         self.synced = at_target
         await self.sync(target)
         return target
-
-
-def _short(error: BaseException) -> str:
-    """`error` in a few words: its code and its last cause ("UNAVAILABLE: Connection refused");
-    a gRPC error's details run on through every layer that passed it up."""
-    lines = str(error).splitlines()
-    parts = lines[0].split(": ") if lines else [type(error).__name__]
-    text = f"{parts[0]}: {parts[-1]}" if len(parts) > 2 else ": ".join(parts)
-    return text if len(text) <= 120 else text[:117] + "..."

@@ -19,7 +19,6 @@ from stage_server.replica.messages import Messages
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.ops.faults import Point, maybe_die
-from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 
@@ -56,10 +55,9 @@ class Answering:
         worker: Worker,
         messages: Messages,
         runtime: Callable[[], StageRuntime],
-        poison: Callable[[], Poison] = Poison,
     ) -> None:
         self.peer, self.worker, self.messages = peer, worker, messages
-        self._runtime, self._poison = runtime, poison
+        self._runtime = runtime
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
@@ -76,16 +74,16 @@ class Answering:
         into: tensor_pb2.Handover | None = None,
         digest_seed: int = 0,
     ) -> Answered:
-        """The one way a call accumulates here: `fn` (`backward`, or the last stage's
-        `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
-        input gradient in codec `reply` (into a co-located caller's slot `into`, when it opens:
+        """The one way a call accumulates here: `fn` (the replica's compute's `backward`, or the
+        last stage's `forward_backward`: `stage_server.replica.lying.Compute`) of `h`'s
+        microbatch on the worker, the BACKWARD fault point, then the input gradient in codec
+        `reply` (into a co-located caller's slot `into`, when it opens:
         `stage_server.replica.handing`) and (unless `receipt` is False) the receipt."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
             # On the worker thread: the input gradient's copy to the host waits on the device.
             *loss, grad, done = result
-            grad = self._poison().grads(step, grad)  # a hostile replica's (`swarm.ops.poison`)
             encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
             return loss, encoded, done
 
@@ -109,7 +107,7 @@ class Answering:
             digest_seed=digest_seed,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
-        digest = self._poison().digest(step, done.digest)  # an audit's (`swarm.ops.poison`)
+        digest = done.digest  # an audit's (`stage_server.replica.gradient_digest`)
         return Answered(
             grad=grad,
             receipt=self._receipt(done) if receipt else None,

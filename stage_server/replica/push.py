@@ -22,21 +22,22 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from stage_server.replica.answering import Answering
+from stage_server.replica.answering import Answered, Answering
 from stage_server.replica.handing import Outgoing, Outgoings, reply_header
+from stage_server.replica.lying import HONEST, Compute, Lies
 from stage_server.replica.messages import Messages
-from stage_server.replica.next_hop import NextHop, Pushed
+from stage_server.replica.next_hop import Hop, NextHop, Pushed
 from stage_server.replica.push_records import NO_RECORD, Arrived, PushRecords, Recording
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
 from swarm.errors import Busy
 from swarm.job.rule import rule_of
 from swarm.ops.faults import Point, maybe_die
-from swarm.ops.poison import Poison
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
@@ -63,12 +64,13 @@ class PushPlane:
         messages: Messages,
         runtime: Callable[[], StageRuntime],
         answering: Answering,
-        poison: Callable[[], Poison] = Poison,
+        lies: Lies = HONEST,
     ) -> None:
         self.peer, self.token, self.worker = peer, token, worker
         self.messages, self.limits = messages, messages.limits
-        self._runtime, self.answering, self._poison = runtime, answering, poison
-        self._next_hop: NextHop | None = None  # the push plane's next stage, as seen here
+        self._runtime, self.answering, self._lies = runtime, answering, lies
+        self._next_hop: Hop | None = None  # the push plane's next stage, as seen here
+        self._served: Compute | None = None  # the served stage's compute, as this replica says
         # The records' digests, on a thread of their own: hashlib lets go of the GIL, so they
         # run beside the worker's compute, off the loop that relays other pushes (issue 69).
         # One thread: a microbatch's four digests take a few ms against its stage's tens.
@@ -81,18 +83,24 @@ class PushPlane:
         self.records.clear()
         self.messages.handing.serve(runtime.device)
         # Its answers are bounded as this replica's requests are: the job within this peer's.
-        self._next_hop = NextHop(
+        next_hop = NextHop(
             self.limits.clamp(runtime.job),
             job_id,
             runtime.stage,
             self.token,
             handing=self.messages.handing,
         )
+        # a liar's wrappers, installed once here (`stage_server.replica.lying`); honest: none
+        self._next_hop, self._served = self._lies.hop(next_hop), self._lies.compute(runtime)
 
     def release(self) -> None:
-        next_hop, self._next_hop = self._next_hop, None
+        next_hop, self._next_hop, self._served = self._next_hop, None, None
         if next_hop is not None:  # its calls in flight end with their own deadlines
             asyncio.get_running_loop().create_task(next_hop.close())
+
+    def _compute(self) -> Compute:
+        assert self._served is not None  # a push reaches here only while a stage is served
+        return self._served
 
     def room(self) -> None:
         """Busy when `max_queue` pushed microbatches wait here already."""
@@ -116,83 +124,117 @@ class PushPlane:
         if rt.is_first:  # the token ids go on beside the outputs where the boundary needs them
             ids = call.crossing.hidden
             call = replace(call, crossing=Crossing(ids, rt.checks.boundary.tokens(ids)))
-        inputs, tokens, targets = call.crossing.hidden, call.crossing.tokens, call.targets
-        step, site = call.step, self.messages.handing.site
-        here = rt.stage in call.accumulate  # this stage accumulates (and answers a receipt)
-        reply = codec.codec_from_name(rt.job.compression.backward)
-        maybe_die(Point.FORWARD, step)
+        maybe_die(Point.FORWARD, call.step)
         if call.evaluate:
-            evaluated = await self._evaluation(call, time_remaining)
-            evaluated.site = site
-            return evaluated
-        record = self._record(call, came, None if rt.is_first else tokens)
-        try:
-            # A co-located caller's slot for the gradient; not where this replica keeps a record: it
-            # commits to (and an audit re-reads) the gradient's bytes, which a slot's answer lacks.
-            into = h.reply if h.HasField("reply") and not record.kept else None
-            if rt.is_last:
-                done = await self.answering.backward_here(
-                    rt.forward_backward,
-                    h,
-                    reply,
-                    inputs,
-                    targets,
-                    accumulate=here,
-                    receipt=here,
-                    tokens=tokens,
-                    into=into,
-                )
-                record.received("grad_outputs", targets, came.get("targets"))
-                record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
-                record.sent("grad_inputs", _first(done.grad))
-                return pb.StagePushResponse(
-                    tensors=done.grad,
-                    receipts=[done.receipt] if done.receipt is not None else [],
-                    loss_sum=done.loss,
-                    queued_seconds=done.queued,
-                    site=site,
-                )
-            need_grad = here or call.need_grad_inputs  # a backward here needs its outputs' gradient
-            pushed, queued = await self._forward_on(call, time_remaining, need_grad, record)
-            receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
-            if need_grad:
-                assert pushed.grad is not None
-                grad_outputs, msg = pushed.grad, None
-                if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
-                    dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
-                    header = reply_header(dtype, shape, reply, self.limits.block_size)
-                    self.messages.took(header, grad_outputs)
+            answer = await self._evaluation(call, time_remaining)
+        else:
+            record = self._record(call, came, None if rt.is_first else call.crossing.tokens)
+            try:
+                # A co-located caller's slot for the gradient; not where this replica keeps a
+                # record: it commits to (and an audit re-reads) the gradient's bytes, which a
+                # slot's answer lacks.
+                into = h.reply if h.HasField("reply") and not record.kept else None
+                reply = codec.codec_from_name(rt.job.compression.backward)
+                here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate)
+                if rt.is_last:
+                    answer = await self._last_stage(here, call, record, came)
                 else:
-                    msg = grad_outputs
-                    grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
-                    self.messages.took(msg, grad_outputs)
-                record.received("grad_outputs", grad_outputs, msg)  # kept as it came
-                done = await self.answering.backward_here(
-                    rt.backward,
-                    h,
-                    reply,
-                    inputs,
-                    grad_outputs,
-                    accumulate=here,
-                    receipt=here,
-                    tokens=tokens,
-                    into=into,
-                )
-                grad = done.grad
-                record.sent("grad_inputs", _first(grad))
-                if done.receipt is not None:
-                    receipts.append(done.receipt)
-            return pb.StagePushResponse(
-                tensors=grad,
-                receipts=receipts,
-                uncertain=sorted(pushed.uncertain),
-                loss_sum=pushed.loss_sum,
-                queued_seconds=queued,
-                path=pushed.path,
-                site=site,
-            )
-        finally:
-            await record.settled()  # its digests read what came and went: taken before it goes
+                    answer = await self._through(here, call, time_remaining, record)
+            finally:
+                await record.settled()  # its digests read what came and went: before it goes
+        answer.site = self.messages.handing.site
+        return answer
+
+    async def _last_stage(
+        self, here: _Here, call: ServedPush, record: Recording, came: dict[str, Arrived]
+    ) -> pb.StagePushResponse:
+        """The last stage: its forward_backward here, the loss and the input gradient back."""
+        crossing = call.crossing
+        done = await self._backward_here(
+            here, self._compute().forward_backward, crossing.hidden, call.targets, crossing.tokens
+        )
+        record.received("grad_outputs", call.targets, came.get("targets"))
+        record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
+        record.sent("grad_inputs", _first(done.grad))
+        return pb.StagePushResponse(
+            tensors=done.grad,
+            receipts=[done.receipt] if done.receipt is not None else [],
+            loss_sum=done.loss,
+            queued_seconds=done.queued,
+        )
+
+    async def _through(
+        self,
+        here: _Here,
+        call: ServedPush,
+        time_remaining: Callable[[], float | None],
+        record: Recording,
+    ) -> pb.StagePushResponse:
+        """A stage before the last: the forward here and on to the next stage, then (where this
+        stage accumulates, or its caller asked for the input gradient) the backward here with
+        the gradient of its outputs that came back."""
+        need_grad = here.accumulate or call.need_grad_inputs
+        pushed, queued = await self._forward_on(call, time_remaining, need_grad, record)
+        receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
+        if need_grad:
+            done = await self._backward_after(here, call, pushed, record)
+            grad = done.grad
+            if done.receipt is not None:
+                receipts.append(done.receipt)
+        return pb.StagePushResponse(
+            tensors=grad,
+            receipts=receipts,
+            uncertain=sorted(pushed.uncertain),
+            loss_sum=pushed.loss_sum,
+            queued_seconds=queued,
+            path=pushed.path,
+        )
+
+    async def _backward_after(
+        self, here: _Here, call: ServedPush, pushed: Pushed, record: Recording
+    ) -> Answered:
+        """This stage's backward with the gradient of its outputs that came back (`pushed`):
+        into this replica's slot (a tensor already), or a message, decoded here."""
+        assert pushed.grad is not None
+        grad_outputs, msg = pushed.grad, None
+        if isinstance(grad_outputs, torch.Tensor):  # it came into this replica's slot
+            dtype, shape = codec.dtype_name(grad_outputs.dtype), grad_outputs.shape
+            header = reply_header(dtype, shape, here.reply, self.limits.block_size)
+            self.messages.took(header, grad_outputs)
+        else:
+            msg = grad_outputs
+            grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+            self.messages.took(msg, grad_outputs)
+        record.received("grad_outputs", grad_outputs, msg)  # kept as it came
+        crossing = call.crossing
+        done = await self._backward_here(
+            here, self._compute().backward, crossing.hidden, grad_outputs, crossing.tokens
+        )
+        record.sent("grad_inputs", _first(done.grad))
+        return done
+
+    async def _backward_here(
+        self,
+        here: _Here,
+        fn: Callable[..., tuple[Any, ...]],
+        inputs: torch.Tensor,
+        other: torch.Tensor,
+        tokens: torch.Tensor | None,
+    ) -> Answered:
+        """`fn` (the backward, or the last stage's forward_backward) of `inputs` and `other`
+        (the gradient of the outputs, or the targets), answered as every accumulating call is
+        (`Answering`): accumulated, with a receipt, where this stage accumulates."""
+        return await self.answering.backward_here(
+            fn,
+            here.h,
+            here.reply,
+            inputs,
+            other,
+            accumulate=here.accumulate,
+            receipt=here.accumulate,
+            tokens=tokens,
+            into=here.into,
+        )
 
     async def _evaluation(
         self, call: ServedPush, time_remaining: Callable[[], float | None]
@@ -202,7 +244,7 @@ class PushPlane:
         rt, crossing = self._runtime(), call.crossing
         if rt.is_last:
             loss, queued = await self.worker.run_queued(
-                rt.evaluate, call.step, crossing.hidden, call.targets, crossing.tokens
+                self._compute().evaluate, call.step, crossing.hidden, call.targets, crossing.tokens
             )
             return pb.StagePushResponse(loss_sum=loss, queued_seconds=queued)
         pushed, queued = await self._forward_on(
@@ -219,43 +261,31 @@ class PushPlane:
     ) -> tuple[Pushed, float]:
         """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
         forward waited for the worker."""
-        rt, step, index, evaluate = self._runtime(), call.step, call.index, call.evaluate
+        rt, step, index = self._runtime(), call.step, call.index
         assert self._next_hop is not None
         sent_as = codec.codec_from_name(rt.job.compression.forward)  # as a trainer sends them
-        poison = self._poison()  # a hostile replica's lies (`swarm.ops.poison`): none, honest
         # handed over to a co-located replica, on the wire to another: ready for both it may be
         near, far = self.messages.handing.forms(list(call.route[0].peers) if call.route else [])
-        block_size = self.messages.limits.block_size
         made = Outgoings()  # released when this push ends, however it ends
 
         def on_host(out: torch.Tensor) -> Outgoing:
             # On the worker thread: what it sends, and (where it keeps a record) what it commits
-            # to: the same message, unless it is a liar that sends another. Its digest is taken
-            # on the record's digester, beside the next computation.
-            said = poison.outputs(step, out)
-            forged = poison.sent(step, out) if not evaluate else None
-            sent = forged if forged is not None else said
+            # to: the same message. Its digest is taken on the record's digester, beside the
+            # next computation.
             outgoing = made.keep(
-                self.messages.hand_on(sent, "inputs", sent_as, "forward", near, far)
+                self.messages.hand_on(out, "inputs", sent_as, "forward", near, far)
             )
-            record.sent(
-                "outputs",
-                lambda: (
-                    outgoing.wire()
-                    if forged is None
-                    else codec.encode(said, "inputs", sent_as, block_size)
-                ),
-            )
+            record.sent("outputs", outgoing.wire)
             return outgoing
 
         try:
             outputs, queued = await self.worker.run_then(
-                rt.forward,
+                self._compute().forward,
                 on_host,
                 step,
                 index,
                 call.crossing.hidden,
-                evaluate=evaluate,
+                evaluate=call.evaluate,
                 tokens=call.crossing.tokens,
             )
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
@@ -288,6 +318,18 @@ class PushPlane:
         record.received("tokens", tokens, came.get("tokens"))
         record.received("targets", call.targets, came.get("targets"))
         return record
+
+
+@dataclass(frozen=True)
+class _Here:
+    """How this replica answers a push's backward here: request `h` (its microbatch, the epoch
+    it was leased in), its input gradient in codec `reply` (into a co-located caller's slot
+    `into`, where there is one), accumulated with a receipt where `accumulate`."""
+
+    h: pb.StagePushRequest
+    reply: int
+    into: tensor_pb2.Handover | None
+    accumulate: bool
 
 
 def _first(grad: list[tensor_pb2.Tensor]) -> Callable[[], tensor_pb2.Tensor | None]:

@@ -32,6 +32,7 @@ Invariants, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -47,6 +48,7 @@ from stage_server.replica.runtime import Served
 from stage_server.replica.snapshot import Snapshot
 from stage_server.replica.update_log import UpdateLog
 from stage_server.replica.worker import Worker
+from swarm.deadline import within
 from swarm.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from swarm.net.commit_auth import state_digest
 from swarm.net.follow_tickets import FollowTickets
@@ -65,6 +67,8 @@ class StateTransfer:
     """The state transfers of one replica, of the stage `runtime()` serves (read where each
     transfer starts, and again before a received state is loaded), and the background copy it may
     be running."""
+
+    LONG_POLL_S = 0.5  # an ask for updates with none new waits this long for the next one
 
     def __init__(
         self,
@@ -173,7 +177,24 @@ class StateTransfer:
         # Another caller naming a real follower must not move or end its registration.
         self._named(job_id, follower, ticket, fresh=False)
         log_ = self._runtime().updates
-        updates = await self._worker.run(log_.since, follower, from_step)
+        # A long poll: with nothing new, the answer waits (at most `LONG_POLL_S`) for the next
+        # update kept, so a follower has each step's update as this replica applies it, not at
+        # its next ask (a standby a step behind when its stage dies costs the job a rollback).
+        loop, kept = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(kept.set)
+
+        log_.watch(wake)  # before the read: an update kept between the two is not missed
+        try:
+            updates = await self._worker.run(log_.since, follower, from_step)
+            if not updates and from_step >= 0:
+                with contextlib.suppress(TimeoutError):
+                    await within(kept.wait(), self.LONG_POLL_S)
+                updates = await self._worker.run(log_.since, follower, from_step)
+        finally:
+            log_.unwatch(wake)
         for part in updates_reply(updates, chunk_bytes):
             yield part
             log_.touch(follower)  # still reading: not silent

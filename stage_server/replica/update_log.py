@@ -67,6 +67,9 @@ class UpdateLog:
         self._followers: dict[str, _Follower] = {}
         self._registered = 0  # `follow`s so far: each registration's own number
         self._lock = threading.Lock()
+        # Told (on the worker's thread) as each update is kept: the asks waiting for one (a
+        # long poll, `stage_server.replica.state_transfer`).
+        self._watchers: set[Callable[[], None]] = set()
 
     def __len__(self) -> int:
         return len(self._updates)
@@ -138,6 +141,19 @@ class UpdateLog:
                 return
             self._updates.append(replace(update, grad_sums=cpu))
             self._drop_oldest()
+            watchers = list(self._watchers)
+        for wake in watchers:
+            wake()
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """`wake()` as each update is kept from now on, until `unwatch`; called on the thread that
+        records, so it must only hand the news over (`loop.call_soon_threadsafe`)."""
+        with self._lock:
+            self._watchers.add(wake)
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._watchers.discard(wake)
 
     def since(self, follower: str, step: int) -> list[Update]:
         """The updates from `step` on, for `follower`, who has every one before `step` (those

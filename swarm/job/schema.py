@@ -340,12 +340,12 @@ class RuntimeConfig(Section):
     lease_timeout_s: float = _f(60.0, GT0)  #: unreported leased microbatches go elsewhere (s)
     #: bytes of boundary tensors a trainer keeps to replay lost gradients without the pipeline
     boundary_cache_bytes: int = _f(256 * MiB, GE0)
-    #: bytes of applied updates a replica keeps for peers copying it (a copy slower than this
-    #: covers starts again)
+    #: bytes of applied updates kept for followers (copies, standbys); one further behind copies
     update_log_bytes: int = _f(4096 * MiB, GE1)
     #: replicas every stage gets before any stage gets more, and keeps when peers are moved to
     #: the bottleneck (count; 0: the scheduler's `--min-replicas`, 1 unless it says)
     min_replicas: int = _f(0, GE0)
+    standby: int = _f(0, GE0)  #: peers per stage following it, to take it over if lost (count)
     #: seconds with no committed step before a job stops, or shows `stalled`, naming the cause
     patience_s: float = _f(600.0, (lambda v: 0 < v < math.inf, "finite and > 0"))
 

@@ -25,7 +25,7 @@ from swarm.errors import RemoteError
 from swarm.ops.rated import RatedLog
 from swarm.rpc.status import status_code
 
-__all__ = ["CAUSE_CHARS", "FAILURE_LOG_S", "Cause", "Causes", "described", "kind"]
+__all__ = ["CAUSE_CHARS", "FAILURE_LOG_S", "Cause", "Causes", "brief", "described", "kind"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ def described(error: BaseException) -> str:
         status = status_code(error)
         code = status.name if status is not None else type(error).__name__
     return bounded(f"{code}: {text}")
+
+
+def brief(error: BaseException) -> str:
+    """`error` in a few words: its code and its last cause ("UNAVAILABLE: Connection refused");
+    a gRPC error's details run on through every layer that passed it up."""
+    lines = str(error).splitlines()
+    parts = lines[0].split(": ") if lines else [type(error).__name__]
+    text = f"{parts[0]}: {parts[-1]}" if len(parts) > 2 else ": ".join(parts)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def kind(text: str) -> str:

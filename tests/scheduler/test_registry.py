@@ -203,6 +203,17 @@ def test_measured_waits_for_every_member_and_uses_the_live_speed() -> None:
     assert reg.measured("j", 2) is None
 
 
+def test_measured_leaves_out_standbys_which_measure_no_work() -> None:
+    # A standby (issue 67) serves nothing, so it never reports a speed: counted, it would keep
+    # rebalancing from ever deciding, and it is no replica to move or to keep a stage's floor.
+    reg = registry(FakeClock())
+    reg.announce(serving("a", 0, speeds=(2.0, 3.0)))
+    reg.announce(serving("s", 0, speeds=(2.0, 3.0)))
+    reg.report_load(load("a", 0, seconds=0.25))
+    assert reg.measured("j", 1) is None
+    assert reg.measured("j", 1, leave_out={"s"}) == ({"a": 0}, {"a": [4.0]})
+
+
 class _RecordingBus:
     """Collects what is published (the assignments), for `Assignments` without a broker."""
 

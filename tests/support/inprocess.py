@@ -15,6 +15,7 @@ from scheduler.coordinator import LocalCoordinator
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.deadline import within
 from swarm.job.config import JobConfig
+from swarm.ops.poison import Poison
 from swarm.rpc.lease import Lease, Replica, Working
 
 __all__ = ["Swarm", "lease_after_joined", "make_swarm"]
@@ -61,16 +62,18 @@ class Swarm:
         self.job = job
         self.servers: list[list[RunningStageServer]] = [[] for _ in range(job.training.stages)]
 
-    async def add(self, stage: int) -> RunningStageServer:
-        server = await start_stage_server(self.job, StageServerOptions(stage=stage))
+    async def add(self, stage: int, poison: Poison | None = None) -> RunningStageServer:
+        """A replica of `stage`; `poison`: the lies it tells, armed at its start."""
+        server = await start_stage_server(self.job, StageServerOptions(stage=stage, poison=poison))
         self.servers[stage].append(server)
         return server
 
-    async def add_replicas(self, count: int) -> None:
-        """`count` replicas of every stage, stage by stage."""
+    async def add_replicas(self, count: int, last: Poison | None = None) -> None:
+        """`count` replicas of every stage, stage by stage; the last of each lies as `last`
+        says (armed at its start), where given."""
         for stage in range(self.job.training.stages):
-            for _ in range(count):
-                await self.add(stage)
+            for k in range(count):
+                await self.add(stage, last if k == count - 1 else None)
 
     def members(self) -> list[list[Replica]]:
         return [[Replica(s.address, s.address, 1.0) for s in stage] for stage in self.servers]

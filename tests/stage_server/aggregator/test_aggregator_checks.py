@@ -17,9 +17,10 @@ import grpc
 import pytest
 import torch
 
-from scheduler.coordinator import LocalCoordinator, gather_state, sum_checks
+from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator import commit as commit_module
 from scheduler.coordinator.groups import Aggregator, Groups, Link, RoundGroup
+from scheduler.coordinator.trust import sum_checks
 from scheduler.coordinator.trust.sum_checks import Mismatch, mismatches
 from stage_server.averaging.checksum import PartChecks, weights
 from stage_server.averaging.owner import Averager

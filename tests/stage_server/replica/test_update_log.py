@@ -133,3 +133,19 @@ def test_a_place_is_held_only_by_a_copy_that_goes_on() -> None:
     again = log.follow("w", 1)  # w takes the state again: the first download's end is moot
     log.unfollow("w", again - 1)
     assert log.since("w", 1) == []
+
+
+def test_an_ask_waiting_for_the_next_update_is_woken_as_it_is_kept() -> None:
+    # The long poll of Updates (issue 67): a standby gets each step's update as its source
+    # applies it, so it is not a step behind when the stage dies between its asks.
+    log, woken = UpdateLog(max_bytes=1 << 20), []
+    wake = lambda: woken.append(len(log))  # noqa: E731
+    log.watch(wake)
+    log.record(Update(0, _sums(1.0), 16))  # nobody follows: nothing kept, nobody woken
+    assert woken == []
+    log.follow("b", 1)
+    log.record(Update(1, _sums(1.0), 16))
+    assert woken == [1]  # woken once it is kept: the ask reads it
+    log.unwatch(wake)
+    log.record(Update(2, _sums(1.0), 16))
+    assert woken == [1]

@@ -1,0 +1,127 @@
+"""Which peers stand by for a stage, what status says of them, their promotion and the words of a
+rollback that found none to promote (`scheduler.coordinator.standbys`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from scheduler.coordinator.standbys import Standbys
+from swarm.rpc.lease import Replica
+
+HOSTS = {"a": "h1", "b": "h2", "c": "h3", "d": "h1", "e": "h4"}
+
+
+def _standbys(wanted: int = 1) -> Standbys:
+    return Standbys(wanted, lambda peer: HOSTS[peer])
+
+
+def test_none_wanted_none_chosen() -> None:
+    members = [[Replica("a", "x:1"), Replica("b", "x:2")]]
+    assert _standbys(0).choose(members, {"a", "b"}) == []
+
+
+def test_never_the_last_replica_nor_one_on_a_replicas_host() -> None:
+    standbys = _standbys()
+    # One replica alone: it keeps serving. Two on one host: neither may stand by for the other.
+    members = [[Replica("a", "x:1")], [Replica("a", "x:1"), Replica("d", "x:4")]]
+    assert standbys.choose(members, {"a", "d"}) == []
+    assert standbys.of("a") is None and standbys.of("d") is None
+
+
+def test_the_slowest_replica_on_another_host_stands_by() -> None:
+    standbys = _standbys()
+    members = [[Replica("a", "x:1", 5.0), Replica("b", "x:2", 1.0), Replica("c", "x:3", 3.0)]]
+    assert standbys.choose(members, {"a", "b", "c"}) == ["b"]
+    assert standbys.of("b") == 0
+    # Chosen once: the next boundary keeps it, and takes no more.
+    assert standbys.choose(members, {"a", "c"}) == []
+
+
+def test_a_joiner_stands_by_before_a_replica_and_is_no_member_to_demote() -> None:
+    standbys = _standbys()
+    members = [[Replica("a", "x:1"), Replica("b", "x:2", 0.5), Replica("c", "x:3")]]
+    assert standbys.choose(members, {"a", "b"}) == []  # c, a joiner, serves nothing yet
+    assert standbys.of("c") == 0
+
+
+def test_a_standby_gone_is_forgotten_and_replaced() -> None:
+    standbys = _standbys()
+    three = [[Replica("a", "x:1"), Replica("b", "x:2"), Replica("c", "x:3")]]
+    assert standbys.choose(three, {"a", "b", "c"}) == ["a"]
+    assert standbys.choose([three[0][1:]], {"b", "c"}) == ["b"]
+    assert standbys.of("a") is None
+
+
+def test_status_says_the_standbys_lag_in_steps() -> None:
+    standbys = _standbys()
+    standbys.choose([[Replica("a", "x:1"), Replica("b", "x:2")]], {"a", "b"})
+    assert standbys.words("a", 7, "b") == "standby for stage 0: copying the state of b"
+    standbys.answered("a", 6)
+    assert standbys.words("a", 7, "b") == "standby for stage 0, 1 step behind (following b)"
+    standbys.answered("a", 7)
+    assert standbys.words("a", 7, "b") == "standby for stage 0, 0 steps behind (following b)"
+
+
+def test_promotion_is_told_once_and_only_for_a_standby() -> None:
+    standbys, told = _standbys(), []
+    standbys.promoted.append(lambda step, stage, peer: told.append((step, stage, peer)))
+    standbys.choose([[Replica("a", "x:1"), Replica("b", "x:2")]], {"a", "b"})
+    assert not standbys.promote(7, 0, "b")  # a replica re-admitted: no promotion
+    assert standbys.promote(7, 0, "a")
+    assert not standbys.promote(7, 0, "a")
+    assert told == [(7, 0, "a")]
+
+
+def test_a_rollback_says_why_no_standby_took_the_stage() -> None:
+    standbys = _standbys()
+    standbys.choose([[Replica("a", "x:1"), Replica("b", "x:2")], [Replica("c", "x:3")]], {"a", "b"})
+    standbys.explain([0], 7, {"a": 6})
+    assert standbys.missed == (
+        "stage 0's standby a was at step 6, not 7: the updates it lacked were lost with the stage"
+    )
+    standbys.explain([0, 1], 7, {})
+    assert standbys.missed == (
+        "stage 0 had no standby (its standby a was lost with it); stage 1 had no standby"
+    )
+    _standbys(0).explain([0], 7, {})  # none wanted: nothing to say
+
+
+def test_a_standby_a_rollback_made_a_member_stands_by_again() -> None:
+    standbys = _standbys()
+    members = [[Replica("a", "x:1"), Replica("b", "x:2")]]
+    assert standbys.choose(members, {"a", "b"}) == ["a"]
+    # The rollback loaded its checkpoint on every listed peer: both are members again.
+    assert standbys.choose(members, {"a", "b"}) == ["a"]
+    # The rollback was for b's loss: a is the stage's only replica now, and stays one.
+    assert standbys.choose([[a for a in members[0] if a.peer == "a"]], {"a"}) == []
+    assert standbys.of("a") is None
+
+
+def test_a_standby_is_asked_in_the_background_one_ask_at_a_time() -> None:
+    # The pool never waits for a standby: its Join, asked as a step opens, runs by itself, and
+    # one still on its way (a slow link) is not joined by another.
+    async def run() -> None:
+        standbys = _standbys()
+        a, b = Replica("a", "x:1"), Replica("b", "x:2")
+        standbys.choose([[a, b]], {"a", "b"})
+        slow, sent = asyncio.Event(), []
+
+        async def join(at: int) -> int:
+            sent.append(at)
+            await slow.wait()
+            return at
+
+        assert standbys.nudge(a, join(7))
+        await asyncio.sleep(0)
+        second = join(8)
+        assert standbys.nudge(a, second)  # taken, and closed unsent: the first is on its way
+        third = join(9)
+        assert not standbys.nudge(b, third)  # no standby: the caller's to await
+        third.close()
+        slow.set()
+        await asyncio.sleep(0.01)
+        assert sent == [7]
+        assert standbys.lag("a", 7) == 0
+        assert standbys.asking()  # cancelled as the coordinator closes
+
+    asyncio.run(run())
