@@ -250,7 +250,11 @@ async def receive(
     (`swarm.device.handover`) is taken by `handed`, after those checks; without it, refused.
     """
     it = stream.__aiter__()
-    first = await _header(it)
+    try:
+        first = await _next(it)
+    except StopAsyncIteration:
+        raise EndOfStream("empty stream: expected a header message") from None
+    _check_header(first)
     if admit is not None:
         admit(first)
     body = Body(first, handed)
@@ -270,17 +274,12 @@ async def receive(
     return Received(header=first, payloads=body.payloads)
 
 
-async def _header(it: AsyncIterator[Any]) -> Any:
-    """A stream's first message, which must be a header of at most MAX_TENSORS_PER_MESSAGE
-    tensors (counted before anything it declares is believed)."""
-    try:
-        header = await _next(it)
-    except StopAsyncIteration:
-        raise EndOfStream("empty stream: expected a header message") from None
+def _check_header(header: Any) -> None:
+    """A stream's first message must be a header of at most MAX_TENSORS_PER_MESSAGE tensors
+    (counted before anything it declares is believed)."""
     if header.HasField("chunk"):
         raise InvalidArgument("the first message of a stream must be a header, got a chunk")
     _check_count(header)
-    return header
 
 
 def _charged(sizes: list[int], max_bytes: int, tensor_overhead: int, limit_name: str) -> int:

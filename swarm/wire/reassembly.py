@@ -44,6 +44,8 @@ class Body:
     """One message's tensor payloads: declared by its header (nothing allocated yet, so its
     size can be checked first), then `place`d, then filled by its chunks (`take`)."""
 
+    __slots__ = ("filled", "handed", "header", "inline", "payloads", "sizes", "to_come")
+
     def __init__(self, header: Any, handed: Handed | None) -> None:
         self.header = header
         self.handed = handed
@@ -88,9 +90,11 @@ class Body:
             elif target.readonly or target.nbytes != size:
                 raise ConfigError(f"tensor {i}: a buffer of {target.nbytes} bytes for {size}")
             self.payloads.append(target.cast("B"))
-        pairs = list(zip(self.inline, self.sizes, strict=True))
-        self.filled = [size if data is not None else 0 for data, size in pairs]
-        self.to_come = sum(size for data, size in pairs if data is None)
+        self.filled = [
+            size if data is not None else 0
+            for data, size in zip(self.inline, self.sizes, strict=True)
+        ]
+        self.to_come = sum(self.sizes) - sum(self.filled)
 
     def take(self, message: Any) -> int:
         """Copy one chunk message into place, after checking it fits the header; its bytes."""
