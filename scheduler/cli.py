@@ -35,6 +35,8 @@ _BROKER_PORT = PortFlag(Listener.BROKER, "--broker-port", env_name("broker-port"
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    """`swarm scheduler`'s flags, a group per concern (`swarm submitter-token`: its name and
+    the admin's credential)."""
     if command == "submitter-token":
         p.add_argument(
             "name",
@@ -43,6 +45,16 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         )
         _add_admin_token(p)
         return
+    _add_listeners(p)
+    _add_storage(p)
+    _add_training(p)
+    _add_submitters(p)
+    _add_peers(p)
+    _add_credentials(p)
+
+
+def _add_listeners(p: argparse.ArgumentParser) -> None:
+    """Where it listens and is dialled: the embedded broker, the job API, /metrics."""
     add_flag(p, "broker", None, "MQTT broker URL (default: run an embedded broker)")
     add_flag(p, "broker-port", 0, "embedded broker's port (0: any free port)", type=int)
     add_flag(p, "host", "127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
@@ -65,10 +77,36 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         type=int,
     )
     add_metrics_token(p)
+
+
+def _add_storage(p: argparse.ArgumentParser) -> None:
+    """What it keeps and reads: the job store, the checkpoints, the data jobs may name, the
+    finished jobs kept."""
     add_flag(p, "store", Path("swarm-jobs.sqlite"), "SQLite job store", type=Path)
     add_flag(
         p, "checkpoint-dir", Path("swarm-checkpoints"), "where trained models are kept", type=Path
     )
+    add_flag(
+        p,
+        "data-root",
+        None,
+        "the only directory whose files (and its subdirectories') a submitted job may name as "
+        "its data; required, and refused if it holds the store, the checkpoints or TLS files",
+        type=Path,
+    )
+    add_flag(
+        p,
+        "keep-finished-jobs",
+        None,
+        "keep this many finished jobs (the most recently ended); older ones are deleted with "
+        "their checkpoints and final models, at start and as jobs end (default: keep every one)",
+        type=int,
+    )
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    """How it trains jobs: when a peer or a stage counts as lost, how often it checkpoints,
+    the replicas every stage gets first, and whether it trains in its own process."""
     add_flag(
         p,
         "load-silence-s",
@@ -102,22 +140,18 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "spare per stage, so one lost replica costs no rollback)",
         type=int,
     )
-    add_flag(
+    add_switch(
         p,
-        "data-root",
-        None,
-        "the only directory whose files (and its subdirectories') a submitted job may name as "
-        "its data; required, and refused if it holds the store, the checkpoints or TLS files",
-        type=Path,
+        "no-embedded-trainer",
+        "train no job in the scheduler's own process: only `swarm trainer --job J` processes "
+        "(run near the data, or where the scheduler's machine is small) train, and a job waits "
+        "for one",
     )
-    add_flag(
-        p,
-        "keep-finished-jobs",
-        None,
-        "keep this many finished jobs (the most recently ended); older ones are deleted with "
-        "their checkpoints and final models, at start and as jobs end (default: keep every one)",
-        type=int,
-    )
+
+
+def _add_submitters(p: argparse.ArgumentParser) -> None:
+    """What submitters may do: their unfinished jobs, their pace, a stage's size; the admin's
+    credential."""
     add_flag(
         p,
         "max-jobs-per-submitter",
@@ -145,13 +179,11 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         type=int,
     )
     _add_admin_token(p)
-    add_switch(
-        p,
-        "no-embedded-trainer",
-        "train no job in the scheduler's own process: only `swarm trainer --job J` processes "
-        "(run near the data, or where the scheduler's machine is small) train, and a job waits "
-        "for one",
-    )
+
+
+def _add_peers(p: argparse.ArgumentParser) -> None:
+    """What it assumes of its peers: where its dial-back may reach them, and whether they hold
+    the operator's own credentials (audits off by default)."""
     add_flag(
         p,
         "dial-scope",
@@ -171,6 +203,10 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "`swarm status` says so ('audits off: the scheduler trusts its peers'); one that sets "
         "it is kept as it said. Off: audits on by default (a swarm open to other peers)",
     )
+
+
+def _add_credentials(p: argparse.ArgumentParser) -> None:
+    """Its own credentials: the swarm token, the MQTT login, TLS."""
     add_token(p)
     add_insecure_no_token(p)
     add_login_flags(p)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
@@ -36,9 +37,9 @@ from scheduler.coordinator.groups import Aggregator, Groups, Link, link_of
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
 from scheduler.coordinator.recovery import to_thread_to_the_end
 from scheduler.coordinator.replicas import grpc_replicas
-from scheduler.coordinator.trust.standing import Ban
 from scheduler.failure_domains import domains_of
 from scheduler.history import History
+from scheduler.job_reports import NEWS_SAID_STEPS, AttemptReports
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
 from scheduler.speed import RecentSpeed
@@ -51,36 +52,9 @@ from swarm.job.rule import rule_of
 from swarm.model import checkpoint
 from swarm.model.routes import write_record
 from swarm.net.commit_auth import SchedulerKey
-from swarm.ops.progress import StepRecord
 from swarm.policy.backoff import Backoff
-from swarm.proto import control_pb2 as cpb
 
 __all__ = ["NEWS_SAID_STEPS", "JobTraining", "final_path", "save_final"]
-
-# News (a rollback, a replica left out, a stage served again) stays the job's message for this
-# many committed steps; then "training" again (the job's events keep it). Issue 51: only the
-# rollback's went, the rest stayed the message long after its event ended.
-NEWS_SAID_STEPS = 20
-
-
-@dataclass(slots=True)
-class _News:
-    """The job's message while it trains, and the step it was first seen at: once
-    `NEWS_SAID_STEPS` steps have committed under the same words, it is history."""
-
-    text: str = ""
-    since: int = 0
-
-    def aged(self, message: str, step: int) -> bool:
-        """Whether `message`, seen now at `step`, has outlived its event."""
-        if message in ("", "training"):
-            self.text = ""
-            return False
-        if message != self.text:
-            self.text, self.since = message, step
-            return False
-        return step >= self.since + NEWS_SAID_STEPS
-
 
 log = logging.getLogger(__name__)
 
@@ -125,105 +99,66 @@ class JobTraining:
     async def run(self, job_id: str, job: JobConfig, assigned: list[str]) -> None:
         """Train `job_id` from the step its servers hold to the end and save the final model.
         Raises what ended the attempt early (a `SwarmError` or `OSError` is worth another)."""
-
-        async def committed(record: StepRecord) -> None:
-            if record.val_loss is not None:
-                log.info(
-                    "job %s validation loss %.4f after %d steps",
-                    job_id,
-                    record.val_loss,
-                    record.step,
-                )
-                try:
-                    self.store.record_eval(job_id, record.step, record.val_loss)
-                except StoreError as e:  # a full disk: the next evaluation says it anew
-                    log.error("job %s: %s", job_id, e)
-            if record.final_evaluation:
-                await self.announce(job_id)
-                return
-            try:
-                self.store.record_step(
-                    job_id, record.step, record.loss, record.samples, record.seconds
-                )
-            except StoreError as e:  # a full disk: the store writes it with the next step
-                log.error("job %s: %s", job_id, e)
-            speed.committed(record.samples)
-            log.debug("job %s step %d loss %.4f", job_id, record.step, record.loss)
-            if said and record.step >= rolled[-1] + NEWS_SAID_STEPS:
-                # The rollback is history now (its event stays): the message says what is.
-                if self._message(job_id) == said[-1]:
-                    await self.set_status(job_id, None, "training")
-                said.clear()
-            elif news.aged(self._message(job_id), record.step):
-                # Steps commit, so whatever the message told of has passed: say what is.
-                await self.set_status(job_id, None, "training")
-            await self.bus.publish(
-                self.bus.topics.steps(job_id),
-                cpb.StepCommitted(
-                    job=job_id,
-                    step=record.step,
-                    loss=record.loss,
-                    samples=record.samples,
-                    time=time.time(),
-                    val_loss=record.val_loss,
-                ),
-                retain=True,
-            )
-            await self.announce(job_id)
-
-        stages, mb = job.training.stages, job.training.microbatch_size
         speed = self.speed.setdefault(job_id, RecentSpeed(time.time))
+        reports = AttemptReports(
+            job_id, self.store, self.bus, self.history, self.announce, self.set_status, speed
+        )
+        routes = self._open_routes(job_id, job)
+        coordinator = self._coordinator(job_id, job, reports, routes)
+        trainer = PipelineTrainer(
+            job,
+            coordinator,
+            job_id=job_id,
+            token=self.token,
+            trainer_id=f"{job_id}-embedded",
+            metrics=_trainer_metrics(job_id),
+        )
+        try:
+            self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
+            self.coordinators[job_id] = coordinator
+            speed.start()
+            await self.set_status(job_id, "running", reports.opening)
+            await self._train(job_id, job, assigned, coordinator, trainer, reports)
+            if coordinator.error:
+                raise coordinator.error
+            state = await gather_state(coordinator)
+            await self._save_final(job_id, job.training.steps, state)
+        finally:
+            self.coordinators.pop(job_id, None)
+            await trainer.close()
+            await coordinator.close()
+            if routes is not None:
+                routes.close()
 
-        said: list[str] = []  # what a rollback told `swarm status`, kept past the start
-        news = _News()  # any other message said while steps commit
-        rolled: list[int] = []  # the steps rolled back to
-        # peers banned since the last rollback (its cause then); those kept whose rollback
-        # never ran (the scheduler stopped first) roll back at this attempt's first lease
-        bans = [ban.peer for ban in self.store.bans(job_id) if not ban.replayed]
+    def _open_routes(self, job_id: str, job: JobConfig) -> TextIO | None:
+        """The job's route record, opened to append (a resumed job's record goes on), where its
+        rule records routes; the caller closes it."""
+        if not rule_of(job).records_routes:
+            return None
+        path = routes_path(self.checkpoint_dir, job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a", encoding="utf-8")  # closed by `run`
 
-        async def rolled_back(step: int) -> None:
-            self.store.rewind(job_id, step)
-            rolled.append(step)
-            speed.start()  # training starts again now: the stall is not its speed
-            cause = f"{', '.join(bans)} banned" if bans else "a stage lost every replica"
-            missed = coordinator.membership.standbys.missed
-            if missed and not bans:  # why no standby took the stage: the rollback names it
-                cause = f"{cause}: {missed}"
-            bans.clear()
-            said.append(
-                f"rolled back to step {step}: {cause}; training from the last checkpoint"
-                if step
-                else f"rolled back to step 0 (no checkpoint): {cause}; training again from the"
-                " start"
-            )
-            self.history.record(job_id, "rollback", said[-1])
-            await self.set_status(job_id, None, said[-1])
-
-        async def status(text: str) -> None:  # the coordinator's: a replica left out, a replay
-            self.history.record(job_id, "commit", text)
-            await self.set_status(job_id, None, text)
-
-        async def banned(ban: Ban) -> None:  # a peer an audit caught lying, with the evidence
-            bans.append(ban.peer)
-            self.history.record(job_id, "ban", ban.text)
-            await self.set_status(job_id, None, ban.text)
-
-        routes = None
-        if rule_of(job).records_routes:  # appended: a resumed job's record goes on
-            path = routes_path(self.checkpoint_dir, job_id)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            routes = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+    def _coordinator(
+        self, job_id: str, job: JobConfig, reports: AttemptReports, routes: TextIO | None
+    ) -> LocalCoordinator:
+        """The attempt's step coordinator: its members from the registry, its callbacks to
+        `reports`, its bans kept in the store across restarts."""
+        stages = job.training.stages
         coordinator = LocalCoordinator(
             job,
             job_id,
             lambda: self.peer_registry.members(job_id, stages),
             token=self.token,
             connect=grpc_replicas(job, job_id, self.token, self.signing),
-            on_step=committed,
+            on_step=reports.committed,
             checkpoint_dir=self.checkpoint_dir / job_id,
-            on_rollback=rolled_back,
-            on_status=status,
-            on_ban=banned,
+            # a rollback says why no standby took a lost stage (`Standbys.missed`, read then)
+            on_rollback=lambda step: reports.rolled_back(
+                step, coordinator.membership.standbys.missed
+            ),
+            on_status=reports.status,
+            on_ban=reports.banned,
             bans=StoredBans(self.store, job_id, self.bans_bind_credentials),  # kept across restarts
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
@@ -238,76 +173,85 @@ class JobTraining:
         )
         coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
         self._stand_by(job_id, job, coordinator)
-        trainer = PipelineTrainer(
-            job,
-            coordinator,
-            job_id=job_id,
-            token=self.token,
-            trainer_id=f"{job_id}-embedded",
-            metrics=_trainer_metrics(job_id),
+        return coordinator
+
+    async def _train(
+        self,
+        job_id: str,
+        job: JobConfig,
+        assigned: list[str],
+        coordinator: LocalCoordinator,
+        trainer: PipelineTrainer,
+        reports: AttemptReports,
+    ) -> None:
+        """Run the embedded trainer and the helpers around the coordinator (growing the
+        placement, following load reports, watching for stalls, rebalancing) until the
+        coordinator says the job is finished; then the helpers stop."""
+        stages = job.training.stages
+        floor = self.assignments.floor(job)
+        mover = Mover(
+            job_id,
+            stages,
+            job.rebalance,
+            self.assignments,
+            self.moves,
+            floor,
+            coordinator.membership.standbys.peers,
         )
+        watch = self._stall_watch(job_id, job, coordinator, trainer, reports, mover, floor)
         try:
-            self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
-            self.coordinators[job_id] = coordinator
-            speed.start()
-            await self.set_status(job_id, "running", said[-1] if said else "training")
-            floor = self.assignments.floor(job)
-            mover = Mover(
-                job_id,
-                stages,
-                job.rebalance,
-                self.assignments,
-                self.moves,
-                floor,
-                coordinator.membership.standbys.peers,
-            )
-            watch = StallWatch(
-                job_id,
-                lambda: self.peer_registry.members(job_id, stages),
-                lambda: self._step(job_id),
-                coordinator.recovery.latest,
-                lambda text, state: self.set_status(job_id, state, text),
-                lambda: self._message(job_id),
-                self.history,
-                self.health(job_id),
-                speed=speed,
-                progress=coordinator.progress,
-                refill=mover.refill,
-                min_replicas=floor,
-                counted=coordinator.replicas,
-                lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
-                domains=self.peer_registry.domains,
-                cause=lambda: trainer.failure,  # the embedded trainer's (issue 63)
-                patience_s=job.runtime.patience_s,
-            )
-            try:
-                async with asyncio.TaskGroup() as group:
-                    helpers = [  # stopped when the job ends
-                        group.create_task(self.assignments.grow(job_id, stages, assigned, floor)),
-                        group.create_task(follow_load(self.bus, job_id, trainer.wiring, mb)),
-                        group.create_task(watch.run()),
-                    ]
-                    if job.rebalance.enabled:
-                        helpers.append(group.create_task(mover.run()))
-                    if self.embedded_trainer:
-                        group.create_task(trainer.run())
-                    await coordinator.finished.wait()
-                    for helper in helpers:
-                        helper.cancel()
-            except ExceptionGroup as failed:
-                # One child's error, unwrapped, so the scheduler tells one worth retrying (a
-                # peer gone, a broker hiccup) from a bug.
-                raise failed.exceptions[0] from failed
-            if coordinator.error:
-                raise coordinator.error
-            state = await gather_state(coordinator)
-            await self._save_final(job_id, job.training.steps, state)
-        finally:
-            self.coordinators.pop(job_id, None)
-            await trainer.close()
-            await coordinator.close()
-            if routes is not None:
-                routes.close()
+            async with asyncio.TaskGroup() as group:
+                helpers = [  # stopped when the job ends
+                    group.create_task(self.assignments.grow(job_id, stages, assigned, floor)),
+                    group.create_task(
+                        follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
+                    ),
+                    group.create_task(watch.run()),
+                ]
+                if job.rebalance.enabled:
+                    helpers.append(group.create_task(mover.run()))
+                if self.embedded_trainer:
+                    group.create_task(trainer.run())
+                await coordinator.finished.wait()
+                for helper in helpers:
+                    helper.cancel()
+        except ExceptionGroup as failed:
+            # One child's error, unwrapped, so the scheduler tells one worth retrying (a
+            # peer gone, a broker hiccup) from a bug.
+            raise failed.exceptions[0] from failed
+
+    def _stall_watch(
+        self,
+        job_id: str,
+        job: JobConfig,
+        coordinator: LocalCoordinator,
+        trainer: PipelineTrainer,
+        reports: AttemptReports,
+        mover: Mover,
+        floor: int,
+    ) -> StallWatch:
+        """What watches the job for what it waits on: stages without replicas, steps that
+        stopped (naming the embedded trainer's last failure, issue 63)."""
+        stages = job.training.stages
+        return StallWatch(
+            job_id,
+            lambda: self.peer_registry.members(job_id, stages),
+            lambda: self._step(job_id),
+            coordinator.recovery.latest,
+            lambda text, state: self.set_status(job_id, state, text),
+            reports.message,
+            self.history,
+            self.health(job_id),
+            speed=reports.speed,
+            progress=coordinator.progress,
+            refill=mover.refill,
+            min_replicas=floor,
+            counted=coordinator.replicas,
+            lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
+            domains=self.peer_registry.domains,
+            cause=lambda: trainer.failure,
+            patience_s=job.runtime.patience_s,
+        )
 
     def _stand_by(self, job_id: str, job: JobConfig, coordinator: LocalCoordinator) -> None:
         """The job's standbys (`scheduler.coordinator.standbys`), each on a host none of its
@@ -338,10 +282,6 @@ class JobTraining:
     def _step(self, job_id: str) -> int:
         record = self.store.get(job_id)
         return record.step if record else 0
-
-    def _message(self, job_id: str) -> str:
-        record = self.store.get(job_id)
-        return record.message if record else ""
 
     async def _save_final(self, job_id: str, step: int, state: dict[str, torch.Tensor]) -> None:
         """Save the final model until it is written. Until then the job is neither done nor

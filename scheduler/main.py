@@ -71,29 +71,16 @@ class SchedulerProcessOptions:
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
-    # What the scheduler keeps stays out of the data root: checked before anything starts.
-    kept: dict[str, Path | None] = {"--store": opts.store, "--checkpoint-dir": opts.checkpoint_dir}
+    """The scheduler process: its broker (embedded unless one is given), its bus, the
+    orchestration and the job API, served until a signal; then an ordered shutdown."""
     identity = tls.current()
-    if identity is not None:
-        kept["--tls-ca"], kept["--tls-cert"] = identity.ca_path, identity.cert_path
-        kept["--tls-key"] = identity.key_path
-    data_root = check_data_root(opts.data_root, kept)
+    data_root = _data_root(opts, identity)
     writable_dir(opts.checkpoint_dir, "--checkpoint-dir")  # before anything starts
+    announce = announced_host(opts.host, opts.announce_host, "the scheduler")
     embedded: EmbeddedBroker | None = None
     broker = opts.broker
-    announce = announced_host(opts.host, opts.announce_host, "the scheduler")
     if not broker:
-        if identity is not None:  # peers dial its broker (and job API) there, and check it
-            identity.check_names(announce, "the scheduler")
-        embedded = EmbeddedBroker(
-            host=opts.host,
-            port=opts.broker_port,
-            token=opts.token,
-            announce_host=announce,
-            scheduler_token=opts.scheduler_token,
-            use_identity_as_username=opts.use_identity_as_username,
-        )
-        await embedded.start()
+        embedded = await _start_broker(opts, identity, announce)
         broker = embedded.local_url
     elif opts.token and not opts.scheduler_token:
         log.warning("scheduler: MQTT login with the swarm token; give it --scheduler-token")
@@ -117,37 +104,12 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
             server_name=announce if embedded else None,
         ) as bus:
             await bus.wait_connected(opts.connect_timeout_s)
-            options = SchedulerOptions(
-                opts.checkpoint_dir,
-                token=opts.token,
-                load_silence_s=opts.load_silence_s,
-                lost_stage_grace_s=opts.lost_stage_grace_s,
-                checkpoint_every_s=opts.checkpoint_every_s,
-                keep_finished_jobs=opts.keep_finished_jobs,
-                embedded_trainer=opts.embedded_trainer,
-                min_replicas=opts.min_replicas,
-                dial_private=opts.dial_private,
-                bans_bind_credentials=embedded is not None and opts.use_identity_as_username,
-            )
-            scheduler = Scheduler(store, bus, options, registry)
+            scheduler = Scheduler(store, bus, _scheduler_options(opts, embedded), registry)
             registry.register(collector(scheduler))
             # Bounded below the handlers: messages, calls, streams, connections and their age.
             server = grpc_server(SCHEDULER_LIMITS, token=opts.token, registry=registry)
             scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
-                JobApiServicer(
-                    store,
-                    scheduler,
-                    data_root=data_root,
-                    callers=Callers(opts.admin_token),
-                    admission=Admission(
-                        opts.max_jobs_per_submitter,
-                        opts.max_stage_bytes,
-                        scheduler.peer_registry.largest_memory,
-                        opts.max_submits_per_minute,
-                    ),
-                    trusted_peers=opts.trusted_peers,
-                ),
-                server,
+                _job_api(opts, store, scheduler, data_root), server
             )
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -163,6 +125,75 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
         store.close()
         if embedded:
             await embedded.stop()
+
+
+def _data_root(opts: SchedulerProcessOptions, identity: tls.Tls | None) -> Path:
+    """The data root jobs read from, checked before anything starts: what the scheduler keeps
+    (its store, its checkpoints, its TLS files) stays out of it."""
+    kept: dict[str, Path | None] = {"--store": opts.store, "--checkpoint-dir": opts.checkpoint_dir}
+    if identity is not None:
+        kept["--tls-ca"], kept["--tls-cert"] = identity.ca_path, identity.cert_path
+        kept["--tls-key"] = identity.key_path
+    return check_data_root(opts.data_root, kept)
+
+
+async def _start_broker(
+    opts: SchedulerProcessOptions, identity: tls.Tls | None, announce: str
+) -> EmbeddedBroker:
+    """The embedded broker, started (no broker URL was given), at the announced host: peers
+    dial it there and, with TLS, check its certificate for that name."""
+    if identity is not None:  # peers dial its broker (and job API) there, and check it
+        identity.check_names(announce, "the scheduler")
+    embedded = EmbeddedBroker(
+        host=opts.host,
+        port=opts.broker_port,
+        token=opts.token,
+        announce_host=announce,
+        scheduler_token=opts.scheduler_token,
+        use_identity_as_username=opts.use_identity_as_username,
+    )
+    await embedded.start()
+    return embedded
+
+
+def _scheduler_options(
+    opts: SchedulerProcessOptions, embedded: EmbeddedBroker | None
+) -> SchedulerOptions:
+    """The orchestration's settings from the process's. A ban binds the banned peer's
+    certificate only where ids are bound to certificates (the embedded broker under
+    --use-identity-as-username)."""
+    return SchedulerOptions(
+        opts.checkpoint_dir,
+        token=opts.token,
+        load_silence_s=opts.load_silence_s,
+        lost_stage_grace_s=opts.lost_stage_grace_s,
+        checkpoint_every_s=opts.checkpoint_every_s,
+        keep_finished_jobs=opts.keep_finished_jobs,
+        embedded_trainer=opts.embedded_trainer,
+        min_replicas=opts.min_replicas,
+        dial_private=opts.dial_private,
+        bans_bind_credentials=embedded is not None and opts.use_identity_as_username,
+    )
+
+
+def _job_api(
+    opts: SchedulerProcessOptions, store: JobStore, scheduler: Scheduler, data_root: Path
+) -> JobApiServicer:
+    """The job API: who may call it (`--admin-token`, submitter tokens), what a submitted job
+    must fit (`Admission`), and where its data may come from (the data root)."""
+    return JobApiServicer(
+        store,
+        scheduler,
+        data_root=data_root,
+        callers=Callers(opts.admin_token),
+        admission=Admission(
+            opts.max_jobs_per_submitter,
+            opts.max_stage_bytes,
+            scheduler.peer_registry.largest_memory,
+            opts.max_submits_per_minute,
+        ),
+        trusted_peers=opts.trusted_peers,
+    )
 
 
 async def _serve(

@@ -489,43 +489,13 @@ async def run_peer(
     check_own_certificate(tls.current(), announce, peer, behind_nat)
     opts = dataclasses.replace(opts, peer=peer)  # the metrics' peer label too
     at = parse_broker_url(broker)
-    login = at.username
-    if login and login != peer:
-        log.warning(
-            "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
-            "topics unless the peer id (--peer) is that user",
-            peer,
-            login,
-        )
+    _check_login(peer, at.username)
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
-    metrics = running.metrics_address
     incarnation = new_incarnation()  # the same in its last-will: a reconnection is told apart
-    will = cpb.PeerAnnouncement(
-        peer=peer, state=cpb.PEER_STATE_OFFLINE, address=running.address, incarnation=incarnation
-    )
     try:
-        async with Bus(
-            broker,
-            client_id=f"peer-{peer}",
-            username=peer,
-            token=token,
-            will=(Topics().peer(peer), will),
-            remedy=f"stop the other stage server, or give this one an id of its own (--peer "
-            f"{peer}-2; stage servers sharing a cache directory take one each by themselves)",
-        ) as bus:
+        async with _bus(broker, peer, token, running.address, incarnation) as bus:
             await bus.wait_connected(connect_timeout_s)
-            local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
-            path = PeerPath(
-                peer,
-                running.address,
-                local=local,
-                token=token,
-                behind_nat=behind_nat,
-                metrics=running.servicer.metrics,
-                metrics_port=running.metrics_port,
-                metrics_address=metrics,
-                outside=host_port(at.host, at.port),  # its own outage told from the relay's
-            )
+            path = _path(opts, running, peer, token, behind_nat, host_port(at.host, at.port))
             lan.SHORTCUTS.scope = path.neighbour  # only its neighbours' LAN addresses probed
             agent = PeerAgent(
                 running,
@@ -533,7 +503,7 @@ async def run_peer(
                 peer=peer,
                 device=opts.device,
                 throttle=throttle,
-                metrics_address=metrics,
+                metrics_address=running.metrics_address,
                 metrics=running.servicer.metrics,
                 limits=opts.limits,
                 path=path,
@@ -557,3 +527,57 @@ async def run_peer(
     finally:
         await running.stop()
         identity.release()
+
+
+def _check_login(peer: str, login: str | None) -> None:
+    """Warn where the broker URL logs in as another user: the broker's ACL gives a login its
+    own topics only, so every one of this peer's would be refused."""
+    if login and login != peer:
+        log.warning(
+            "%s: the broker URL logs in as %r: the broker's ACL will refuse this peer's "
+            "topics unless the peer id (--peer) is that user",
+            peer,
+            login,
+        )
+
+
+def _bus(broker: str, peer: str, token: str | None, address: str, incarnation: str) -> Bus:
+    """The peer's bus, its last-will saying it is offline (this incarnation: a reconnection is
+    told apart); a second peer under the same id is refused with the remedy."""
+    will = cpb.PeerAnnouncement(
+        peer=peer, state=cpb.PEER_STATE_OFFLINE, address=address, incarnation=incarnation
+    )
+    return Bus(
+        broker,
+        client_id=f"peer-{peer}",
+        username=peer,
+        token=token,
+        will=(Topics().peer(peer), will),
+        remedy=f"stop the other stage server, or give this one an id of its own (--peer "
+        f"{peer}-2; stage servers sharing a cache directory take one each by themselves)",
+    )
+
+
+def _path(
+    opts: StageServerOptions,
+    running: RunningStageServer,
+    peer: str,
+    token: str | None,
+    behind_nat: bool,
+    outside: str,
+) -> PeerPath:
+    """How the peer is reached: its address, its LAN one, through a relay (at once where it is
+    `behind_nat`), and where its metrics are; `outside` (the broker) tells its own outage from
+    its relay's."""
+    local = local_address(opts.host, int(running.address.rsplit(":", 1)[1]))
+    return PeerPath(
+        peer,
+        running.address,
+        local=local,
+        token=token,
+        behind_nat=behind_nat,
+        metrics=running.servicer.metrics,
+        metrics_port=running.metrics_port,
+        metrics_address=running.metrics_address,
+        outside=outside,
+    )

@@ -19,7 +19,7 @@ import logging
 import re
 import socket
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from swarm.errors import SwarmError
@@ -38,7 +38,11 @@ from swarm.ops.logs import show_at_default
 from swarm.relay.server import RelayLimits
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from swarm.bus.connection import Bus, BusRefused
+    from swarm.proto import control_pb2 as cpb
+    from swarm.relay.server import RelayServer
 
 __all__ = ["add_arguments", "run", "run_relay"]
 
@@ -149,23 +153,15 @@ async def run_relay(
     `BusTakenOver` naming `--peer`."""
     from prometheus_client import CollectorRegistry
 
-    from swarm.bus.connection import Bus
-    from swarm.bus.topics import Topics
-    from swarm.net import tls
     from swarm.net.addresses import announced_host, host_port
     from swarm.ops.lifecycle import install_signal_handlers, print_ready
     from swarm.ops.metrics import serve_metrics
-    from swarm.ops.rated import RatedLog
-    from swarm.proto import control_pb2 as cpb
     from swarm.relay.limits import raise_nofile
-    from swarm.relay.server import RelayServer
 
-    address = host_port(announced_host(host, announce_host, "the relay"), port)  # checked first
+    announced_host(host, announce_host, "the relay")  # checked before anything starts
     registry = CollectorRegistry()
     raise_nofile()  # its limits are sized to the descriptors it may open
-    identity = tls.current()  # with the swarm's CA, only a certificate naming a peer attaches as it
-    ca = identity.ca if identity is not None else None
-    relay = RelayServer(token, limits, registry=registry, refusals=RatedLog(log), ca=ca)
+    relay = _relay_server(token, limits, registry)
     metrics = None
     if metrics_port is not None:
         metrics = serve_metrics(registry, host, metrics_port, token=metrics_token or token)
@@ -177,47 +173,90 @@ async def run_relay(
         ) from None
     address = host_port(announced_host(host, announce_host, "the relay"), bound)
     relay.addresses.add(address)  # what peers sign their attaches for
-    peer = peer or default_peer(bound)
     metrics_address = "" if metrics is None else host_port(address.rpartition(":")[0], metrics)
-
-    def announcement(state: cpb.PeerState) -> cpb.PeerAnnouncement:
-        return cpb.PeerAnnouncement(
-            peer=peer,
-            state=state,
-            role=cpb.PEER_ROLE_RELAY,
-            relay_address=address,
-            metrics_address=metrics_address,
-            time=time.time(),
-        )
-
+    said = _Announcing(peer or default_peer(bound), address, metrics_address)
     stop = asyncio.Event()
     install_signal_handlers(stop)
     try:
         if broker is None:
-            print_ready("relay", peer=peer, address=address, metrics=metrics)
+            print_ready("relay", peer=said.peer, address=address, metrics=metrics)
             await stop.wait()
             return
-        topic = Topics().peer(peer)
-        will = (topic, announcement(cpb.PEER_STATE_OFFLINE))
-        remedy = f"stop the other relay, or give this one an id of its own (--peer {peer}-2)"
-        async with Bus(
-            broker,
-            client_id=f"relay-{peer}",
-            username=peer,
-            token=token,
-            will=will,
-            remedy=remedy,
-        ) as bus:
-            await bus.wait_connected(connect_timeout_s)
-            await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_SERVING), True)
-            print_ready("relay", peer=peer, address=address, metrics=metrics)
-            if (gone := await _ended_or_stopped(bus, stop)) is not None:
-                raise gone  # the relay that had the id keeps it, and its announcement
-            # Offline first: peers attached here re-choose while the tunnels still carry.
-            await bus.publish(bus.topics.peer(peer), announcement(cpb.PEER_STATE_OFFLINE), True)
-            log.info("relay %s: stopped (SIGTERM or SIGINT); announced offline", peer)
+        await _announced_until_stopped(broker, token, said, metrics, stop, connect_timeout_s)
     finally:
         await relay.stop()
+
+
+def _relay_server(
+    token: str | None, limits: RelayLimits | None, registry: CollectorRegistry
+) -> RelayServer:
+    """The relay, not yet listening. With the swarm's CA, only a certificate naming a peer
+    attaches as that peer."""
+    from swarm.net import tls
+    from swarm.ops.rated import RatedLog
+    from swarm.relay.server import RelayServer
+
+    identity = tls.current()
+    ca = identity.ca if identity is not None else None
+    return RelayServer(token, limits, registry=registry, refusals=RatedLog(log), ca=ca)
+
+
+@dataclass(frozen=True, slots=True)
+class _Announcing:
+    """What the relay says of itself on `peers/{peer}`: its role, where peers attach, its
+    metrics."""
+
+    peer: str
+    address: str  # its listener, as peers dial it
+    metrics_address: str  # "": no /metrics
+
+    def announcement(self, state: cpb.PeerState) -> cpb.PeerAnnouncement:
+        from swarm.proto import control_pb2 as cpb
+
+        return cpb.PeerAnnouncement(
+            peer=self.peer,
+            state=state,
+            role=cpb.PEER_ROLE_RELAY,
+            relay_address=self.address,
+            metrics_address=self.metrics_address,
+            time=time.time(),
+        )
+
+
+async def _announced_until_stopped(
+    broker: str,
+    token: str | None,
+    said: _Announcing,
+    metrics: int | None,
+    stop: asyncio.Event,
+    connect_timeout_s: float,
+) -> None:
+    """Serving, announced on the bus (its last will says it is gone) until a signal; then
+    announced offline first, so peers attached here re-choose while the tunnels still carry.
+    Raises `BusRefused` where another process took the relay's id or the broker refused it."""
+    from swarm.bus.connection import Bus
+    from swarm.bus.topics import Topics
+    from swarm.ops.lifecycle import print_ready
+    from swarm.proto import control_pb2 as cpb
+
+    peer = said.peer
+    will = (Topics().peer(peer), said.announcement(cpb.PEER_STATE_OFFLINE))
+    remedy = f"stop the other relay, or give this one an id of its own (--peer {peer}-2)"
+    async with Bus(
+        broker,
+        client_id=f"relay-{peer}",
+        username=peer,
+        token=token,
+        will=will,
+        remedy=remedy,
+    ) as bus:
+        await bus.wait_connected(connect_timeout_s)
+        await bus.publish(bus.topics.peer(peer), said.announcement(cpb.PEER_STATE_SERVING), True)
+        print_ready("relay", peer=peer, address=said.address, metrics=metrics)
+        if (gone := await _ended_or_stopped(bus, stop)) is not None:
+            raise gone  # the relay that had the id keeps it, and its announcement
+        await bus.publish(bus.topics.peer(peer), said.announcement(cpb.PEER_STATE_OFFLINE), True)
+        log.info("relay %s: stopped (SIGTERM or SIGINT); announced offline", peer)
 
 
 async def _ended_or_stopped(bus: Bus, stop: asyncio.Event) -> BusRefused | None:

@@ -21,6 +21,8 @@ module's source, so that a seeded violation can prove it bites:
 - tests take shared helpers only from `tests/support/` (`HELPER_SOURCES` aside, each still used);
 - a module keeps to `BUDGET` lines (`OVERSIZE` aside, each still over it), and no Python file
   but the generated ones turns the formatter off for a line (`FORMAT_OFF`): code is not squeezed;
+- a function keeps under `LONG` lines (`LONG_FUNCTIONS` aside, each still that long): a prompt
+  to ask whether it reads as one step does, never a count to squeeze code to;
 - the concept map (docs/architecture.md) and README's layout name real paths, and the map names
   every module over `MAPPED` lines."""
 
@@ -31,6 +33,7 @@ import io
 import re
 import subprocess
 import sys
+import textwrap
 import tokenize
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -215,7 +218,7 @@ TRUST_DOORS: dict[str, str] = {
     ),
     "scheduler.coordinator.eager_rounds": "the checksums its background sum is sent with",
     "scheduler.coordinator.replicas": "the checksums a PREPARE carries on the wire",
-    "scheduler.job_training": "a `Ban` told to the job's history and `swarm status`",
+    "scheduler.job_reports": "a `Ban` told to the job's history and `swarm status`",
     "scheduler.stored_bans": "the job store keeps each `Ban` across restarts",
 }
 
@@ -280,6 +283,17 @@ OVERSIZE: dict[str, str] = {
     "swarm.rpc.stage_client": (
         "one concept, the client of StageService: one method per call of the service, each with "
         "its deadline, chunking and error conversion"
+    ),
+}
+LONG = 80
+"""The lines (its signature and docstring too) at which a function is asked "does it read as
+the step does?": issue 66 found the hot path's new work threaded through a few functions that
+had grown past it (16 of them), each doing several things of the step at once."""
+LONG_FUNCTIONS: dict[str, str] = {
+    # module:qualified name: why it may reach LONG. Each must still reach it (a stale entry
+    # fails). Split by what the function does, never squeezed; or listed here with the reason.
+    "client.data_plane.carry:CarryPlane.train": (
+        "the carry plane's microbatch, being split as its crossing becomes one value (issue 66)"
     ),
 }
 FORMAT_OFF = re.compile(r"#\s*fmt:\s*(?:skip|off)\b")
@@ -1072,6 +1086,51 @@ def oversize(
     ]
 
 
+def function_lengths(root: Path = ROOT) -> dict[str, tuple[str, int, int]]:
+    """Every function of the hand-written project modules, `module:Class.name` (nested ones
+    under their parent's name) -> (its path, its first line, its lines)."""
+    found: dict[str, tuple[str, int, int]] = {}
+    for module, path in project_modules(root).items():
+        if GENERATED.fullmatch(module):
+            continue
+        where = str(path.relative_to(root))
+        scopes: list[tuple[ast.AST, str]] = [(ast.parse(path.read_text()), "")]
+        while scopes:
+            node, prefix = scopes.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    name = f"{prefix}{child.name}"
+                    scopes.append((child, f"{name}."))
+                    if not isinstance(child, ast.ClassDef):
+                        lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                        found[f"{module}:{name}"] = (where, child.lineno, lines)
+                else:
+                    scopes.append((child, prefix))
+    return found
+
+
+def long_functions(
+    found: Mapping[str, tuple[str, int, int]], allowed: Mapping[str, str] = LONG_FUNCTIONS
+) -> list[str]:
+    """Functions of `LONG` lines or more not in `allowed`, and entries of `allowed` under it."""
+    return [
+        *(
+            f"{path}:{line}: {name} has {lines} lines: make it read as the step does, one "
+            "function a thing it does, named as DESIGN names it (or name it in LONG_FUNCTIONS "
+            "with the reason it is one)"
+            for name, (path, line, lines) in sorted(found.items())
+            if lines >= LONG and name not in allowed
+        ),
+        *(
+            f"LONG_FUNCTIONS {name}: {found[name][2]} lines, under {LONG}; remove it"
+            if name in found
+            else f"LONG_FUNCTIONS {name}: no such function; remove it"
+            for name in allowed
+            if found.get(name, ("", 0, 0))[2] < LONG
+        ),
+    ]
+
+
 def format_offs(files: Mapping[str, str]) -> list[str]:
     """`path:line` of each comment in `files` (path -> source) that turns the formatter off."""
     bad = []
@@ -1225,6 +1284,12 @@ def test_modules_keep_to_the_budget() -> None:
     bad = oversize(sizes())
     if bad:
         pytest.fail(f"modules over {BUDGET} lines (one concept, one file):\n" + "\n".join(bad))
+
+
+def test_functions_keep_under_the_length() -> None:
+    bad = long_functions(function_lengths())
+    if bad:
+        pytest.fail(f"functions of {LONG} lines or more:\n" + "\n".join(bad))
 
 
 def test_no_code_turns_the_formatter_off() -> None:
@@ -1642,6 +1707,32 @@ def test_the_budget_checker() -> None:
     assert not oversize(fine, {"client.allowed": "one concept"})
     assert GENERATED.fullmatch("swarm.proto.stage_pb2_grpc")
     assert not GENERATED.fullmatch("swarm.proto.framing")
+
+
+def test_the_length_checker(tmp_path: Path) -> None:
+    (tmp_path / "client").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONG - 2))
+    (tmp_path / "client" / "walk.py").write_text(
+        "class Plane:\n"
+        "    def push(self) -> None:\n"
+        "        def inner() -> None:\n"
+        f"{textwrap.indent(body, '        ')}"
+        "        inner()\n"
+        f"def step() -> None:\n{body}\n"
+    )
+    found = function_lengths(tmp_path)
+    assert found["client.walk:Plane.push.inner"] == ("client/walk.py", 3, LONG - 1)
+    assert found["client.walk:Plane.push"] == ("client/walk.py", 2, LONG + 1)
+    assert found["client.walk:step"] == ("client/walk.py", LONG + 3, LONG - 1)
+    allowed = {"client.walk:step": "stale", "client.gone:f": "stale"}
+    assert long_functions(found, allowed) == [
+        f"client/walk.py:2: client.walk:Plane.push has {LONG + 1} lines: make it read as the "
+        "step does, one function a thing it does, named as DESIGN names it (or name it in "
+        "LONG_FUNCTIONS with the reason it is one)",
+        f"LONG_FUNCTIONS client.walk:step: {LONG - 1} lines, under {LONG}; remove it",
+        "LONG_FUNCTIONS client.gone:f: no such function; remove it",
+    ]
+    assert not long_functions(found, {"client.walk:Plane.push": "one step"})
 
 
 def test_the_format_off_checker() -> None:

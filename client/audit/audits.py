@@ -81,6 +81,21 @@ class Redone:
     digest: tuple[float, float, float] | None = None  # where asked: r·g, Σ|r_i·g_i|, ‖g‖
 
 
+@dataclass
+class _Answers:
+    """The auditors asked of one microbatch and what each re-executed (None: no answer)."""
+
+    first: str
+    a: Redone | None
+    second: str | None = None  # the one that arbitrates, or digests beside `first`
+    b: Redone | None = None
+
+    @property
+    def runs(self) -> int:
+        """The re-executions it took."""
+        return (self.a is not None) + (self.b is not None)
+
+
 @dataclass(frozen=True)
 class StageAudit:
     """One stage's audit of one microbatch: the liars found, the gradient digests (two
@@ -219,44 +234,35 @@ class Audits:
     async def _audit(self, step: int, index: int, work: Work, seed: int = 0) -> StageAudit:
         """The liars found in `work`; with `seed`, its gradient's digest by two auditors (or
         each one's, where they differ)."""
-        claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
-        producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
+        claimed = _claimed(work)
+        producer = _producers(work)
         others = self.auditors(work.stage, producer.values())
-        first = self.rng.choice(others) if others else None
-        if first is None:
+        if not others:
             self.metrics.audited("skipped")
             return StageAudit()
-        second = None
-        if seed:  # a digest needs two: both asked at once, neither waits for the other
-            second = self._second(others, first)
-            a, b = await asyncio.gather(
-                self._redo(first, step, index, work, seed),
-                self._redo(second, step, index, work, seed) if second else _nothing(),
-            )
-        else:
-            a, b = await self._redo(first, step, index, work), None
-        runs = (a is not None) + (b is not None)
+        answers = await self._ask(step, index, work, seed, others)
+        a = answers.a
         if a is None:
             self.metrics.audited("skipped")
-            return StageAudit(runs=runs)
+            return StageAudit(runs=answers.runs)
         if not seed:
-            second = self._second(others, first)
-        digest = _digest(work, seed, first, a, second, b)
+            answers.second = self._second(others, answers.first)
+        first, second = answers.first, answers.second
+        digest = _digest(work, seed, first, a, second, answers.b)
         redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
         gaps = {item: differs(claimed[item], redone_a[item]) for item in _ITEMS}
         wrong = [item for item in _ITEMS if gaps[item] > self.tolerance]
         where = f"microbatch ({step}, {index}) at stage {work.stage}"
         if not wrong:
-            if second is not None and b is not None:  # asked for the digest: its answers too
-                lied = self._outvoted(work, where, first, redone_a, second, b)
+            if second is not None and answers.b is not None:  # asked for a digest: its answers
+                lied = self._outvoted(work, where, first, redone_a, second, answers.b)
                 if lied is not None:
-                    return StageAudit([lied], digest, runs)
+                    return StageAudit([lied], digest, answers.runs)
             self.metrics.agreed(max(gaps.values()))
-            return StageAudit([], digest, runs)
-        if b is None and second is not None:
-            b = await self._redo(second, step, index, work)
-            runs += b is not None
-        if second is None or b is None:
+            return StageAudit([], digest, answers.runs)
+        if answers.b is None and second is not None:
+            answers.b = await self._redo(second, step, index, work)
+        if second is None or answers.b is None:
             self.metrics.audited("undecided")
             log.warning(
                 "audit: %s: %s answered %s that %s's re-execution contradicts (by %.3g); no "
@@ -267,7 +273,41 @@ class Audits:
                 first,
                 gaps[wrong[0]],
             )
-            return StageAudit([], digest, runs)
+            return StageAudit([], digest, answers.runs)
+        verdicts = self._arbitrated(work, where, wrong, answers, redone_a, gaps)
+        return StageAudit(verdicts, digest, answers.runs)
+
+    async def _ask(
+        self, step: int, index: int, work: Work, seed: int, others: Sequence[str]
+    ) -> _Answers:
+        """The first auditor's re-execution; with `seed`, a second's beside it (a digest needs
+        two: both asked at once, neither waits for the other)."""
+        first = self.rng.choice(others)
+        if not seed:
+            return _Answers(first, await self._redo(first, step, index, work))
+        second = self._second(others, first)
+        a, b = await asyncio.gather(
+            self._redo(first, step, index, work, seed),
+            self._redo(second, step, index, work, seed) if second else _nothing(),
+        )
+        return _Answers(first, a, second, b)
+
+    def _arbitrated(
+        self,
+        work: Work,
+        where: str,
+        wrong: list[str],
+        answers: _Answers,
+        redone_a: dict[str, torch.Tensor | None],
+        gaps: dict[str, float],
+    ) -> list[Verdict]:
+        """Each item the first auditor contradicted, judged by the second's answer: where two
+        of the three agree, the third lied (the producer, or the first auditor); where none
+        do, nobody is banned."""
+        first, second, b = answers.first, answers.second, answers.b
+        assert second is not None and b is not None  # the caller's check
+        claimed = _claimed(work)
+        producer = _producers(work)
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         verdicts = []
         for item in wrong:
@@ -297,7 +337,7 @@ class Audits:
             self.metrics.audited("caught")
             log.warning("audit: %s caught lying: %s", liar, evidence)
             verdicts.append(Verdict(liar, work.stage, evidence, accusers))
-        return StageAudit(verdicts, digest, runs)
+        return verdicts
 
     def _second(self, others: Sequence[str], first: str) -> str | None:
         """The auditor that arbitrates, or digests beside `first` (None: no other replica)."""
@@ -316,8 +356,8 @@ class Audits:
         """The second auditor, asked at once for a contribution's digest while the first agreed
         with the answers: convicted where its own answers differ from those two, which agree
         (otherwise a lying second auditor would go unseen: nobody compared what it said)."""
-        claimed = {"outputs": work.outputs, "input gradients": work.grad_inputs}
-        producer = {"outputs": work.forward_peer, "input gradients": work.backward_peer}
+        claimed = _claimed(work)
+        producer = _producers(work)
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         for item in _ITEMS:
             by = differs(redone_b[item], claimed[item])
@@ -330,6 +370,16 @@ class Audits:
                 log.warning("audit: %s caught lying: %s", second, evidence)
                 return Verdict(second, work.stage, evidence, (producer[item], first))
         return None
+
+
+def _claimed(work: Work) -> dict[str, torch.Tensor | None]:
+    """What the producers answered, by item (`_ITEMS`)."""
+    return {"outputs": work.outputs, "input gradients": work.grad_inputs}
+
+
+def _producers(work: Work) -> dict[str, str]:
+    """Who answered each item (`_ITEMS`): the forward's peer, the backward's."""
+    return {"outputs": work.forward_peer, "input gradients": work.backward_peer}
 
 
 def _digest(

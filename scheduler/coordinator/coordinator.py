@@ -113,11 +113,40 @@ class LocalCoordinator:
         self.error: BaseException | None = None
         self._poll = LongPoll(self.finished, self._window.commits)
         self._wake = self._poll.wake
+        self._take_members(members, standing, connect)
+        self.groups = groups or Groups(clock=self.clock)
+        context = RoundContext(
+            job, rule, self.clients, self.membership, self.metrics, self.groups, on_route, on_status
+        )
+        self._end_steps(context, standing, members, checkpoint_every_s, on_rollback, on_ban)
+        self._checked = -self._CHECK_EVERY_S
+        self._receipts = LateReceipts(
+            self.clients,
+            self.replicas,
+            self._window,
+            self.rounds,
+            job.training.microbatch_size,
+            wake=self._wake,
+            checked=self._maybe_commit,
+        )
+        self._closed = False
+
+    def _take_members(
+        self,
+        members: Callable[[], list[list[Replica]]],
+        standing: Standing,
+        connect: ReplicaFactory | None,
+    ) -> None:
+        """Who trains: a client per replica, and the membership that admits a replica to the
+        open step once it is in sync (a member the job had before, `standing.first_seen`, is
+        known to it)."""
+        job = self.job
         self.clients = ReplicaClients(
-            connect or grpc_replicas(job, job_id, token), grace_s=job.runtime.commit_timeout_s
+            connect or grpc_replicas(job, self.job_id, self.token),
+            grace_s=job.runtime.commit_timeout_s,
         )
         self.membership = Membership(
-            job_id,
+            self.job_id,
             members,
             self.clients,
             self._window.ledgers,
@@ -129,13 +158,25 @@ class LocalCoordinator:
             on_joined=self._joined,
             known=standing.first_seen.__contains__,  # the job's members before (kept)
         )
-        self.groups = groups or Groups(clock=self.clock)
-        context = RoundContext(
-            job, rule, self.clients, self.membership, self.metrics, self.groups, on_route, on_status
-        )
+
+    def _end_steps(
+        self,
+        context: RoundContext,
+        standing: Standing,
+        members: Callable[[], list[list[Replica]]],
+        checkpoint_every_s: float | None,
+        on_rollback: Callable[[int], Awaitable[None] | None] | None,
+        on_ban: OnBan | None,
+    ) -> None:
+        """How a step ends, and what undoes one: its rounds, the voids and the checkpoints,
+        the rollback over them, the bans given the rollback and the voids, then the two-phase
+        commit that judges each round (each part made once what it needs exists)."""
+        job = self.job
         self.rounds = rounds_of(context)
         self.voids = voids = Voids(context)
-        self.recovery = Recovery(job, self.clients, checkpoint_dir, checkpoint_every_s, self.clock)
+        self.recovery = Recovery(
+            job, self.clients, self.checkpoint_dir, checkpoint_every_s, self.clock
+        )
         self._rollback = Rollback(
             job,
             self.clock,
@@ -159,17 +200,6 @@ class LocalCoordinator:
             job=job,
         )
         self.two_phase = TwoPhaseCommit(context, self.rounds, voids, self.bans)
-        self._checked = -self._CHECK_EVERY_S
-        self._receipts = LateReceipts(
-            self.clients,
-            self.replicas,
-            self._window,
-            self.rounds,
-            job.training.microbatch_size,
-            wake=self._wake,
-            checked=self._maybe_commit,
-        )
-        self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> int:

@@ -19,52 +19,25 @@ class CoordinatorFamilies:
     """The coordinator's series, created once per registry; `CoordinatorMetrics` binds a job."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["job"], registry=registry)
+        self._progress(registry)
+        self._recovery(registry)
+        self._trust(registry)
+        self._rounds(registry)
 
-        self.replays = counter(
-            "swarm_coordinator_replays_total",
-            "Microbatch gradients lost at a stage and replayed there",
-        )
-        self.aborted_rounds = counter(
-            "swarm_coordinator_aborted_rounds_total",
-            "Averaging rounds of a stage that failed and repeated",
-        )
-        self.dropped = counter(
-            "swarm_coordinator_dropped_replicas_total",
-            "Replicas left out after they stopped answering",
-        )
-        self.rollbacks = counter(
-            "swarm_coordinator_rollbacks_total", "Rollbacks of the whole job to its last checkpoint"
-        )
-        self.bans = counter(
-            "swarm_coordinator_bans_total",
-            "Peers banned from the job: an audit by re-execution caught them lying (issue 55)",
-        )
-        self.stage_runs = counter(
-            "swarm_coordinator_stage_runs_total",
-            "Stage computations of the microbatches trainers reported (either plane; on the push "
-            "plane while it audits)",
-        )
-        self.audit_runs = counter(
-            "swarm_coordinator_audit_runs_total",
-            "Of those, re-executed on another replica for an audit: the audits' extra compute",
-        )
-        self.round_dropped = counter(
-            "swarm_coordinator_round_dropped_samples_total",
-            'pool.mode = "local": samples a replica trained on in a round it left before the '
-            "round's end (its local steps are not in the pool's average)",
-        )
+    def _progress(self, registry: CollectorRegistry) -> None:
+        """How training goes: when a step last committed, what it trained on, what it waited
+        for, its gradient and its validation loss."""
         self.last_commit = Gauge(
             "swarm_coordinator_last_commit_timestamp_seconds",
             "Unix time of the last committed step (now - this = time since)",
             ["job"],
             registry=registry,
         )
-        self.tokens = counter(
-            "swarm_coordinator_tokens_total", "Tokens trained on in committed steps"
+        self.tokens = _counter(
+            registry, "swarm_coordinator_tokens_total", "Tokens trained on in committed steps"
         )
-        self.blocked = counter(
+        self.blocked = _counter(
+            registry,
             "swarm_coordinator_blocked_seconds_total",
             "Seconds no microbatch could be leased because a step's commit was under way",
         )
@@ -81,6 +54,30 @@ class CoordinatorFamilies:
             ["job"],
             registry=registry,
         )
+
+    def _recovery(self, registry: CollectorRegistry) -> None:
+        """What went wrong and was recovered from: work replayed, rounds repeated, replicas
+        left out, the job rolled back; and what could not be (a non-finite gradient)."""
+        self.replays = _counter(
+            registry,
+            "swarm_coordinator_replays_total",
+            "Microbatch gradients lost at a stage and replayed there",
+        )
+        self.aborted_rounds = _counter(
+            registry,
+            "swarm_coordinator_aborted_rounds_total",
+            "Averaging rounds of a stage that failed and repeated",
+        )
+        self.dropped = _counter(
+            registry,
+            "swarm_coordinator_dropped_replicas_total",
+            "Replicas left out after they stopped answering",
+        )
+        self.rollbacks = _counter(
+            registry,
+            "swarm_coordinator_rollbacks_total",
+            "Rollbacks of the whole job to its last checkpoint",
+        )
         self.nonfinite = Counter(
             "swarm_coordinator_nonfinite_gradients_total",
             "Steps a stage's averaged gradient was NaN or infinite in: nothing applied, job failed",
@@ -88,7 +85,30 @@ class CoordinatorFamilies:
             registry=registry,
         )
         self._nonfinite_stages: dict[str, set[str]] = {}  # job -> the stage labels it counted
-        # A job whose pools meet in rounds (local, local-eager, step-eager) only: `RoundMetrics`
+
+    def _trust(self, registry: CollectorRegistry) -> None:
+        """The audits: the peers they banned, and the compute they cost."""
+        self.bans = _counter(
+            registry,
+            "swarm_coordinator_bans_total",
+            "Peers banned from the job: an audit by re-execution caught them lying (issue 55)",
+        )
+        self.stage_runs = _counter(
+            registry,
+            "swarm_coordinator_stage_runs_total",
+            "Stage computations of the microbatches trainers reported (either plane; on the push "
+            "plane while it audits)",
+        )
+        self.audit_runs = _counter(
+            registry,
+            "swarm_coordinator_audit_runs_total",
+            "Of those, re-executed on another replica for an audit: the audits' extra compute",
+        )
+
+    def _rounds(self, registry: CollectorRegistry) -> None:
+        """A job whose pools meet in rounds (local, local-eager, step-eager) only
+        (`RoundMetrics`): the round under way, each averaging's time and bytes, and the samples
+        a replica that left a round trained on."""
         self.round = Gauge(
             "swarm_coordinator_round",
             'The round under way, from 1 (pool.mode = "local" or an eager rule\'s rounds)',
@@ -103,10 +123,17 @@ class CoordinatorFamilies:
             buckets=ROUND_BUCKETS,
             registry=registry,
         )
-        self.round_bytes = counter(
+        self.round_bytes = _counter(
+            registry,
             "swarm_coordinator_round_bytes_total",
             "Bytes the rounds' averaging moved between replicas, both ways, before compression "
             "(2 (N - 1) x a stage's parameter bytes per pool of N)",
+        )
+        self.round_dropped = _counter(
+            registry,
+            "swarm_coordinator_round_dropped_samples_total",
+            'pool.mode = "local": samples a replica trained on in a round it left before the '
+            "round's end (its local steps are not in the pool's average)",
         )
 
     def count_nonfinite(self, job: str, stage: int) -> None:
@@ -185,3 +212,8 @@ class RoundMetrics:
         self.round = families.round.labels(job=job)
         self.seconds = families.round_seconds.labels(job=job)
         self.bytes = families.round_bytes.labels(job=job)
+
+
+def _counter(registry: CollectorRegistry, name: str, doc: str) -> Counter:
+    """A counter of the coordinator's, by job."""
+    return Counter(name, doc, ["job"], registry=registry)

@@ -14,11 +14,10 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from stage_server.averaging.slot import MAX_GROUP_SIZE, Slot, checked_group, same_bits
 from stage_server.averaging.summing import Reduced, Summer, squares, sum_in_order
 from swarm.deadline import within
 from swarm.device.oom import is_out_of_memory
@@ -55,37 +54,6 @@ class AveragingAborted(Aborted):
     the round named."""
 
 
-@dataclass
-class _Slot:
-    group_size: int
-    contributors: int  # the senders 0..contributors-1 whose values the sum waits for
-    signature: tuple[Any, ...]  # shape, dtype, codec, block size: all contributions agree
-    done: asyncio.Future[Reduced]
-    timer: asyncio.TimerHandle
-    # sender -> its values, and whether the averager may write into them: what came, not a
-    # place for each sender of the group a contribution names (issue 54, N13: two lists of
-    # 1,024 a slot, ~17 KiB, for each empty contribution held open)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    owned: dict[int, bool] = field(default_factory=dict)
-    waiting: int = 0  # contributions waiting for the sum now (each a call, or the owner's own)
-
-    def missing(self) -> list[int]:
-        return [i for i in range(self.contributors) if i not in self.values]
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Bytes, not values: NaN != NaN would refuse an honest retry.
-    return torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-    )
-
-
-# The most replicas one round of a pool may have. A round's group size arrives in every
-# contribution (a uint32): the owner keeps a slot per sender, so it is bounded before anything
-# is allocated. Far above any pool (each round also sends a part to every member).
-MAX_GROUP_SIZE = 1024
-
-
 class Averager:
     """The owner's side of the rounds this replica takes part in (one per replica process).
 
@@ -112,7 +80,7 @@ class Averager:
         # sends a few per part at a time, a part of 64 GiB in 16 MiB slices is 4096.
         self._max_open_slices = max_open_slices
         # round -> (part, slice) -> its contributions so far
-        self._open: dict[RoundKey, dict[tuple[int, int], _Slot]] = {}
+        self._open: dict[RoundKey, dict[tuple[int, int], Slot]] = {}
         # round -> (outcome, the members an aborted one failed on)
         self._closed: OrderedDict[RoundKey, tuple[str, tuple[int, ...]]] = OrderedDict()
         # round -> its (part, slice)s summed already: a round's slices come and complete one by
@@ -237,7 +205,7 @@ class Averager:
             if not slot.waiting:
                 self._forsaken(round, (part, slice), slot)
 
-    def _forsaken(self, round: RoundKey, key: tuple[int, int], slot: _Slot) -> None:
+    def _forsaken(self, round: RoundKey, key: tuple[int, int], slot: Slot) -> None:
         """`slot` still open, with no one waiting for its sum any more (every call that
         contributed to it ended, hung up): no one would receive its sum, so it goes now, not at
         the round's timeout. Else calls that contribute and hang up would each leave a slot (a
@@ -257,7 +225,7 @@ class Averager:
         log.debug("%s %s: every contributor hung up; dropped", round_name(round), _where(*key))
 
     @staticmethod
-    async def _awaited(slot: _Slot, timeout_s: float) -> Reduced:
+    async def _awaited(slot: Slot, timeout_s: float) -> Reduced:
         """The part's sum, or `TimeoutError`. A slot's own timer (the same timeout, set by its
         first contribution) may end it as this wait runs out: that outcome, not a timeout."""
         try:
@@ -309,20 +277,11 @@ class Averager:
         codec: int,
         block_size: int,
         owned: bool,
-    ) -> _Slot:
-        part, slice = key
-        group_size, contributors = group
-        name = f"{round_name(round)} {_where(part, slice)}"
-        if group_size > MAX_GROUP_SIZE:
-            raise InvalidArgument(f"{name}: group size {group_size} above {MAX_GROUP_SIZE}")
-        if not 0 <= contributors <= group_size:
-            raise InvalidArgument(f"{name}: {contributors} contributors in a group of {group_size}")
-        contributors = contributors or group_size
-        if group_size < 1 or not (0 <= part < group_size and 0 <= sender < contributors):
-            raise InvalidArgument(
-                f"{name}: part {part} out of 0..{group_size - 1} or sender {sender} out of "
-                f"0..{contributors - 1} (the contributors)"
-            )
+    ) -> Slot:
+        """`sender`'s values for one slice of `round`, admitted to its slot: the slot to wait
+        on. A retry of the same values waits on the same sum; the last contribution starts it."""
+        name = f"{round_name(round)} {_where(*key)}"
+        group_size, contributors = checked_group(name, key, sender, group)
         outcome, missing = self._closed.get(round, (None, ()))
         if outcome is not None:
             raise AveragingAborted(f"{name}: {outcome}", missing)
@@ -336,13 +295,39 @@ class Averager:
             codec,
             block_size if codec == CODEC_INT8_BLOCKWISE else 0,
         )
+        slot = self._slot(
+            round, key, name, sender, (group_size, contributors), signature, timeout_s
+        )
+        old = slot.values.get(sender)
+        if old is not None:
+            if not same_bits(old, values):
+                raise InvalidArgument(f"{name}: sender {sender} contributed other values already")
+            return slot  # a retry: it waits for the same sum
+        slot.values[sender], slot.owned[sender] = values, owned
+        if len(slot.values) == slot.contributors:
+            self._sum(round, key, name, slot, codec, block_size)
+        return slot
+
+    def _slot(
+        self,
+        round: RoundKey,
+        key: tuple[int, int],
+        name: str,
+        sender: int,
+        group: tuple[int, int],
+        signature: tuple[object, ...],
+        timeout_s: float,
+    ) -> Slot:
+        """The slice's open slot, opened by its first contribution within the bounds on what
+        this owner holds (rounds, slices of a round, parts in all), its deadline set then;
+        every later sender must name the same group and send the same kind of values."""
+        group_size, contributors = group
         slots = self._open.get(round)
         if slots is None:
             if len(self._open) >= self._max_open:
                 raise ResourceExhausted(f"{name}: {self._max_open} rounds are open already")
             slots = self._open[round] = {}
         slot = slots.get(key)
-        loop = asyncio.get_running_loop()
         if slot is None:
             # Summed ones count too: each is remembered with its round (issue 44, N13).
             held = len(slots) + len(self._summed.get(round, ()))
@@ -354,17 +339,12 @@ class Averager:
                 raise ResourceExhausted(
                     f"{name}: {self._open_total} parts of rounds are open here already"
                 )
+            loop = asyncio.get_running_loop()
             done: asyncio.Future[Reduced] = loop.create_future()
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).
             timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, key, timeout_s)
-            slot = slots[key] = _Slot(
-                group_size,
-                contributors,
-                signature,
-                done,
-                timer,
-            )
+            slot = slots[key] = Slot(group_size, contributors, signature, done, timer)
             self._open_total += 1
         elif (slot.group_size, slot.contributors) != (group_size, contributors):
             raise InvalidArgument(
@@ -375,32 +355,40 @@ class Averager:
             raise InvalidArgument(
                 f"{name}: sender {sender} sent {signature}, others {slot.signature}"
             )
-        old = slot.values.get(sender)
-        if old is not None:
-            if not _same_bits(old, values):
-                raise InvalidArgument(f"{name}: sender {sender} contributed other values already")
-            return slot  # a retry: it waits for the same sum
-        slot.values[sender], slot.owned[sender] = values, owned
-        if len(slot.values) == slot.contributors:
-            slot.timer.cancel()
-            self._open_total -= 1
-            del slots[key]
-            if not slots:
-                del self._open[round]
-            self._summed.setdefault(round, set()).add(key)
-            self._summed.move_to_end(round)
-            while len(self._summed) > self._history:
-                self._summed.popitem(last=False)
-            task = loop.create_task(self._finish(round, name, slot, codec, block_size, key))
-            self._tasks.add(task)  # a reference, so the task is not collected mid-way
-            task.add_done_callback(self._tasks.discard)
         return slot
+
+    def _sum(
+        self,
+        round: RoundKey,
+        key: tuple[int, int],
+        name: str,
+        slot: Slot,
+        codec: int,
+        block_size: int,
+    ) -> None:
+        """Every contributor has sent: the slot closes (remembered as summed, so a late sender
+        is told) and its sum runs as a task of its own."""
+        slot.timer.cancel()
+        self._open_total -= 1
+        slots = self._open[round]
+        del slots[key]
+        if not slots:
+            del self._open[round]
+        self._summed.setdefault(round, set()).add(key)
+        self._summed.move_to_end(round)
+        while len(self._summed) > self._history:
+            self._summed.popitem(last=False)
+        task = asyncio.get_running_loop().create_task(
+            self._finish(round, name, slot, codec, block_size, key)
+        )
+        self._tasks.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._tasks.discard)
 
     async def _finish(
         self,
         round: RoundKey,
         name: str,
-        slot: _Slot,
+        slot: Slot,
         codec: int,
         block_size: int,
         key: tuple[int, int],

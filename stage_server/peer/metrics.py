@@ -31,51 +31,86 @@ class StageMetrics:
         self.values = {"job": "", "stage": "", "peer": peer}
         self.facts = ("idle", "", "")  # state, job, stage: what `swarm_peer_info` says
         self.path = ("unknown", "")  # reachability, relay: its other labels
+        self._calls()
+        self._compute()
+        self._traffic()
+        self._averaging()
+        # the push plane's records of its work (`stage_server.replica.push_records`)
+        self._records = self._counter(
+            "swarm_stage_push_records_total",
+            "Push-plane records kept for audits (none where no audit can run: issue 69)",
+        )
+        reg.register(_PeerInfo(self))
+        # The peer's link rates (`stage_server.peer.links`): measured from its transfers (its
+        # pool's streams record theirs in it), or fixed by `--bandwidth`; announced with the
+        # peer, read here at each scrape.
+        self.link = LinkMeter()
+        reg.register(_LinkRates(self))
 
-        def counter(name: str, doc: str, *extra: str) -> Counter:
-            return Counter(name, doc, [*LABELS, *extra], registry=reg)
+    def _counter(self, name: str, doc: str, *extra: str) -> Counter:
+        return Counter(name, doc, [*LABELS, *extra], registry=self.registry)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, LABELS, registry=reg)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=self.registry)
 
-        self._requests = counter("swarm_stage_requests_total", "RPCs handled", "method", "code")
+    def _calls(self) -> None:
+        """The RPCs it handled, by method and code, and how long each took."""
+        self._requests = self._counter(
+            "swarm_stage_requests_total", "RPCs handled", "method", "code"
+        )
         self._latency = Histogram(
             "swarm_stage_request_seconds",
             "RPC handling time by method",
             [*LABELS, "method"],
             buckets=LATENCY_BUCKETS,
-            registry=reg,
+            registry=self.registry,
         )
-        self._samples = counter("swarm_stage_samples_total", "Samples accumulated by Backward")
-        self._records = counter(
-            "swarm_stage_push_records_total",
-            "Push-plane records kept for audits (none where no audit can run: issue 69)",
+
+    def _compute(self) -> None:
+        """The stage's work: samples accumulated, steps applied and committed, what waits, and
+        the averages it refused to apply."""
+        self._samples = self._counter(
+            "swarm_stage_samples_total", "Samples accumulated by Backward"
         )
-        self._wire_in = counter(
+        self._steps = self._counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
+        self._queue = self._gauge("swarm_stage_queue_depth", "Compute requests waiting or running")
+        self._pending = self._gauge(
+            "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
+        )
+        self._step = self._gauge("swarm_stage_step", "Steps committed on this replica")
+        self._nonfinite = self._counter(
+            "swarm_stage_nonfinite_gradients_total",
+            "Prepared averages found NaN or infinite: reported to the coordinator, never applied",
+        )
+
+    def _traffic(self) -> None:
+        """The tensor bytes it moved: on the wire and decoded, across its boundaries (and the
+        tokens they carried), and handed over through memory instead."""
+        self._wire_in = self._counter(
             "swarm_stage_wire_bytes_received_total", "Tensor bytes received, as encoded on the wire"
         )
-        self._raw_in = counter(
+        self._raw_in = self._counter(
             "swarm_stage_raw_bytes_received_total",
             "Tensor bytes received, decoded (before compression)",
         )
-        self._wire_out = counter(
+        self._wire_out = self._counter(
             "swarm_stage_wire_bytes_sent_total", "Tensor bytes sent, as encoded on the wire"
         )
-        self._raw_out = counter(
+        self._raw_out = self._counter(
             "swarm_stage_raw_bytes_sent_total", "Tensor bytes sent, before compression"
         )
-        self._boundary_bytes = counter(
+        self._boundary_bytes = self._counter(
             "swarm_stage_boundary_bytes_sent_total",
             "Tensor bytes sent across the stage's boundaries, as encoded on the wire: its outputs "
             "forward, its input gradient backward",
             "direction",
         )
-        self._boundary_tokens = counter(
+        self._boundary_tokens = self._counter(
             "swarm_stage_boundary_tokens_sent_total",
             "Tokens carried by the tensors of swarm_stage_boundary_bytes_sent_total",
             "direction",
         )
-        self._handovers = counter(
+        self._handovers = self._counter(
             "swarm_stage_handovers_total",
             "Boundary tensors between co-located stage servers handed over through memory "
             "(stage_server/replica/handing.py), by way: offered (an activation sent), filled (a "
@@ -85,37 +120,24 @@ class StageMetrics:
         )
         # The same since `bind`, for the load reports (`stage_server.peer.boundary_traffic`).
         self.boundary = BoundaryTally()
-        self._steps = counter("swarm_stage_optimizer_steps_total", "Optimizer steps applied")
-        self._queue = gauge("swarm_stage_queue_depth", "Compute requests waiting or running")
-        self._pending = gauge(
-            "swarm_stage_pending_receipts", "Microbatches accumulated for the current step"
-        )
-        self._step = gauge("swarm_stage_step", "Steps committed on this replica")
-        self._nonfinite = counter(
-            "swarm_stage_nonfinite_gradients_total",
-            "Prepared averages found NaN or infinite: reported to the coordinator, never applied",
-        )
+
+    def _averaging(self) -> None:
+        """Its pool's averaging rounds: their time and the gradient bytes each way."""
         self._avg_seconds = Histogram(
             "swarm_stage_averaging_seconds",
             "Time of a pool's averaging round",
             LABELS,
             buckets=LATENCY_BUCKETS,
-            registry=reg,
+            registry=self.registry,
         )
-        self._avg_sent = counter(
+        self._avg_sent = self._counter(
             "swarm_stage_averaging_bytes_sent_total",
             "Gradient bytes sent to the pool while averaging",
         )
-        self._avg_received = counter(
+        self._avg_received = self._counter(
             "swarm_stage_averaging_bytes_received_total",
             "Gradient bytes received from the pool while averaging",
         )
-        reg.register(_PeerInfo(self))
-        # The peer's link rates (`stage_server.peer.links`): measured from its transfers (its
-        # pool's streams record theirs in it), or fixed by `--bandwidth`; announced with the
-        # peer, read here at each scrape.
-        self.link = LinkMeter()
-        reg.register(_LinkRates(self))
 
     def identify(self, peer: str) -> None:
         """The peer id is `peer` (known once the server listens: it may default to its address)."""

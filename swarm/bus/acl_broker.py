@@ -15,7 +15,7 @@ import functools
 import logging
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from amqtt.adapters import ReaderAdapter, StreamReaderAdapter, WriterAdapter
 from amqtt.broker import Broker
@@ -26,7 +26,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.session import Session
 from amqtt.utils import gen_client_id
 
-from swarm.bus.gate import Gate
+from swarm.bus.gate import Gate, Refusal
 from swarm.bus.limits import BrokerLimits, PacketCap, PacketTooLarge
 from swarm.bus.outbox import AbortableWriter, BoundedHandler, Outboxes
 from swarm.bus.retained_budget import RetainedBudget
@@ -182,28 +182,45 @@ class AclBroker(Broker):
     ) -> tuple[BrokerProtocolHandler, Session]:
         # amqtt's own deletes or takes over the CONNECT's client id before authenticating; this
         # one reads the CONNECT, asks the gate, and only then touches the sessions.
+        where = host_port(remote_address, remote_port)
+        handler, session = await self._read_connect(reader, writer, where)
+        refusal = self._gate.admit(session)
+        if refusal is not None:
+            await self._refuse(session, refusal, writer, where)
+        if not session.client_id:
+            session.client_id = gen_client_id()
+        self._gate.claim(session, asyncio.current_task())  # released when this connection ends
+        if isinstance(handler, BoundedHandler):
+            self._bound(handler, session, writer)
+        await self._take_over(session)
+        session.parent = 0
+        if session.keep_alive > 0:
+            session.keep_alive += DISCONNECT_GRACE_S
+        return handler, session
+
+    async def _read_connect(
+        self, reader: ReaderAdapter, writer: WriterAdapter, where: str
+    ) -> tuple[BrokerProtocolHandler, Session]:
+        """The client's CONNECT, read within `limits.connect_timeout_s` of its first byte; a
+        silent, oversized or malformed one closes the connection, said (rated) with its cause."""
         timeout_s = self._limits.connect_timeout_s
         deadline = getattr(writer, "deadline", None)  # its first byte's, under TLS as well
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             async with asyncio.timeout_at(deadline):
-                handler, session = await BoundedHandler.init_from_connect(
-                    reader, writer, self.plugins_manager
-                )
+                return await BoundedHandler.init_from_connect(reader, writer, self.plugins_manager)
         except TimeoutError:
             self._rated.info(
                 "silent",
                 "broker: closed %s: no CONNECT within %.1f s (limits.connect_timeout_s)",
-                host_port(remote_address, remote_port),
+                where,
                 timeout_s,
             )
             await _close(writer)
             raise AMQTTError(f"no CONNECT within {timeout_s} s") from None
         except PacketTooLarge as exc:  # in the CONNECT: made an error amqtt's caller handles
-            self._rated.warning(
-                "large", "broker: closed %s: %s", host_port(remote_address, remote_port), exc
-            )
+            self._rated.warning("large", "broker: closed %s: %s", where, exc)
             await _close(writer)
             raise MQTTError(str(exc)) from exc
         except (AMQTTError, MQTTError, NoDataError) as exc:
@@ -211,53 +228,56 @@ class AclBroker(Broker):
             self._rated.warning(
                 ("malformed", type(exc).__name__),
                 "broker: closed %s: no valid CONNECT: %s",
-                host_port(remote_address, remote_port),
+                where,
                 exc or type(exc).__name__,
             )
             await _close(writer)
             raise
-        refusal = self._gate.admit(session)
-        if refusal is not None:
-            # `swarm`'s broker probe (`swarm.bus.probe`) sends a CONNECT with no client id (amqtt
-            # makes one up, "amqtt/...") nor login, to learn that a broker answers: refused
-            # here, and no news.
-            made_up = (session.client_id or "amqtt/").startswith("amqtt/")
-            probe = made_up and not (session.username or session.password)
-            self._rated.log(
-                logging.INFO if probe else logging.WARNING,
-                ("login", refusal.code, probe),
-                "broker: refused client %r (user %r) from %s: %s%s",
-                session.client_id,
-                session.username,
-                host_port(remote_address, remote_port),
-                refusal.reason,
-                " (a CONNECT without client id or login: a broker probe?)" if probe else "",
-            )
-            with contextlib.suppress(Exception):
-                await ConnackPacket.build(0, refusal.code).to_stream(writer)
-            await _close(writer)
-            raise MQTTError(f"refused: {refusal.reason}")
-        if not session.client_id:
-            session.client_id = gen_client_id()
-        self._gate.claim(session, asyncio.current_task())  # released when this connection ends
-        if isinstance(handler, BoundedHandler):
-            handler.readable = functools.partial(self._gate.may_read, session.username)
+
+    async def _refuse(
+        self, session: Session, refusal: Refusal, writer: WriterAdapter, where: str
+    ) -> NoReturn:
+        """Answer the gate's refusal (a CONNACK with its code), close, and raise."""
+        # `swarm`'s broker probe (`swarm.bus.probe`) sends a CONNECT with no client id (amqtt
+        # makes one up, "amqtt/...") nor login, to learn that a broker answers: refused here,
+        # and no news.
+        made_up = (session.client_id or "amqtt/").startswith("amqtt/")
+        probe = made_up and not (session.username or session.password)
+        self._rated.log(
+            logging.INFO if probe else logging.WARNING,
+            ("login", refusal.code, probe),
+            "broker: refused client %r (user %r) from %s: %s%s",
+            session.client_id,
+            session.username,
+            where,
+            refusal.reason,
+            " (a CONNECT without client id or login: a broker probe?)" if probe else "",
+        )
+        with contextlib.suppress(Exception):
+            await ConnackPacket.build(0, refusal.code).to_stream(writer)
+        await _close(writer)
+        raise MQTTError(f"refused: {refusal.reason}")
+
+    def _bound(self, handler: BoundedHandler, session: Session, writer: WriterAdapter) -> None:
+        """The connection's bounds: it reads only while its user may (the gate's quotas), and
+        sends through the writer's outbox, named for its client in what the outbox says."""
+        handler.readable = functools.partial(self._gate.may_read, session.username)
         box = getattr(writer, "outbox", None)
-        if box is not None and isinstance(handler, BoundedHandler):
+        if box is not None:
             box.name = f"client {session.client_id!r} (user {session.username!r})"
             handler.outbox = box
+
+    async def _take_over(self, session: Session) -> None:
+        """The client id's session, admitted: its old connection, if still connected, closed
+        (the gate refused any other user, so it is the same user again), its old session gone."""
         held = self._sessions.get(session.client_id)
         if held is not None and held[0].transitions.is_connected():
-            # The same user again (the gate refused any other): drop the old connection, as MQTT
-            # says, rather than leave it connected without its subscriptions.
+            # Drop the old connection, as MQTT says, rather than leave it connected without its
+            # subscriptions.
             log.info("broker: client %r again; closing its old connection", session.client_id)
             await held[1].handle_connection_closed()
             await held[1].stop()
         await self._delete_session(session.client_id)
-        session.parent = 0
-        if session.keep_alive > 0:
-            session.keep_alive += DISCONNECT_GRACE_S
-        return handler, session
 
     async def _authenticate(self, session: Session, _: ListenerConfig) -> bool:
         return self._gate.admit(session) is None  # checked again, had amqtt moved the hook

@@ -157,31 +157,101 @@ def spread(
     `assignment`'s and no stage falls below `min_replicas` (nor to none). Every change lowers
     the crowding, so it ends; each costs O(P). Measured here: at 1,000 peers x 16 stages on 300
     hosts behind 150 routers, 0.1 s, every crowding gone, the bottleneck 0.9% lower."""
-    stage_of = dict(assignment)
     if not domains or num_stages < 2:
-        return stage_of
-    keys = {p: _keys(p, domains) for p in stage_of}
-    totals = [0.0] * num_stages
-    counts = [[Counter[str]() for _ in range(num_stages)] for _ in range(2)]  # [kind][stage]
-    sizes = [0] * num_stages
-    for p, k in stage_of.items():
-        totals[k] += speeds[p][k]
-        sizes[k] += 1
-        for i in range(2):
-            counts[i][k][keys[p][i]] += 1
-    floor = min(totals) * (1.0 - SPREAD_SLACK)
+        return dict(assignment)
+    crowding = _Crowding(assignment, speeds, num_stages, domains)
+    floor = min(crowding.totals) * (1.0 - SPREAD_SLACK)
     keep = max(1, min_replicas)
+    # Each round: the first crowded peer (in id order) with a change that lowers the crowding
+    # makes its best one (most crowding removed, then the highest bottleneck). O(P) a change.
+    peers = sorted(crowding.stage_of)
+    while budget > 0:
+        change: list[tuple[str, int]] = []
+        for p in peers:
+            if not crowding.crowded(p):
+                continue
+            # a move leaves its stage one replica fewer: only where it keeps more than `keep`
+            candidates = [None, *peers] if crowding.sizes[crowding.stage_of[p]] > keep else peers
+            budget -= len(candidates)
+            change = crowding.best_change(p, candidates, floor)
+            if change:
+                break
+        if not change:
+            break
+        for p, b in change:
+            crowding.shift(p, b)
+    return dict(sorted(crowding.stage_of.items()))
 
-    def gain(p: str, a: int, b: int, q: str | None = None) -> tuple[int, int]:
+
+class _Crowding:
+    """A placement as `spread` changes it: each stage's replicas counted by host and by router,
+    its total speed and its size, kept up to date as replicas move, so that weighing a change
+    costs O(1)."""
+
+    def __init__(
+        self,
+        assignment: Mapping[str, int],
+        speeds: Mapping[str, Sequence[float]],
+        num_stages: int,
+        domains: Mapping[str, Domains],
+    ) -> None:
+        self.stage_of = dict(assignment)
+        self.speeds, self.num_stages = speeds, num_stages
+        self.keys = {p: _keys(p, domains) for p in self.stage_of}
+        self.totals = [0.0] * num_stages
+        self.counts = [
+            [Counter[str]() for _ in range(num_stages)] for _ in range(2)
+        ]  # [kind][stage]
+        self.sizes = [0] * num_stages
+        for p, k in self.stage_of.items():
+            self.totals[k] += speeds[p][k]
+            self.sizes[k] += 1
+            for i in range(2):
+                self.counts[i][k][self.keys[p][i]] += 1
+
+    def crowded(self, p: str) -> bool:
+        """Whether `p` shares its stage with another replica of its host or its router."""
+        a = self.stage_of[p]
+        return self.counts[0][a][self.keys[p][0]] >= 2 or self.counts[1][a][self.keys[p][1]] >= 2
+
+    def best_change(
+        self, p: str, candidates: Sequence[str | None], floor: float
+    ) -> list[tuple[str, int]]:
+        """`p`'s change that removes the most crowding (then leaves the highest bottleneck),
+        keeping the bottleneck at least `floor`: a move to another stage (candidate None) or a
+        swap with a replica of another stage, as (peer, its new stage) pairs; [] if none."""
+        speeds, a = self.speeds, self.stage_of[p]
+        best: tuple[tuple[int, int], float] = ((0, 0), -math.inf)
+        change: list[tuple[str, int]] = []
+        for q in candidates:
+            if q is not None and (self.stage_of[q] == a or speeds[q][a] <= 0.0):
+                continue
+            targets = range(self.num_stages) if q is None else (self.stage_of[q],)
+            for b in targets:
+                if b == a or speeds[p][b] <= 0.0:
+                    continue
+                g = self.gain(p, a, b, q)
+                if g <= best[0] and not (g == best[0] and g > (0, 0)):
+                    continue
+                back = 0.0 if q is None else speeds[q][a]
+                gone = 0.0 if q is None else speeds[q][b]
+                ta = self.totals[a] - speeds[p][a] + back
+                low = _low(self.totals, a, ta, b, self.totals[b] + speeds[p][b] - gone)
+                if low >= floor and (g, low) > best:
+                    best = (g, low)
+                    change = [(p, b)] if q is None else [(p, b), (q, a)]
+        return change
+
+    def gain(self, p: str, a: int, b: int, q: str | None = None) -> tuple[int, int]:
         """Crowding removed by `p` going from a to b, with `q` coming from b to a if given (a
         swap: sizes stay, so it is the distinct domains gained)."""
         result = []
         for i in range(2):
-            here, there, mine = counts[i][a], counts[i][b], keys[p][i]
+            here, there, mine = self.counts[i][a], self.counts[i][b], self.keys[p][i]
             if q is None:
                 result.append((here[mine] > 1) - (there[mine] > 0))
                 continue
-            theirs = keys[q][i]
+            theirs = self.keys[q][i]
             same = mine == theirs
             result.append(
                 -(here[mine] == 1)
@@ -191,51 +261,17 @@ def spread(
             )
         return result[0], result[1]
 
-    def shift(p: str, a: int, b: int) -> None:
+    def shift(self, p: str, b: int) -> None:
+        """`p` moves to stage `b`."""
+        a = self.stage_of[p]
         for i in range(2):
-            counts[i][a][keys[p][i]] -= 1
-            counts[i][b][keys[p][i]] += 1
-        totals[a] -= speeds[p][a]
-        totals[b] += speeds[p][b]
-        sizes[a] -= 1
-        sizes[b] += 1
-        stage_of[p] = b
-
-    # Each round: the first crowded peer (in id order) with a change that lowers the crowding
-    # makes its best one (most crowding removed, then the highest bottleneck). O(P) a change.
-    peers = sorted(stage_of)
-    while budget > 0:
-        change: list[tuple[str, int]] = []
-        for p in peers:
-            a = stage_of[p]
-            if counts[0][a][keys[p][0]] < 2 and counts[1][a][keys[p][1]] < 2:
-                continue  # not crowded
-            best: tuple[tuple[int, int], float] = ((0, 0), -math.inf)
-            for q in [None, *peers] if sizes[a] > keep else peers:
-                budget -= 1
-                if q is not None and (stage_of[q] == a or speeds[q][a] <= 0.0):
-                    continue
-                targets = range(num_stages) if q is None else (stage_of[q],)
-                for b in targets:
-                    if b == a or speeds[p][b] <= 0.0:
-                        continue
-                    g = gain(p, a, b, q)
-                    if g <= best[0] and not (g == best[0] and g > (0, 0)):
-                        continue
-                    back = 0.0 if q is None else speeds[q][a]
-                    gone = 0.0 if q is None else speeds[q][b]
-                    ta = totals[a] - speeds[p][a] + back
-                    low = _low(totals, a, ta, b, totals[b] + speeds[p][b] - gone)
-                    if low >= floor and (g, low) > best:
-                        best = (g, low)
-                        change = [(p, b)] if q is None else [(p, b), (q, a)]
-            if change:
-                break
-        if not change:
-            break
-        for p, b in change:
-            shift(p, stage_of[p], b)
-    return dict(sorted(stage_of.items()))
+            self.counts[i][a][self.keys[p][i]] -= 1
+            self.counts[i][b][self.keys[p][i]] += 1
+        self.totals[a] -= self.speeds[p][a]
+        self.totals[b] += self.speeds[p][b]
+        self.sizes[a] -= 1
+        self.sizes[b] += 1
+        self.stage_of[p] = b
 
 
 def _low(totals: Sequence[float], a: int, ta: float, b: int, tb: float) -> float:

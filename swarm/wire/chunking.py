@@ -25,6 +25,7 @@ from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, Resourc
 from swarm.proto import framing, tensor_pb2
 from swarm.proto.framing import MAX_TENSORS_PER_MESSAGE  # counted before a header is parsed
 from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
+from swarm.wire.reassembly import Body, Handed, Into, buffer, tensor_bytes
 
 __all__ = [
     "MAX_TENSORS_PER_MESSAGE",
@@ -67,29 +68,6 @@ class Received(Generic[M]):
 
     header: M
     payloads: list[bytes | memoryview | torch.Tensor]  # a tensor: handed over (`Handed`)
-
-
-Into = Callable[[int, Any], "memoryview | None"]
-"""`into(i, meta)`: where chunked tensor `i` (its header entry `meta`) is to be written, a
-writable byte buffer of exactly `meta.nbytes`, or None for a new one."""
-
-
-Handed = Callable[[int, Any], torch.Tensor]
-"""`handed(i, meta)`: the payload of tensor `i`, handed over on this host (`meta.handover`),
-`meta.nbytes` bytes as a uint8 tensor this process owns (`swarm.device.handover`)."""
-
-
-def buffer(nbytes: int) -> memoryview:
-    """A writable buffer of `nbytes` bytes, not zeroed (every byte is written before it is read)
-    and backed by a torch tensor, so that a decoded tensor shares it (writable, no copy)."""
-    return tensor_bytes(torch.empty(nbytes, dtype=torch.uint8))
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of `t` (contiguous, on the CPU) as a writable buffer: what is written there is
-    written to `t`."""
-    view: Any = t.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(view)
 
 
 def _copy_fields(src: Message, dst: Message, skip: frozenset[str]) -> None:
@@ -276,30 +254,38 @@ async def receive(
         first = await _next(it)
     except StopAsyncIteration:
         raise EndOfStream("empty stream: expected a header message") from None
-    header: Any = first
+    _check_header(first)
+    if admit is not None:
+        admit(first)
+    body = Body(first, handed)
+    charged = _charged(body.sizes, max_bytes, tensor_overhead, limit_name)
+    if reserve is not None:
+        reserve(charged)
+    body.place(into)
+    received = 0
+    while received < body.to_come:
+        try:
+            chunk = await _next(it)
+        except StopAsyncIteration:
+            raise InvalidArgument(
+                f"stream ended after {received} of {body.to_come} bytes"
+            ) from None
+        received += body.take(chunk)
+    return Received(header=first, payloads=body.payloads)
+
+
+def _check_header(header: Any) -> None:
+    """A stream's first message must be a header of at most MAX_TENSORS_PER_MESSAGE tensors
+    (counted before anything it declares is believed)."""
     if header.HasField("chunk"):
         raise InvalidArgument("the first message of a stream must be a header, got a chunk")
     _check_count(header)
-    if admit is not None:
-        admit(first)
-    inline: list[bytes | None] = []
-    sizes: list[int] = []
-    for i, t in enumerate(header.tensors):
-        data: bytes = t.data
-        if t.HasField("handover") and (data or handed is None):
-            raise InvalidArgument(f"tensor {i} ({t.name!r}): a handover is not taken here")
-        if data:
-            if t.nbytes not in (0, len(data)):
-                raise InvalidArgument(
-                    f"tensor {i} ({t.name!r}): nbytes {t.nbytes} but {len(data)} inline bytes"
-                )
-            inline.append(data)
-            sizes.append(len(data))
-        else:
-            if t.nbytes < 0:
-                raise InvalidArgument(f"tensor {i} ({t.name!r}): negative nbytes {t.nbytes}")
-            inline.append(None)
-            sizes.append(t.nbytes)
+
+
+def _charged(sizes: list[int], max_bytes: int, tensor_overhead: int, limit_name: str) -> int:
+    """What a message declaring tensors of `sizes` bytes costs (`tensor_overhead` more a
+    tensor: many tiny tensors cost their headers too); ResourceExhausted above `max_bytes`,
+    naming the setting behind it."""
     total = sum(sizes)
     charged = total + tensor_overhead * len(sizes)
     if charged > max_bytes:
@@ -308,59 +294,7 @@ async def receive(
             f"message declares {total} tensor bytes in {len(sizes)} tensors ({charged} with "
             f"{tensor_overhead} bytes a tensor), above the limit of {max_bytes}{named}"
         )
-    if reserve is not None:
-        reserve(charged)
-    payloads: list[bytes | memoryview | torch.Tensor] = []
-    for i, (given, size) in enumerate(zip(inline, sizes, strict=True)):
-        if given is not None:
-            payloads.append(given)
-            continue
-        if header.tensors[i].HasField("handover"):
-            assert handed is not None
-            payloads.append(handed(i, header.tensors[i]))
-            inline[i] = b""  # complete: no chunk of it follows
-            continue
-        target = into(i, header.tensors[i]) if into is not None else None
-        if target is None:
-            target = buffer(size)
-        elif target.readonly or target.nbytes != size:
-            raise ConfigError(f"tensor {i}: a buffer of {target.nbytes} bytes for {size}")
-        payloads.append(target.cast("B"))
-    filled = [size if data is not None else 0 for data, size in zip(inline, sizes, strict=True)]
-    chunked_total = sum(size for data, size in zip(inline, sizes, strict=True) if data is None)
-    received = 0
-    while received < chunked_total:
-        try:
-            nxt: Any = await _next(it)
-        except StopAsyncIteration:
-            raise InvalidArgument(
-                f"stream ended after {received} of {chunked_total} bytes"
-            ) from None
-        if len(nxt.tensors) or not nxt.HasField("chunk"):
-            raise InvalidArgument("expected a chunk message after the header")
-        # A chunk alone comes `Framed`, its data a view of what gRPC received.
-        index: int = nxt.chunk.tensor
-        piece: bytes | memoryview = nxt.chunk.data
-        if index >= len(sizes):
-            raise InvalidArgument(
-                f"chunk for tensor {index}, but the header has {len(sizes)} tensors"
-            )
-        if inline[index] is not None:
-            raise InvalidArgument(f"chunk for tensor {index}, whose data was inline")
-        if filled[index] == sizes[index]:
-            raise InvalidArgument(f"chunk for tensor {index}, which is already complete")
-        if not piece:
-            raise InvalidArgument(f"empty chunk for tensor {index}")
-        end = filled[index] + len(piece)
-        if end > sizes[index]:
-            raise InvalidArgument(
-                f"chunk overflows tensor {index}: {end} bytes of {sizes[index]} declared"
-            )
-        # Write in place into the preallocated buffer: no per-chunk concatenation.
-        payloads[index][filled[index] : end] = piece  # type: ignore[index,assignment]
-        filled[index] = end
-        received += len(piece)
-    return Received(header=first, payloads=payloads)
+    return charged
 
 
 async def within_deadline(
