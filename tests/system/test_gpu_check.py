@@ -280,7 +280,7 @@ def test_the_smoke_part_passes_on_a_cpu(checked: Checked) -> None:
 
 def test_a_failed_smoke_part_stops_the_check_with_its_error(tmp_path: Path) -> None:
     """Every stage server dies in step 1's backward (SWARM_FAULTS): the smoke part stalls, is
-    stopped at its bound (20 s here, as tests/system/test_gpu_ratio.py's stall: the bench's own
+    stopped at its bound (10 s here, as tests/system/test_gpu_ratio.py's stall: the bench's own
     40 s only waits longer) with the trainer's last errors, and no part after it runs."""
     done = check(
         tmp_path,
@@ -289,13 +289,13 @@ def test_a_failed_smoke_part_stops_the_check_with_its_error(tmp_path: Path) -> N
         "--parts",
         "smoke,device faults",
         "--smoke-stall-s",
-        "20",
+        "10",
         env={"SWARM_FAULTS": "backward@1"},
     )
     assert done.code == 1, done.output
     summary = done.summary
     assert "FAIL    smoke (" in summary, summary
-    assert "stalled: no committed step in 20 s" in summary or "exit " in summary, summary
+    assert "stalled: no committed step in 10 s" in summary or "exit " in summary, summary
     assert "the trainer's last errors:" in summary and "backward@1" in summary, summary
     assert "device faults (0 s): not run: the smoke part failed" in summary, summary
     assert "0 of 2 parts passed" in summary, summary

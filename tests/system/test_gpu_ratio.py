@@ -107,7 +107,7 @@ def test_a_pass_that_stops_committing_steps_stops_at_its_stall_bound_naming_why(
         "short,long",
         "--smoke",
         "--stall-s",
-        "20",
+        "10",
         "--server-faults",
         "stage1:backward@1",
         timeout=300,
@@ -117,12 +117,12 @@ def test_a_pass_that_stops_committing_steps_stops_at_its_stall_bound_naming_why(
     short = r["shapes"]["short"]["rows"]["swarm"]
     error = short["error"]
     # the trainer stalled after step 0 or gave up by itself: either way it is said, with why
-    assert "stalled: no committed step in 20 s after step 0" in error or "exit " in error, error
+    assert "stalled: no committed step in 10 s after step 0" in error or "exit " in error, error
     assert "the trainer's last errors:" in error and "failed" in error, error
     assert "short-swarm-stage-1.log: " in error and "backward@1" in error, error
     assert (
         r["shapes"]["long"]["rows"]["swarm"]
-        == {"skipped": "an earlier run stalled: no committed step in 20 s after step 0"}
+        == {"skipped": "an earlier run stalled: no committed step in 10 s after step 0"}
         or "exit " in error
     )
     assert not left_running(work_dir(output))

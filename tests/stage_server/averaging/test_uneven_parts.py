@@ -223,7 +223,7 @@ async def _kill_mid_round(
 
     pool[victim].averager.reduce = reaching  # type: ignore[method-assign]
     round = asyncio.ensure_future(
-        reduce_all(pool, flats, round="k0", parts=Parts(weights), slice_bytes=8000, timeout_s=10)
+        reduce_all(pool, flats, round="k0", parts=Parts(weights), slice_bytes=8000, timeout_s=4)
     )
     await reached.wait()
     await pool[victim].server.stop(None)
