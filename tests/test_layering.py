@@ -292,9 +292,6 @@ had grown past it (16 of them), each doing several things of the step at once.""
 LONG_FUNCTIONS: dict[str, str] = {
     # module:qualified name: why it may reach LONG. Each must still reach it (a stale entry
     # fails). Split by what the function does, never squeezed; or listed here with the reason.
-    "client.data_plane.carry:CarryPlane.train": (
-        "the carry plane's microbatch, being split as its crossing becomes one value (issue 66)"
-    ),
 }
 FORMAT_OFF = re.compile(r"#\s*fmt:\s*(?:skip|off)\b")
 """A comment that keeps `ruff format` off a line or a block: squeezed code hides behind it. Only
