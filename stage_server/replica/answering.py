@@ -75,11 +75,13 @@ class Answering:
         tokens: torch.Tensor | None = None,
         into: tensor_pb2.Handover | None = None,
         digest_seed: int = 0,
+        ahead: bool = False,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
         input gradient in codec `reply` (into a co-located caller's slot `into`, when it opens:
-        `stage_server.replica.handing`) and (unless `receipt` is False) the receipt."""
+        `stage_server.replica.handing`) and (unless `receipt` is False) the receipt. `ahead`:
+        before the calls queued on the worker (an audit's re-execution: `Worker.run_ahead`)."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
@@ -96,7 +98,8 @@ class Answering:
             self._runtime().sums.admit(h.microbatch.epoch, step, index)
             return fn(*args, **kwargs)
 
-        (loss, grad, done), queued = await self.worker.run_then(
+        run = self.worker.run_ahead if ahead else self.worker.run_then
+        (loss, grad, done), queued = await run(
             admitted,
             on_host,
             step,
