@@ -134,6 +134,7 @@ class Worker:
                 q=submitted,
                 t2=clock.now(),
                 at=_microbatch(args),
+                **({"ahead": True} if ahead else {}),
             )
             return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +18,16 @@ from stage_server.replica.worker import Worker
 
 def _itself(x: str) -> str:
     return x
+
+
+def _recorded(ran: list[str]) -> Callable[[str], str]:
+    """A call that notes its name in `ran` as it runs (on the worker thread)."""
+
+    def call(name: str) -> str:
+        ran.append(name)
+        return name
+
+    return call
 
 
 async def _held(worker: Worker, release: threading.Event) -> asyncio.Task[tuple[str, float]]:
@@ -35,11 +46,7 @@ async def _held(worker: Worker, release: threading.Event) -> asyncio.Task[tuple[
 
 async def test_a_reexecution_queued_behind_pushes_runs_before_them() -> None:
     ran: list[str] = []
-
-    def call(name: str) -> str:
-        ran.append(name)
-        return name
-
+    call = _recorded(ran)
     with ThreadPoolExecutor(1) as pool:
         worker = Worker(pool, lambda _: None)
         release = threading.Event()
@@ -59,11 +66,7 @@ async def test_a_reexecution_queued_behind_pushes_runs_before_them() -> None:
 
 async def test_a_call_whose_caller_gave_up_while_queued_is_not_run() -> None:
     ran: list[str] = []
-
-    def call(name: str) -> str:
-        ran.append(name)
-        return name
-
+    call = _recorded(ran)
     with ThreadPoolExecutor(1) as pool:
         worker = Worker(pool, lambda _: None)
         release = threading.Event()
