@@ -247,13 +247,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return await self._serving.run(method, context, held_body)
 
-    def _reexecution(self, evaluate: bool = False) -> bool:
-        """Whether a Forward, Backward or ForwardBackward (`evaluate`: one that evaluates) is an
-        audit's re-execution, run ahead of the pushes queued here (`Worker.run_ahead`; issue
-        69): on the push plane, whose training and evaluation go through Push alone, every one
-        that does not evaluate."""
-        return self.runtime.job.runtime.data_plane == "push" and not evaluate
-
     # -- the data plane -------------------------------------------------------------------------
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StageForwardResponse:
@@ -263,8 +256,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             step, index = h.microbatch.step, h.microbatch.index
             maybe_die(Point.FORWARD, step)
             # The outputs' copy to the host on the worker thread, right after the compute.
-            run = self.worker.run_ahead if self._reexecution(h.evaluate) else self.worker.run_then
-            outputs, queued = await run(
+            outputs, queued = await self._answering.run(h)(
                 self.runtime.forward,
                 lambda out: self._messages.encode(
                     self.poison.outputs(step, out), "outputs", reply, "forward"
@@ -295,7 +287,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 accumulate=h.accumulate,
                 tokens=tensors.get("tokens"),
                 digest_seed=0 if h.accumulate else h.digest_seed,
-                ahead=self._reexecution(),
             )
             return pb.StageBackwardResponse(**done.answer())
 
@@ -325,7 +316,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 accumulate=h.accumulate,
                 tokens=tokens,
                 digest_seed=0 if h.accumulate else h.digest_seed,
-                ahead=self._reexecution(h.evaluate),
             )
             return pb.StageForwardBackwardResponse(loss_sum=done.loss, **done.answer())
 

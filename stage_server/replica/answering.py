@@ -9,7 +9,7 @@ One `Answering` per replica, held by the servicer (`stage_server.servicer`) and 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,20 @@ class Answering:
         self.peer, self.worker, self.messages = peer, worker, messages
         self._runtime, self._poison = runtime, poison
 
+    def run(self, h: Any) -> Callable[..., Awaitable[tuple[Any, float]]]:
+        """How the call of header `h` takes the worker: ahead of the calls queued in turn where
+        it is an audit's re-execution (`Worker.run_ahead`, issue 69), else in turn. On the push
+        plane, whose training and evaluation go through Push alone, a Backward is one, and a
+        Forward or a ForwardBackward that does not evaluate (on the relay plane they train)."""
+        if isinstance(h, pb.StageBackwardRequest):
+            redo = True
+        elif isinstance(h, (pb.StageForwardRequest, pb.StageForwardBackwardRequest)):
+            redo = not h.evaluate
+        else:  # a Push's, at a stage of its path
+            redo = False
+        pushing = self._runtime().job.runtime.data_plane == "push"
+        return self.worker.run_ahead if pushing and redo else self.worker.run_then
+
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
 
@@ -75,13 +89,12 @@ class Answering:
         tokens: torch.Tensor | None = None,
         into: tensor_pb2.Handover | None = None,
         digest_seed: int = 0,
-        ahead: bool = False,
     ) -> Answered:
         """The one way a call accumulates here: `fn` (`backward`, or the last stage's
         `forward_backward`) of `h`'s microbatch on the worker, the BACKWARD fault point, then the
         input gradient in codec `reply` (into a co-located caller's slot `into`, when it opens:
-        `stage_server.replica.handing`) and (unless `receipt` is False) the receipt. `ahead`:
-        before the calls queued on the worker (an audit's re-execution: `Worker.run_ahead`)."""
+        `stage_server.replica.handing`) and (unless `receipt` is False) the receipt; ahead of the
+        calls queued where it is an audit's re-execution (`run`)."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
@@ -98,8 +111,7 @@ class Answering:
             self._runtime().sums.admit(h.microbatch.epoch, step, index)
             return fn(*args, **kwargs)
 
-        run = self.worker.run_ahead if ahead else self.worker.run_then
-        (loss, grad, done), queued = await run(
+        (loss, grad, done), queued = await self.run(h)(
             admitted,
             on_host,
             step,

@@ -10,10 +10,18 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from stage_server.peer.limits import PeerLimits
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.answering import Answering
+from stage_server.replica.messages import Limits, Messages
+from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.worker import Worker
+from swarm.proto import stage_pb2 as pb
+from tests.support.jobs import make_job
 
 
 def _itself(x: str) -> str:
@@ -96,3 +104,29 @@ async def test_calls_queued_when_the_executor_shuts_down_are_cancelled_not_left_
     done = await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), 30)
     assert all(isinstance(d, asyncio.CancelledError) for d in done)
     assert worker.waiting == 0
+
+
+@pytest.mark.parametrize("plane", ["push", "relay"])
+async def test_on_the_push_plane_a_call_outside_a_push_is_a_reexecution(
+    tmp_path: Path, plane: str
+) -> None:
+    """The push plane trains and evaluates through Push alone: there a Forward, Backward or
+    ForwardBackward that does not evaluate is an audit's re-execution, run ahead. On the relay
+    plane (`client.data_plane.carry`) they are its training, run in turn."""
+    job = make_job(tmp_path, runtime={"data_plane": plane})
+    runtime = StageRuntime(job, 0)
+    with ThreadPoolExecutor(1) as pool:
+        worker = Worker(pool, lambda _: None)
+        answering = Answering(
+            peer="p",
+            worker=worker,
+            messages=Messages(Limits(PeerLimits()), StageMetrics("p")),
+            runtime=lambda: runtime,
+        )
+        ahead = worker.run_ahead if plane == "push" else worker.run_then
+        assert answering.run(pb.StageForwardRequest()) == ahead
+        assert answering.run(pb.StageBackwardRequest()) == ahead
+        assert answering.run(pb.StageForwardBackwardRequest()) == ahead
+        assert answering.run(pb.StageForwardRequest(evaluate=True)) == worker.run_then
+        assert answering.run(pb.StageForwardBackwardRequest(evaluate=True)) == worker.run_then
+        assert answering.run(pb.StagePushRequest()) == worker.run_then
