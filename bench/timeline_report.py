@@ -14,6 +14,9 @@ says. That idle time is cut where it falls:
   push chain, the trainer's report);
 - `commit`: the commit's time (its start to the step applied) less the compute inside it.
 
+`audit wait` (the push plane's audits): from the last push's answer to the step's last
+microbatch reported, what the step waited for its last audits (issue 69).
+
 Beside it: `overlap`, the time two or more stages computed at once (on one GPU they share it:
 each one's compute is longer for it); `host`, each call's copy of its results to the host after
 its compute (`Worker.run_then`'s `after`, the handover's offer included); `queued`, the calls'
@@ -164,9 +167,16 @@ def _trainer_spans(evs: list[dict[str, Any]], lo: float, hi: float) -> dict[str,
     calls = [
         e["t1"] - e["t0"] for e in evs if e["n"] in ("lease", "report") and lo <= e["t0"] <= hi
     ]
+    # The push plane's audits (`client.audit.push_audit`): each starts as its push answered,
+    # and the step waits for the last to end: its wait is from the last push's answer on.
+    audits = [e for e in evs if e["n"] == "audit" and lo <= e["t0"] <= hi]
+    ends = [e["t1"] for e in evs if e["n"] == "microbatch" and lo <= e["t0"] <= hi]
+    waited = max(ends) - max(e["t0"] for e in audits) if audits and ends else 0.0
     return {
         "microbatch_latency": statistics.fmean(lat) if lat else 0.0,
         "lease_calls": len(calls),
+        "audit_wait": max(0.0, waited),
+        "reexecutions": sum(e.get("runs", 0) for e in audits),
     }
 
 
@@ -213,6 +223,7 @@ def markdown(report: dict[str, Any]) -> str:
         ("host", "host copies"),
         ("take_s", "handover takes"),
         ("microbatch_latency", "mb latency"),
+        ("audit_wait", "audit wait"),
     ]
     lines = [
         "#### Where a swarm step's time went (seconds; bench/timeline_report.py says how)",

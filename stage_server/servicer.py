@@ -262,7 +262,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             step, index = h.microbatch.step, h.microbatch.index
             maybe_die(Point.FORWARD, step)
             # The outputs' copy to the host on the worker thread, right after the compute.
-            outputs, queued = await self.worker.run_then(
+            outputs, queued = await self._answering.run(h)(
                 self.compute.forward,
                 lambda out: self._messages.encode(out, "outputs", reply, "forward"),
                 step,

@@ -123,3 +123,24 @@ def test_py_spy_s_stacks_are_told_by_thread_waiting_apart(tmp_path: Path) -> Non
     assert "     10.0% Handing.take (handing.py:9)" in lines
     assert "  stage_0: 10 samples, 50% waiting" in lines
     assert spy.summary("stage 1", tmp_path / "none.txt")[0].startswith("stage 1: no samples")
+
+
+def test_a_steps_wait_for_its_last_audits_is_from_the_last_push_answered() -> None:
+    """The push plane's audits (issue 69): each starts as its push answered; the step waited
+    from the last answer to its last microbatch's end, whichever audit ended last."""
+    trainer = 10
+    events = {
+        trainer: [
+            {"n": "open", "t0": 0.0, "step": 1},
+            {"n": "audit", "t0": 0.5, "t1": 0.9, "at": [1, 0], "runs": 2},  # ends last
+            {"n": "microbatch", "t0": 0.0, "t1": 0.9, "at": [1, 0]},
+            {"n": "audit", "t0": 0.7, "t1": 0.72, "at": [1, 1], "runs": 0},  # answered last
+            {"n": "microbatch", "t0": 0.0, "t1": 0.72, "at": [1, 1]},
+            {"n": "commit", "t0": 0.9, "step": 1},
+            {"n": "applied", "t0": 1.0, "step": 1},
+        ]
+    }
+    report = timeline_report.breakdown(events, {trainer: "trainer"}, [1])
+    (row,) = report["steps"]
+    assert row["audit_wait"] == pytest.approx(0.2) and row["reexecutions"] == 2
+    assert "audit wait" in timeline_report.markdown(report)

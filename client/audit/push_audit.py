@@ -33,13 +33,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from client.audit.audits import Audits, Work
+from client.audit.audits import Audits, StageAudit, Work
 from client.audit.disputes import Dispute, Disputes
 from client.audit.push_contributions import PushContributions
-from client.audit.push_fetch import fetched_record
+from client.audit.push_fetch import Records
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.model.boundary import boundary_of
+from swarm.ops import timeline
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
 from swarm.rpc.routes import Routes
@@ -118,6 +119,7 @@ class PushAudits:
         contributions of the stages `contributions` names (stage -> seed: `PushContributions`):
         the liars found, the re-executions it took, and the gradients' digests."""
         contributions = contributions or {}
+        start = timeline.now()
         self.audits.metrics.stage_runs.inc(len(chain))
         said = await asyncio.gather(
             *(self._commitment(step, index, run, k, p) for k, p in enumerate(chain))
@@ -125,27 +127,60 @@ class PushAudits:
         found: dict[str, Verdict] = {}
         for v in self._boundaries(step, index, said, ids, labels):
             found.setdefault(v.peer, v)
-        works: dict[int, Work] = {}
-        for k in self.audits.drawn(range(len(chain))):  # drawn now, after every commitment
-            # fetched whichever the contributions' draw: its replica must not tell it from this
-            lied, work = await self._fetched(step, index, run, said[k])
-            for v in lied:
-                found.setdefault(v.peer, v)
-            if work is not None:
-                works[k] = work
-        lied, digests, redone, runs = await self.contributions.audit(
-            step, index, run, said, contributions, ids, labels, loss
+        drawn = set(self.audits.drawn(range(len(chain))))  # drawn now, after every commitment
+        records = Records(self.routes, step, index, run, said)
+        # Every stage at once, its records asked at once: the microbatch's report waits for the
+        # slowest stage's audit, not for their sum (issue 69).
+        audited = await asyncio.gather(
+            *(
+                self._stage(
+                    step, index, k, k in drawn, contributions.get(k, 0), records, ids, labels, loss
+                )
+                for k in sorted(drawn | contributions.keys())
+            )
         )
-        # redone once: by the contribution's audit, which compares too
-        judged = await asyncio.gather(
-            *(self.audits.judge(step, index, w) for k, w in works.items() if k not in redone)
-        )
-        for audited in judged:
-            lied.extend(audited.verdicts)
-            runs += audited.runs
+        lied = [v for stage in audited for v in stage.verdicts]
+        for v in records.lied():  # a record not what its replica committed to: a lie told twice
+            self.audits.metrics.audited("caught")
+            lied.append(v)
         for v in lied:
             found.setdefault(v.peer, v)
-        return tuple(found.values()), runs, digests
+        runs = sum(stage.runs for stage in audited)
+        timeline.span("audit", start, timeline.now(), at=[step, index], runs=runs)
+        return tuple(found.values()), runs, [d for stage in audited for d in stage.digests]
+
+    async def _stage(
+        self,
+        step: int,
+        index: int,
+        k: int,
+        drawn: bool,
+        seed: int,
+        records: Records,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss: float,
+    ) -> StageAudit:
+        """Stage `k`'s audits: its answers' where it is `drawn`, its contribution's where the
+        coordinator drew it (`seed`), redone once for both: by the contribution's audit, which
+        compares the answers too, unless it could not be redone from the neighbours' records."""
+        # its own record fetched whichever the contributions' draw: its replica must not tell
+        # it from this
+        own = asyncio.ensure_future(self._fetched(records, k)) if drawn else None
+        done, redone = StageAudit(), False
+        if seed:
+            done, redone = await self.contributions.audit(
+                step, index, k, seed, records, ids, labels, loss
+            )
+        if own is None:
+            return done
+        work = await own
+        if work is None or redone:
+            return done
+        judged = await self.audits.judge(step, index, work)
+        return StageAudit(
+            done.verdicts + judged.verdicts, done.digests + judged.digests, done.runs + judged.runs
+        )
 
     async def _commitment(
         self, step: int, index: int, run: int, stage: int, peer: str
@@ -203,26 +238,25 @@ class PushAudits:
         tokens = boundary_of(self.job.model).tokens(ids)
         return None if tokens is None else digest(tokens)
 
-    async def _fetched(
-        self, step: int, index: int, run: int, c: pb.Commitment | None
-    ) -> tuple[list[Verdict], Work | None]:
-        """Stage `c.stage`'s record fetched and checked against `c`: the liar it shows, or the
-        work to re-execute elsewhere (None: nothing to redo, or nobody to redo it)."""
+    async def _fetched(self, records: Records, k: int) -> Work | None:
+        """Stage `k`'s record fetched (`records`) and checked against its commitment: the work
+        to re-execute elsewhere (None: nothing to redo, nobody to redo it, or a record that is
+        not what was committed to, whose liar `records` names)."""
+        c = records.said[k]
         # Nobody to redo it (a pool of one): its record, the stage's tensors of the microbatch,
         # is not fetched. Its bytes would cross the trainer's link for nothing: on a home link
         # they were most of what it carried (issue 52's shaped bench).
         if c is None or not self.audits.auditors(c.stage, [c.peer]):
             self.audits.metrics.audited("skipped")
-            return [], None
-        got, lied = await fetched_record(self.routes, step, index, run, c)
-        if lied:
-            self.audits.metrics.audited("caught")
-            return lied, None
+            return None
+        got, lied = await records.fetched(k)
+        if lied:  # caught: counted where the audit takes `records.lied`
+            return None
         if got is None or not {"inputs", "outputs", "grad_outputs"} <= got.messages.keys():
             self.audits.metrics.audited("skipped")  # gone, or no backward ran there: no redo
-            return [], None
+            return None
         tensors = got.messages
-        return [], Work(
+        return Work(
             c.stage,
             # sent on as they came (the client relabels them)
             Crossing(tensors["inputs"], tensors.get("tokens")),

@@ -27,18 +27,19 @@ drawn). So its own record is never asked for on its account: its **neighbours'**
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
 import torch
 
-from client.audit.audits import Audits, Work
-from client.audit.push_fetch import Fetched, fetched_record
+from client.audit.audits import Audits, StageAudit, Work
+from client.audit.push_fetch import Fetched, Records
 from swarm.job.config import JobConfig
 from swarm.model.boundary import boundary_of
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
+from swarm.rpc.lease import ContributionAudit
 from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.crossing import Crossing
@@ -70,52 +71,36 @@ class PushContributions:
         self,
         step: int,
         index: int,
-        run: int,
-        said: Sequence[pb.Commitment | None],
-        seeds: dict[int, int],
+        stage: int,
+        seed: int,
+        records: Records,
         ids: torch.Tensor,
         labels: torch.Tensor,
         loss: float,
-    ) -> tuple[list[Verdict], list[GradientDigest], set[int], int]:
-        """The stages `seeds` names of run `run` of microbatch `(step, index)` (`said`: the
-        path's commitments), re-executed with their seeds: the liars found, the digests, the
-        stages redone (their answers compared too) and the re-executions it took."""
-        verdicts: list[Verdict] = []
-        digests: list[GradientDigest] = []
-        redone: set[int] = set()
-        runs = 0
-        records: dict[int, Fetched | None] = {}
-
-        async def record(k: int) -> Fetched | None:
-            if k not in records:
-                got, lied = await fetched_record(self.routes, step, index, run, said[k])
-                if lied:
-                    self.audits.metrics.audited("caught")
-                verdicts.extend(lied)
-                records[k] = got
-            return records[k]
-
-        for k, seed in sorted(seeds.items()):
-            before = await record(k - 1) if k > 0 else None
-            after = await record(k + 1) if k < len(said) - 1 else None
-            work = self._work(k, said, before, after, ids, labels, loss)
-            if work is None:
-                c = said[k]
-                log.warning(
-                    "push audit: the contribution of %s at stage %d: the tensors of microbatch "
-                    "(%d, %d) around it are not all what it committed to: not digested",
-                    c.peer if c is not None else "?",
-                    k,
-                    step,
-                    index,
-                )
-                continue
-            found = await self.audits.judge(step, index, work, seed)
-            redone.add(k)
-            verdicts.extend(found.verdicts)
-            digests.extend(found.digests)
-            runs += found.runs
-        return verdicts, digests, redone, runs
+    ) -> tuple[StageAudit, bool]:
+        """Stage `stage` of microbatch `(step, index)` re-executed with `seed` from its
+        neighbours' records (`records`: the path's, both asked at once; a record that is not what
+        its replica committed to is its liar's verdict there): what the audit found, and whether
+        it was redone (its answers compared too)."""
+        said, k = records.said, stage
+        sides = [j for j in (k - 1, k + 1) if 0 <= j < len(said)]
+        fetched = await asyncio.gather(*(records.fetched(j) for j in sides))
+        got = dict(zip(sides, fetched, strict=True))
+        before = got[k - 1][0] if k - 1 in got else None
+        after = got[k + 1][0] if k + 1 in got else None
+        work = self._work(k, said, before, after, ids, labels, loss)
+        if work is None:
+            c = said[k]
+            log.warning(
+                "push audit: the contribution of %s at stage %d: the tensors of microbatch "
+                "(%d, %d) around it are not all what it committed to: not digested",
+                c.peer if c is not None else "?",
+                k,
+                step,
+                index,
+            )
+            return StageAudit(), False
+        return await self.audits.judge(step, index, work, seed), True
 
     def _work(
         self,

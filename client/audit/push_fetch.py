@@ -2,11 +2,18 @@
 `client.audit.push_contributions`): its tensors of one run of a microbatch, which must be
 what it committed to before anything was drawn (`stage_server.replica.push_records`). Each
 tensor is decoded once, to check it against its digest, and handed on decoded beside its message
-(issue 69: the audits decoded the same bytes again for their work)."""
+(issue 69: the audits decoded the same bytes again for their work).
+
+`Records` fetches each record of a run once, for whichever audit asks first, the others awaiting
+the same fetch: the answers' audit of a stage and the contributions' audit of its neighbours ask
+for one record alike, and each asked for its own, one after another, while the step waited for
+them (issue 69)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +26,7 @@ from swarm.rpc.routes import Routes
 from swarm.wire import codec
 from swarm.wire.digest import digest
 
-__all__ = ["RECORDED", "Fetched", "fetched_record"]
+__all__ = ["RECORDED", "Fetched", "Records", "fetched_record"]
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +65,33 @@ async def fetched_record(
         evidence = f"its record of {where} is not what it committed to ({what})"
         return None, [Verdict(c.peer, c.stage, evidence)]
     return Fetched(tensors, decoded), []
+
+
+class Records:
+    """The records of run `run` of microbatch `(step, index)` whose path committed to `said`
+    (stage -> its commitment), each fetched at most once (`fetched_record`), concurrently for
+    every audit that asks."""
+
+    def __init__(
+        self,
+        routes: Routes,
+        step: int,
+        index: int,
+        run: int,
+        said: Sequence[pb.Commitment | None],
+    ) -> None:
+        self.routes, self.step, self.index, self.run, self.said = routes, step, index, run, said
+        self._asked: dict[int, asyncio.Task[tuple[Fetched | None, list[Verdict]]]] = {}
+
+    async def fetched(self, stage: int) -> tuple[Fetched | None, list[Verdict]]:
+        """Stage `stage`'s record, as `fetched_record` answers it (asked once: a second ask
+        awaits the first's fetch)."""
+        if stage not in self._asked:
+            self._asked[stage] = asyncio.ensure_future(
+                fetched_record(self.routes, self.step, self.index, self.run, self.said[stage])
+            )
+        return await self._asked[stage]
+
+    def lied(self) -> list[Verdict]:
+        """The verdicts the records fetched so far gave, one list for each record."""
+        return [v for asked in self._asked.values() if asked.done() for v in asked.result()[1]]

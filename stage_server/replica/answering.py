@@ -9,7 +9,7 @@ One `Answering` per replica, held by the servicer (`stage_server.servicer`) and 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,20 @@ class Answering:
         self.peer, self.worker, self.messages = peer, worker, messages
         self._runtime = runtime
 
+    def run(self, h: Any) -> Callable[..., Awaitable[tuple[Any, float]]]:
+        """How the call of header `h` takes the worker: ahead of the calls queued in turn where
+        it is an audit's re-execution (`Worker.run_ahead`, issue 69), else in turn. On the push
+        plane, whose training and evaluation go through Push alone, a Backward is one, and a
+        Forward or a ForwardBackward that does not evaluate (on the relay plane they train)."""
+        if isinstance(h, pb.StageBackwardRequest):
+            redo = True
+        elif isinstance(h, (pb.StageForwardRequest, pb.StageForwardBackwardRequest)):
+            redo = not h.evaluate
+        else:  # a Push's, at a stage of its path
+            redo = False
+        pushing = self._runtime().job.runtime.data_plane == "push"
+        return self.worker.run_ahead if pushing and redo else self.worker.run_then
+
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
 
@@ -81,7 +95,8 @@ class Answering:
         microbatch on the worker, from what crossed in (`given`; None: the activations cached
         here) and `grad_outputs` (the last stage's: the targets), the BACKWARD fault point, then
         the input gradient in codec `reply` (into a co-located caller's slot `into`, when it
-        opens: `stage_server.replica.handing`) and (unless `receipt` is False) the receipt."""
+        opens: `stage_server.replica.handing`) and (unless `receipt` is False) the receipt; ahead of
+        the calls queued where it is an audit's re-execution (`run`)."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
@@ -97,7 +112,7 @@ class Answering:
             self._runtime().sums.admit(h.microbatch.epoch, step, index)
             return fn(*args, **kwargs)
 
-        (loss, grad, done), queued = await self.worker.run_then(
+        (loss, grad, done), queued = await self.run(h)(
             admitted,
             on_host,
             step,

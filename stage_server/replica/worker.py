@@ -19,6 +19,12 @@ settled, outside its timing, so the loop never waits on the device.
 `throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
 as a slower device would hold it, and the EMA sees the held time.
 
+Calls run in turn, except an audit's re-execution (`first`): it runs before every call still
+queued (issue 69). A step waits for its microbatches' audits before it commits, and a re-execution
+queued behind an auditor's pushes made the step wait for them too; ahead of them it costs those
+pushes its own compute only. Among the calls asked `first`, and among the others, the order is
+the order they came in.
+
 A stopping stage server `close`s its worker before it shuts the executor down: gRPC's stop returns
 once its core holds no live call, not once every handler has ended, so a Push whose request was
 read just before may reach the worker only then. It is refused (`PeerUnavailable`: UNAVAILABLE,
@@ -29,7 +35,11 @@ which raised a RuntimeError that was logged as an ERROR.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import heapq
+import itertools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -63,6 +73,11 @@ class Worker:
         self.waiting = 0  # calls queued or running: the load this peer reports
         self.ema_seconds: float | None = None  # moving average of one call (seconds)
         self.closed = False  # the server is stopping: new calls are refused (`close`)
+        # The calls submitted, not started yet: (0 ahead / 1 in turn, arrival, run, its future).
+        # The executor gets one `_next` per call, which runs whichever comes first then.
+        self._queued: list[tuple[int, int, Callable[[], None], concurrent.futures.Future[Any]]] = []
+        self._arrivals = itertools.count()
+        self._lock = threading.Lock()  # the loop queues, the worker thread takes
 
     def close(self) -> None:
         """Refuse every call from now on (the server stops; its executor is shut down next)."""
@@ -83,6 +98,18 @@ class Worker:
         """`run_queued`, then `after(result)` on the worker thread before the loop gets it:
         what must wait on the device (its results' copy to the host) waits there. `after` is not
         part of the call's service time (`ema_seconds`), which is the compute's."""
+        return await self._run(False, fn, after, *args, **kwargs)
+
+    async def run_ahead(
+        self, fn: Callable[..., T], after: Callable[[T], U], *args: Any, **kwargs: Any
+    ) -> tuple[U, float]:
+        """`run_then`, before every call queued in turn (an audit's re-execution: the module's
+        docstring)."""
+        return await self._run(True, fn, after, *args, **kwargs)
+
+    async def _run(
+        self, ahead: bool, fn: Callable[..., T], after: Callable[[T], U], *args: Any, **kwargs: Any
+    ) -> tuple[U, float]:
         if self.closed:
             raise PeerUnavailable("the stage server is stopping: the call was not run")
         self._on_queue(1)
@@ -107,16 +134,54 @@ class Worker:
                 q=submitted,
                 t2=clock.now(),
                 at=_microbatch(args),
+                **({"ahead": True} if ahead else {}),
             )
             return out
 
+        call: concurrent.futures.Future[U] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not call.set_running_or_notify_cancel():
+                return  # its caller gave up while it was queued
+            try:
+                call.set_result(timed())
+            except BaseException as e:  # as the executor's own work items: the caller's to see
+                call.set_exception(e)
+
         try:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self.executor, timed)
+            queued = (0 if ahead else 1, next(self._arrivals), run, call)
+            with self._lock:
+                heapq.heappush(self._queued, queued)
+            try:
+                turn = asyncio.get_running_loop().run_in_executor(self.executor, self._next)
+            except BaseException:  # the executor refused it (shut down): no turn, no call
+                with self._lock:
+                    self._queued.remove(queued)
+                    heapq.heapify(self._queued)
+                raise
+            turn.add_done_callback(self._turn_ended)
+            result = await asyncio.wrap_future(call)
             return result, started[0] - submitted
         finally:
             self._on_queue(-1)
             self.waiting -= 1
+
+    def _next(self) -> None:
+        """On the worker thread, once for each call submitted: the call that comes first now."""
+        with self._lock:
+            _, _, run, _ = heapq.heappop(self._queued)
+        run()
+
+    def _turn_ended(self, turn: asyncio.Future[None]) -> None:
+        """A turn the executor cancelled (shut down with calls pending) runs no call: one call
+        queued is cancelled for it, so its caller is told (as the executor's own cancel told it)
+        rather than left waiting for a turn that never comes."""
+        if not turn.cancelled():
+            return
+        with self._lock:
+            dropped = heapq.heappop(self._queued)[3] if self._queued else None
+        if dropped is not None:
+            dropped.cancel()
 
     def _throttled(self, call: Callable[[], T], clock: ComputeClock) -> T:
         start, failed = clock.now(), True

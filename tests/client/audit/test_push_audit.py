@@ -6,6 +6,7 @@ they were most of the bytes the trainer's link carried, and its steps ran 0.71x 
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,29 @@ from tests.support.jobs import make_job
 IDS = torch.zeros(2, 4, dtype=torch.long)  # the microbatch's token ids, and its targets
 
 
+class Flight:
+    """The Record calls for tensors in flight at once, across every replica's client."""
+
+    def __init__(self) -> None:
+        self.now = self.most = 0
+
+
 class Recorded:
     """A replica's client that keeps what `Record` was asked; its commitment is honest: the
     token ids and targets the trainer sent (`IDS`), nothing else recorded."""
 
-    def __init__(self, address: str, stage: int) -> None:
-        self.address, self.stage = address, stage
+    def __init__(self, address: str, stage: int, flight: Flight) -> None:
+        self.address, self.stage, self.flight = address, stage, flight
         self.asked: list[bool] = []  # `tensors` of each Record call
 
     async def record(self, step: int, index: int, run: int, *, tensors: bool) -> Any:
         self.asked.append(tensors)
+        if tensors:  # the tensors take a while to come: whatever else is asked meanwhile flies
+            self.flight.now += 1
+            self.flight.most = max(self.flight.most, self.flight.now)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            self.flight.now -= 1
         commitment = pb.Commitment(
             inputs=digest(IDS) if self.stage == 0 else b"",
             targets=digest(IDS),
@@ -55,11 +69,12 @@ def _push_audits(
     job: JobConfig, pools: list[list[str]], fraction: float = 1.0
 ) -> tuple[PushAudits, dict[str, Recorded]]:
     made: dict[str, Recorded] = {}
+    flight = Flight()
 
     def factory(
         address: str, job: JobConfig, job_id: str, stage: int, token: Any, /, **_: Any
     ) -> Any:
-        made[address] = Recorded(address, stage)
+        made[address] = Recorded(address, stage, flight)
         return made[address]
 
     wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
@@ -121,6 +136,17 @@ async def test_a_stage_drawn_for_its_answers_is_asked_alike_whether_its_contribu
         await push.audit(3, 1, 7, CHAIN, IDS, IDS, contributions)
         asked.append(made["s1"].asked)
     assert asked[0] == asked[1] == [False, True]
+
+
+async def test_each_record_is_fetched_once_and_every_stages_at_once(tmp_path: Path) -> None:
+    """Issue 69: the records a microbatch's audits ask for are asked together (the report waits
+    for the slowest, not for their sum), and one asked by the answers' audit and by a
+    neighbour's contribution audit alike is fetched once."""
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, POOLS)  # every stage drawn for its answers
+    await push.audit(3, 1, 7, CHAIN, IDS, IDS, {1: 12345})  # and stage 1's contribution
+    assert [made[p].asked for p in CHAIN] == [[False, True]] * 3
+    assert made["s0"].flight.most == 3
 
 
 async def test_a_run_no_audit_can_reach_keeps_no_record(tmp_path: Path) -> None:

@@ -1,0 +1,132 @@
+"""A replica's worker runs an audit's re-execution ahead of the calls queued in turn
+(`Worker.run_ahead`, issue 69): a step waits for its microbatches' audits before it commits, and a
+re-execution queued behind the auditor's pushes made it wait for those pushes too. The calls
+queued in turn keep their order; a caller that gives up, or a worker whose executor is shut down
+with calls queued, leaves nothing waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from stage_server.peer.limits import PeerLimits
+from stage_server.peer.metrics import StageMetrics
+from stage_server.replica.answering import Answering
+from stage_server.replica.messages import Limits, Messages
+from stage_server.replica.runtime import StageRuntime
+from stage_server.replica.worker import Worker
+from swarm.proto import stage_pb2 as pb
+from tests.support.jobs import make_job
+
+
+def _itself(x: str) -> str:
+    return x
+
+
+def _recorded(ran: list[str]) -> Callable[[str], str]:
+    """A call that notes its name in `ran` as it runs (on the worker thread)."""
+
+    def call(name: str) -> str:
+        ran.append(name)
+        return name
+
+    return call
+
+
+async def _held(worker: Worker, release: threading.Event) -> asyncio.Task[tuple[str, float]]:
+    """A call that holds the worker until `release` is set, started."""
+    started = threading.Event()
+
+    def hold() -> str:
+        started.set()
+        release.wait()
+        return "held"
+
+    holding = asyncio.create_task(worker.run_then(hold, _itself))
+    await asyncio.to_thread(started.wait)  # the worker is busy: whatever comes next queues
+    return holding
+
+
+async def test_a_reexecution_queued_behind_pushes_runs_before_them() -> None:
+    ran: list[str] = []
+    call = _recorded(ran)
+    with ThreadPoolExecutor(1) as pool:
+        worker = Worker(pool, lambda _: None)
+        release = threading.Event()
+        holding = await _held(worker, release)
+        pushes = [
+            asyncio.create_task(worker.run_then(call, _itself, f"push {i}")) for i in range(3)
+        ]
+        await asyncio.sleep(0)  # the pushes are queued before the re-execution is asked
+        audit = asyncio.create_task(worker.run_ahead(call, _itself, "re-execution"))
+        await asyncio.sleep(0)
+        release.set()
+        answers = await asyncio.gather(holding, *pushes, audit)
+    assert ran == ["re-execution", "push 0", "push 1", "push 2"]
+    assert [a for a, _ in answers] == ["held", "push 0", "push 1", "push 2", "re-execution"]
+    assert worker.waiting == 0
+
+
+async def test_a_call_whose_caller_gave_up_while_queued_is_not_run() -> None:
+    ran: list[str] = []
+    call = _recorded(ran)
+    with ThreadPoolExecutor(1) as pool:
+        worker = Worker(pool, lambda _: None)
+        release = threading.Event()
+        holding = await _held(worker, release)
+        gone = asyncio.create_task(worker.run_then(call, _itself, "gone"))
+        kept = asyncio.create_task(worker.run_then(call, _itself, "kept"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone  # given up while the worker is still held
+        release.set()
+        await asyncio.gather(holding, kept)
+    assert ran == ["kept"]
+
+
+async def test_calls_queued_when_the_executor_shuts_down_are_cancelled_not_left_waiting() -> None:
+    pool = ThreadPoolExecutor(1)
+    worker = Worker(pool, lambda _: None)
+    release = threading.Event()
+    holding = await _held(worker, release)
+    queued = [asyncio.create_task(worker.run_ahead(_itself, _itself, "x")) for _ in range(2)]
+    await asyncio.sleep(0)
+    worker.close()
+    pool.shutdown(wait=False, cancel_futures=True)  # as a stopping stage server does
+    release.set()
+    await holding
+    done = await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), 30)
+    assert all(isinstance(d, asyncio.CancelledError) for d in done)
+    assert worker.waiting == 0
+
+
+@pytest.mark.parametrize("plane", ["push", "relay"])
+async def test_on_the_push_plane_a_call_outside_a_push_is_a_reexecution(
+    tmp_path: Path, plane: str
+) -> None:
+    """The push plane trains and evaluates through Push alone: there a Forward, Backward or
+    ForwardBackward that does not evaluate is an audit's re-execution, run ahead. On the relay
+    plane (`client.data_plane.carry`) they are its training, run in turn."""
+    job = make_job(tmp_path, runtime={"data_plane": plane})
+    runtime = StageRuntime(job, 0)
+    with ThreadPoolExecutor(1) as pool:
+        worker = Worker(pool, lambda _: None)
+        answering = Answering(
+            peer="p",
+            worker=worker,
+            messages=Messages(Limits(PeerLimits()), StageMetrics("p")),
+            runtime=lambda: runtime,
+        )
+        ahead = worker.run_ahead if plane == "push" else worker.run_then
+        assert answering.run(pb.StageForwardRequest()) == ahead
+        assert answering.run(pb.StageBackwardRequest()) == ahead
+        assert answering.run(pb.StageForwardBackwardRequest()) == ahead
+        assert answering.run(pb.StageForwardRequest(evaluate=True)) == worker.run_then
+        assert answering.run(pb.StageForwardBackwardRequest(evaluate=True)) == worker.run_then
+        assert answering.run(pb.StagePushRequest()) == worker.run_then
