@@ -79,6 +79,7 @@ def test_a_ratio_phase_that_hangs_is_ended_with_its_grandchild_at_its_timeout(
         server_faults="",
         smoke=False,
         stall_s=0.0,
+        py_spy=False,  # the phase's own option since the timeline (`--py-spy`)
     )
     try:
         r = gpu_ratio.run_phase(args, "microbatched-eager", "short", tmp_path)
