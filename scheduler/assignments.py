@@ -131,7 +131,7 @@ class Assignments:
                     )
                     await self._change(5.0)
                     continue
-                await asyncio.sleep(self.grace_s)  # let late peers finish measuring
+                await self._settle(job_id, stages)  # let late peers finish measuring
                 available = self.registry.available(job_id, stages)
                 if len(available) < len(missing):
                     continue  # some left during the grace period
@@ -149,7 +149,7 @@ class Assignments:
         while True:
             await self._change(5.0)
             if self.registry.available(job_id, stages):
-                await asyncio.sleep(self.grace_s)
+                await self._settle(job_id, stages)
                 available = self.registry.available(job_id, stages)
                 if available:
                     await self._assign_available(job_id, available, assigned, min_replicas)
@@ -320,6 +320,18 @@ class Assignments:
             self.serve_timeout_s,
         )
 
+    async def _settle(self, job_id: str, stages: int) -> None:
+        """The grace before a placement: at most `grace_s`, and over as soon as no free stage
+        server may still be measuring `job_id` (each has announced its figures, or serves). It
+        waits for peers measuring the job; with every peer it knows measured, a fixed wait only
+        delayed the job's start (2 s each placement)."""
+        deadline = time.monotonic() + self.grace_s
+        while _measuring(self.registry, job_id, stages):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await self._change(left)
+
     async def _change(self, timeout: float) -> None:
         """Wait for an announcement since the last wake-up, at most `timeout` seconds. Cleared
         when it wakes, not when it starts waiting: one that came while the caller read the
@@ -332,3 +344,15 @@ class Assignments:
 def _stage_server(registry: PeerRegistry, peer: str) -> bool:
     announced = registry.peers.get(peer)
     return announced is not None and announced.role == cpb.PEER_ROLE_STAGE_SERVER
+
+
+def _measuring(registry: PeerRegistry, job_id: str, stages: int) -> bool:
+    """Whether a free stage server may still be measuring `job_id`: it announces its figures
+    once measured, and is free (joining, of no other job) until then."""
+    return any(
+        p.role == cpb.PEER_ROLE_STAGE_SERVER
+        and p.state == cpb.PEER_STATE_JOINING
+        and p.job in ("", job_id)
+        and not all(k in p.samples_per_second for k in range(stages))
+        for p in registry.peers.values()
+    )

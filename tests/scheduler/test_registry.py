@@ -226,13 +226,15 @@ class _RecordingBus:
         self.published[message.peer] = message
 
 
-def _assignments(reg: PeerRegistry, bus: _RecordingBus, say: Say) -> Assignments:
-    """Placement at once (no grace periods), publishing to `bus`."""
+def _assignments(
+    reg: PeerRegistry, bus: _RecordingBus, say: Say, grace_s: float = 0.0
+) -> Assignments:
+    """Placement at once (no grace periods, unless `grace_s`), publishing to `bus`."""
     return Assignments(
         reg,
         bus,  # type: ignore[arg-type]
         say,
-        grace_s=0.0,
+        grace_s=grace_s,
         serve_timeout_s=SERVE_TIMEOUT_S,
         lost_stage_grace_s=0.0,
     )
@@ -339,15 +341,45 @@ async def test_a_peer_measured_while_placement_speaks_is_placed_at_once() -> Non
 
     assignments = _assignments(reg, bus, say)
     place = asyncio.create_task(assignments.place("j", 2, lambda: 0, []))
+    await _placed(place, bus, 2, timeout_s=2.0)  # well under the 5 s a lost wake-up costs
+    assert sorted(bus.published) == ["a", "b"]
+
+
+async def _placed(place: asyncio.Task[None], bus: _RecordingBus, n: int, timeout_s: float) -> None:
+    """Once `n` assignments are published (within `timeout_s`), `place` cancelled."""
     try:
-        async with asyncio.timeout(2.0):  # well under the 5 s a lost wake-up costs
-            while len(bus.published) < 2:
+        async with asyncio.timeout(timeout_s):
+            while len(bus.published) < n:
                 await asyncio.sleep(0.01)
     finally:
         place.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await place
-    assert sorted(bus.published) == ["a", "b"]
+
+
+async def test_the_placement_grace_ends_once_no_free_peer_is_still_measuring() -> None:
+    """The grace before a placement waits for the peers still measuring the job, not for its
+    length: while a free peer has announced no figures, nothing is placed; once it has, all
+    three are placed at once, an hour's grace notwithstanding (a fixed 2 s grace delayed every
+    job's start with every peer measured)."""
+    reg = registry(FakeClock())
+    reg.announce(joining("a", speeds=(1.0, 1.0)))
+    reg.announce(joining("b", speeds=(1.0, 1.0)))
+    reg.announce(cpb.PeerAnnouncement(peer="c", state=cpb.PEER_STATE_JOINING))  # measuring
+    bus = _RecordingBus()
+
+    async def say(job_id: str, message: str) -> None:
+        pass
+
+    assignments = _assignments(reg, bus, say, grace_s=3600.0)
+    place = asyncio.create_task(assignments.place("j", 2, lambda: 0, []))
+    for _ in range(20):  # placement runs up to its grace
+        await asyncio.sleep(0)
+    assert bus.published == {}  # c may still be measuring: it is waited for
+    reg.announce(joining("c", speeds=(2.0, 2.0)))
+    assignments.changed.set()  # as the bus feeder does after each announcement
+    await _placed(place, bus, 3, timeout_s=10.0)  # not the hour
+    assert sorted(bus.published) == ["a", "b", "c"]
 
 
 def test_shown_counts_a_peer_serving_only_once_admitted_and_says_what_the_rest_wait_for() -> None:
