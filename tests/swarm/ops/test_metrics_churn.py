@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -97,16 +98,19 @@ def test_a_flood_of_partial_requests_from_the_scrapers_own_host_never_cuts_a_scr
 
 
 def _scrapes_through_churn(port: int, mode: str, host: str, token_first: bool = False) -> None:
-    """Five scrapes from 127.0.0.1 while a process churns connections from `host`."""
+    """Five scrapes from 127.0.0.1, side by side, while a process churns connections from
+    `host` (one after another, their pauses were 5 s of each test)."""
     churner = subprocess.Popen([sys.executable, "-c", CHURNER, str(port), mode, host])
     try:
         time.sleep(1.0)  # churning
-        for _ in range(5):
-            try:
-                answer = _scrape(port, pause_s=1.0, token_first=token_first)
-            except (ConnectionResetError, BrokenPipeError) as e:
-                pytest.fail(f"a scrape was cut off: {e}")
-            assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(BODY)
+        with ThreadPoolExecutor(5) as pool:
+            scrapes = [pool.submit(_scrape, port, 1.0, token_first) for _ in range(5)]
+            for scrape in scrapes:
+                try:
+                    answer = scrape.result()
+                except (ConnectionResetError, BrokenPipeError) as e:
+                    pytest.fail(f"a scrape was cut off: {e}")
+                assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(BODY)
         assert churner.poll() is None  # it churned all along
     finally:
         churner.kill()
