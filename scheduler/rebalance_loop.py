@@ -13,7 +13,6 @@ at a step boundary (an emptied stage's from the last checkpoint, as every stage 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable, Collection
 
@@ -127,13 +126,8 @@ class Mover:
         }
         assignment = {p: k for p, k in assignment.items() if p in speeds}
         domains = registry.domains()
-        standbys = set(self.standbys())
-        for planned in self.rebalancer.refill(assignment, speeds, self.stages, now, domains):
-            if planned.dst in todo:
-                move = _standby_goes(planned, assignment, standbys)
-                if move.peer != planned.peer:  # the standby moves: it stays put, not the other
-                    self.rebalancer.last_moved.pop(planned.peer, None)
-                    self.rebalancer.last_moved[move.peer] = now
+        for move in self.rebalancer.refill(assignment, speeds, self.stages, now, domains):
+            if move.dst in todo:
                 await self._order(move, "its stage's spare")
                 self._filling[move.dst] = (
                     move.peer,
@@ -165,16 +159,3 @@ class Mover:
                 why,
             )
         await self.assignments.assign(self.job_id, move.peer, move.dst)
-
-
-def _standby_goes(move: Move, assignment: dict[str, int], standbys: set[str]) -> Move:
-    """`move`, with a standby of its stage going instead where the peer planned is the stage's
-    last replica that serves: moving it left the stage to its standby (promoted at once, the
-    stage's work then on one peer) where the standby, which serves nothing, can go."""
-    if move.peer in standbys:
-        return move
-    stage = [p for p, k in assignment.items() if k == move.src and p != move.peer]
-    standing = sorted(p for p in stage if p in standbys)
-    if not standing or len(standing) < len(stage):
-        return move
-    return dataclasses.replace(move, peer=standing[0])

@@ -41,7 +41,7 @@ def _stage_1_lost(registry: PeerRegistry) -> None:
 
 
 def _scheduler(
-    enabled: bool = True, min_replicas: int = 1, standbys: frozenset[str] = frozenset()
+    enabled: bool = True, min_replicas: int = 1
 ) -> tuple[PeerRegistry, Assignments, Mover, Counter]:
     registry = PeerRegistry(MonotonicClock(), load_silence_s=60.0, serve_timeout_s=60.0)
 
@@ -53,8 +53,7 @@ def _scheduler(
     )
     moves = Counter("moves", "moves", ["job"], registry=CollectorRegistry())
     config = RebalanceConfig(enabled=enabled)
-    mover = Mover("j", 3, config, assignments, moves, min_replicas, lambda: standbys)
-    return registry, assignments, mover, moves
+    return registry, assignments, Mover("j", 3, config, assignments, moves, min_replicas), moves
 
 
 def test_a_spare_replica_is_moved_at_once_and_once() -> None:
@@ -76,22 +75,6 @@ def test_a_spare_replica_is_moved_at_once_and_once() -> None:
     registry.announce(_serving("c", 1, [4.0, 3.0, 4.0]))  # it serves there now
     assert assignments.on_the_way("j", 3) == [[], [], []]
     assert asyncio.run(mover.refill([])) == {}
-
-
-def test_a_stages_standby_is_moved_rather_than_its_last_serving_replica() -> None:
-    # Stage 2's b stands by for c (serves nothing). Placement would move c, the faster on stage
-    # 1: stage 2 would be left to b alone, promoted at once. b goes instead, and c serves on
-    # (the stage-lost-after-its-standby system test failed on the promotion, now and then).
-    registry, assignments, mover, moves = _scheduler(standbys=frozenset({"b"}))
-    for a in (
-        _serving("a", 0, [5.0, 5.0, 5.0]),
-        _serving("b", 2, [4.0, 2.0, 4.0]),
-        _serving("c", 2, [4.0, 3.0, 4.0]),
-    ):
-        registry.announce(a)
-    assert asyncio.run(mover.refill([1])) == {1: "moving b from stage 2 (a spare replica)"}
-    assert assignments.on_the_way("j", 3) == [[], ["b"], []]
-    assert moves.labels(job="j")._value.get() == 1.0
 
 
 def test_an_idle_peer_goes_first_and_no_spare_leaves_the_remedy() -> None:
