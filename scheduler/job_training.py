@@ -255,13 +255,19 @@ class JobTraining:
 
     def _stand_by(self, job_id: str, job: JobConfig, coordinator: LocalCoordinator) -> None:
         """The job's standbys (`scheduler.coordinator.standbys`), each on a host none of its
-        stage's replicas is on; a promotion is in the job's history. Only where a stage's state
-        is whole at every member (the plain rules): under rounds a replica holds its own."""
-        standbys, wanted = coordinator.membership.standbys, job.runtime.standby
+        stage's replicas is on: `runtime.standby = "auto"` (the default) one per stage where a
+        peer the job does not need serving has room, N N; a promotion, a standby replaced or
+        serving again is in the job's history. Only where a stage's state is whole at every
+        member (the plain rules): under rounds a replica holds its own, and none stands by (a
+        warning where the job asked for some by number)."""
+        standbys, asked = coordinator.membership.standbys, job.runtime.standby
+        wanted = 1 if asked == "auto" else asked
         if wanted and not coordinator.rounds.readmits:
-            log.warning("job %s: runtime.standby = %d: none under pool rounds", job_id, wanted)
+            if asked != "auto":
+                log.warning("job %s: runtime.standby = %d: none under pool rounds", job_id, asked)
             wanted = 0
-        standbys.wanted = wanted
+        standbys.wanted, standbys.only_spares = wanted, asked == "auto"
+        standbys.min_replicas = self.assignments.floor(job)
 
         def host(peer: str) -> str:  # one peer's, not every peer's domains: asked per pair
             announced, registry = self.peer_registry.peers.get(peer), self.peer_registry
@@ -278,6 +284,7 @@ class JobTraining:
 
         standbys.host = host
         standbys.promoted.append(promoted)
+        standbys.said.append(lambda stage, peer, text: self.history.record(job_id, "standby", text))
 
     def _step(self, job_id: str) -> int:
         record = self.store.get(job_id)

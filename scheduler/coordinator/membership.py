@@ -387,7 +387,8 @@ class Membership:
         epoch, asked = self.epoch(), []
         for k, joiner, source in copying:
             call = self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
-            if not self.standbys.nudge(joiner, call):  # a standby's: the pool never waits for it
+            # a standby's (or one replaced for falling behind): the pool never waits for it
+            if not self.standbys.nudge(joiner, call, step):
                 asked.append((k, joiner, call))
         answers = await asyncio.gather(*(call for _, _, call in asked), return_exceptions=True)
         for (stage, joiner, _), at in zip(asked, answers, strict=True):
