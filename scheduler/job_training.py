@@ -197,6 +197,7 @@ class JobTraining:
             self.moves,
             floor,
             coordinator.membership.standbys.peers,
+            lambda: coordinator.membership.standbys.short,
         )
         watch = self._stall_watch(job_id, job, coordinator, trainer, reports, mover, floor)
         try:

@@ -85,6 +85,7 @@ class Standbys:
         self._failed: dict[str, int] = {}  # standby -> its asks in a row that failed
         # Peers replaced for falling behind, with why: never chosen again while on their stage.
         self.passed_over: dict[str, str] = {}
+        self.short: list[int] = []  # stages short of `wanted` after the last boundary's choice
 
     def peers(self) -> set[str]:
         """The standbys now, of every stage."""
@@ -133,6 +134,13 @@ class Standbys:
                 )
                 if picked.peer in synced:
                     demoted.append(picked.peer)
+        # Stages left short: none of their own peers may stand by; a spare of another stage
+        # may be moved there (`scheduler.rebalance_loop.Mover.stand_by`).
+        self.short = [
+            k
+            for k in range(len(members))
+            if sum(s == k for s in self._stage.values()) < self.wanted
+        ]
         return [p for p in demoted if p in self._stage]
 
     def _pick(
