@@ -264,8 +264,10 @@ class Standbys:
         return list(self._asks.values())
 
     def answered(self, peer: str, at: int) -> None:
-        """`peer`'s Join said it is a copy at `at` (-1: still copying)."""
-        if peer in self._stage:
+        """`peer`'s Join said it is a copy at `at` (-1: still copying). One that held a copy
+        and copies again (its follow failed: it fell out of its source's update log) is still
+        at the step it held, and falls behind from there."""
+        if peer in self._stage and (at >= 0 or self._at.get(peer, -1) < 0):
             self._at[peer] = at
 
     def lag(self, peer: str, step: int) -> int | None:
