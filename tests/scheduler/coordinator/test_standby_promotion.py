@@ -102,7 +102,7 @@ async def test_where_the_swarm_has_no_room_the_default_takes_no_replica(
 async def test_a_standby_that_falls_behind_is_replaced_and_serves_once_it_caught_up(
     tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    h, standby, replica = await _with_a_standby(tmp_path, make_harness, steps=12)
+    h, standby, _ = await _with_a_standby(tmp_path, make_harness, steps=12)
     said: list[str] = []
     h.coordinator.membership.standbys.said.append(lambda stage, peer, text: said.append(text))
     await h.step()
