@@ -194,7 +194,9 @@ class Mover:
         peers announced (a stall cannot wait for every member's measurement)."""
         registry = self.assignments.registry
         members = registry.members(self.job_id, self.stages)
+        standbys = self.standbys()  # no replica: neither a spare to move nor one a stage keeps
         assignment = {r.peer: k for k, reps in enumerate(members) for r in reps}
+        assignment = {p: k for p, k in assignment.items() if p not in standbys}
         coming = self.assignments.on_the_way(self.job_id, self.stages)
         sent = [(p, k) for k, peers in enumerate(coming) for p in peers]
         for peer, k in [*sent, *((p, k) for k, (p, _, _) in self._filling.items())]:
