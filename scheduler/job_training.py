@@ -53,6 +53,7 @@ from swarm.model import checkpoint
 from swarm.model.routes import write_record
 from swarm.net.commit_auth import SchedulerKey
 from swarm.policy.backoff import Backoff
+from swarm.policy.domains import Domains
 
 __all__ = ["NEWS_SAID_STEPS", "JobTraining", "final_path", "save_final"]
 
@@ -270,10 +271,17 @@ class JobTraining:
         standbys.wanted, standbys.only_spares = wanted, asked == "auto"
         standbys.min_replicas = self.assignments.floor(job)
 
-        def host(peer: str) -> str:  # one peer's, not every peer's domains: asked per pair
+        def domains(peer: str) -> Domains | None:  # one peer's, not every peer's: per pair
             announced, registry = self.peer_registry.peers.get(peer), self.peer_registry
-            domains = domains_of(announced, registry.relayed(peer)) if announced else None
-            return domains.host if domains is not None and domains.host else f"peer:{peer}"
+            return domains_of(announced, registry.relayed(peer)) if announced else None
+
+        def host(peer: str) -> str:
+            known = domains(peer)
+            return known.host if known is not None and known.host else f"peer:{peer}"
+
+        def router(peer: str) -> str:
+            known = domains(peer)
+            return known.router if known is not None else ""
 
         def promoted(step: int, stage: int, peer: str) -> None:
             self.history.record(
@@ -283,7 +291,7 @@ class JobTraining:
                 "held the stage's state at the job's step, so nothing rolls back",
             )
 
-        standbys.host = host
+        standbys.host, standbys.router = host, router
         standbys.promoted.append(promoted)
         standbys.said.append(lambda stage, peer, text: self.history.record(job_id, "standby", text))
 

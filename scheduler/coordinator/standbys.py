@@ -66,13 +66,16 @@ class Standbys:
         *,
         only_spares: bool = False,
         min_replicas: int = 1,
+        router: Callable[[str], str] = lambda peer: "",
     ) -> None:
         """`wanted`: standbys per stage (the job's `runtime.standby`; 0: none); `host(peer)`:
         the machine a peer runs on (its failure domain), never a replica's of its stage;
         `only_spares`: only peers the job does not need stand by (`runtime.standby = "auto"`),
         else a replica it needs may when no spare can; `min_replicas`: the job's floor, which
-        no standby takes a stage below (`swarm.policy.spares`)."""
-        self.wanted, self.host = wanted, host
+        no standby takes a stage below (`swarm.policy.spares`); `router(peer)`: the public
+        address its traffic leaves from ("" not known): one none of the stage's replicas is
+        behind first, as one home's outage takes its router's peers together."""
+        self.wanted, self.host, self.router = wanted, host, router
         self.only_spares, self.min_replicas = only_spares, min_replicas
         self._stage: dict[str, int] = {}  # standby -> the stage it stands by for
         self._at: dict[str, int] = {}  # standby -> the step its last Join answered (-1: copying)
@@ -155,15 +158,18 @@ class Standbys:
                 continue
             left = {self.host(r.peer) for r in replicas if r.peer != c.peer}
             if left and self.host(c.peer) not in left:  # a replica stays, on another host
-                fits.append((c, spare(speeds, {*self._stage, c.peer}, self.min_replicas)))
+                free = spare(speeds, {*self._stage, c.peer}, self.min_replicas)
+                routers = {self.router(r.peer) for r in replicas if r.peer != c.peer} - {""}
+                fits.append((c, free, self.router(c.peer) in routers))
         if self.only_spares:
-            fits = [(c, free) for c, free in fits if free]
-        # A spare first, a joiner first, a host no standby of the stage is on first, the
-        # slowest replica first.
+            fits = [f for f in fits if f[1]]
+        # A spare first, a joiner first, a router none of the stage's replicas is behind
+        # first, a host no standby of the stage is on first, the slowest replica first.
         fits.sort(
             key=lambda f: (
                 not f[1],
                 f[0].peer in synced,
+                f[2],
                 self.host(f[0].peer) in held,
                 f[0].throughput,
                 f[0].peer,

@@ -231,3 +231,14 @@ def test_a_standby_whose_asks_keep_failing_is_replaced() -> None:
         ), said
 
     asyncio.run(run())
+
+
+def test_a_peer_behind_a_router_none_of_the_replicas_is_behind_stands_by_first() -> None:
+    # One home's outage takes its router's peers together: c, alone behind home2, stands by,
+    # though b is the slowest (and would be taken were the routers not known).
+    routers = {"a": "home1", "b": "home1", "c": "home2"}
+    members = [[Replica("a", "x:1", 5.0), Replica("b", "x:2", 1.0), Replica("c", "x:3", 3.0)]]
+    blind = Standbys(1, lambda peer: HOSTS[peer])
+    assert blind.choose(members, {"a", "b", "c"}) == ["b"]
+    standbys = Standbys(1, lambda peer: HOSTS[peer], router=lambda peer: routers[peer])
+    assert standbys.choose(members, {"a", "b", "c"}) == ["c"]
