@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Collection
 
 from prometheus_client import Counter
 
 from scheduler.assignments import Assignments
 from swarm.job.config import RebalanceConfig
+from swarm.policy.domains import Domains
 from swarm.policy.rebalance import Move, Rebalancer
 from swarm.policy.spares import spare
 
@@ -80,44 +82,48 @@ class Mover:
     async def stand_by(self, now: float) -> None:
         """One spare replica (the job loses nothing without it, counting the standbys out) to
         the first stage in `short` that one may stand by for: its host holds none of that
-        stage's replicas, it has not moved within `min_dwell_s`. It arrives as a joiner the job
-        does not need, and the coordinator makes it the stage's standby (a spare first)."""
+        stage's replicas, it has not moved within `min_dwell_s`; one behind a router none of
+        them is behind first, then the slowest. It arrives as a joiner the job does not need,
+        and the coordinator makes it the stage's standby (a spare first)."""
         short = self.short()
         if not short:
             return
         speeds, coming = self._placed()
-        short = [k for k in short if not coming[k]]  # one on its way may stand by there
         out, domains = set(self.standbys()), self.assignments.registry.domains()
+        none = Domains(host="", router="")
 
         def host(peer: str) -> str:
-            known = domains.get(peer)
-            return known.host if known is not None and known.host else f"peer:{peer}"
+            return domains.get(peer, none).host or f"peer:{peer}"
 
-        for dst in short:
-            taken = {host(p) for p in speeds[dst] if p not in out}
-            for src, stage in enumerate(speeds):
-                for peer in sorted(stage, key=lambda p: (stage[p], p)):  # the slowest first
-                    moved = self.rebalancer.last_moved.get(peer)
-                    if (
-                        src == dst
-                        or peer in out
-                        or host(peer) in taken
-                        or (moved is not None and now - moved < self.config.min_dwell_s)
-                        or not self._spare_there(speeds, out, peer, src, dst)
-                    ):
-                        continue
-                    log.warning(
-                        "job %s: stage %d wants a standby: moving spare replica %s from stage %d "
-                        "to stand by for it (the job loses nothing without it)",
-                        self.job_id,
-                        dst,
-                        peer,
-                        src,
-                    )
-                    self.moves.labels(job=self.job_id).inc()
-                    self.rebalancer.last_moved[peer] = now
-                    await self.assignments.assign(self.job_id, peer, dst)
-                    return  # one move a period, as rebalancing's
+        for dst in [k for k in short if not coming[k]]:  # one on its way may stand by there
+            there = [p for p in speeds[dst] if p not in out]
+            hosts = {host(p) for p in there}
+            routers = {domains.get(p, none).router for p in there} - {""}
+            fits = [
+                (domains.get(peer, none).router in routers, stage[peer], peer, src)
+                for src, stage in enumerate(speeds)
+                for peer in stage
+                if src != dst
+                and peer not in out
+                and host(peer) not in hosts
+                and now - self.rebalancer.last_moved.get(peer, -math.inf) >= self.config.min_dwell_s
+                and self._spare_there(speeds, out, peer, src, dst)
+            ]
+            if not fits:
+                continue
+            *_, peer, src = min(fits)
+            log.warning(
+                "job %s: stage %d wants a standby: moving spare replica %s from stage %d to "
+                "stand by for it (the job loses nothing without it)",
+                self.job_id,
+                dst,
+                peer,
+                src,
+            )
+            self.moves.labels(job=self.job_id).inc()
+            self.rebalancer.last_moved[peer] = now
+            await self.assignments.assign(self.job_id, peer, dst)
+            return  # one move a period, as rebalancing's
 
     def _placed(self) -> tuple[list[dict[str, float]], list[list[str]]]:
         """Each stage's peers with their samples/s there, those on their way to a stage counted

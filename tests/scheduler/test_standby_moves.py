@@ -17,10 +17,13 @@ from swarm.proto import control_pb2 as cpb
 from tests.support.fakes import SilentBus
 
 
-def _serving(peer: str, stage: int, host: str, stages: int) -> cpb.PeerAnnouncement:
+def _serving(
+    peer: str, stage: int, host: str, stages: int, router: str = ""
+) -> cpb.PeerAnnouncement:
     return cpb.PeerAnnouncement(
         peer=peer,
         address=f"{peer}:1",
+        public_address=router,
         host_id=host,
         job="j",
         stage=stage,
@@ -30,11 +33,15 @@ def _serving(peer: str, stage: int, host: str, stages: int) -> cpb.PeerAnnouncem
 
 
 def _mover(
-    placed: list[tuple[str, int, str]], stages: int, standbys: set[str], short: list[int]
+    placed: list[tuple[str, int, str]],
+    stages: int,
+    standbys: set[str],
+    short: list[int],
+    routers: dict[str, str] | None = None,
 ) -> tuple[Mover, Assignments, Counter]:
     registry = PeerRegistry(MonotonicClock(), load_silence_s=60.0, serve_timeout_s=60.0)
     for peer, stage, host in placed:
-        registry.announce(_serving(peer, stage, host, stages))
+        registry.announce(_serving(peer, stage, host, stages, (routers or {}).get(peer, "")))
 
     async def say(job: str, text: str) -> None:
         pass
@@ -73,6 +80,23 @@ def test_a_spare_of_another_stage_moves_to_stand_by_where_none_of_its_own_may() 
     assert moves.labels(job="j")._value.get() == 1.0
     asyncio.run(mover.stand_by(1.0))  # a moved just now: it stays put, and no other is sent
     assert moves.labels(job="j")._value.get() == 1.0
+
+
+def test_a_spare_behind_another_router_than_the_stages_replicas_goes_first() -> None:
+    # As above, but a shares home1's router with stage 1's replicas: b, behind home2, goes.
+    placed = [
+        ("a", 0, "h1"),
+        ("b", 0, "h2"),
+        ("e", 0, "h5"),
+        ("g", 0, "h7"),
+        ("c", 1, "h3"),
+        ("d", 1, "h3"),
+        ("f", 2, "h6"),
+    ]
+    routers = {"a": "10.0.0.1", "c": "10.0.0.1", "d": "10.0.0.1", "b": "10.0.0.2"}
+    mover, assignments, _ = _mover(placed, 3, {"e"}, [1], routers)
+    asyncio.run(mover.stand_by(0.0))
+    assert assignments.on_the_way("j", 3) == [[], ["b"], []]
 
 
 def test_a_peer_the_stage_would_need_as_a_replica_is_left_to_rebalancing() -> None:
