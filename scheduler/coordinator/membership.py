@@ -110,8 +110,9 @@ class Membership:
                 if r.peer in self.synced:
                     continue
                 failed = self._failed.get(r.peer)
-                if self.standbys.of(r.peer) is not None:
-                    said[r.peer] = self.standbys.words(r.peer, step, self._sources.get(r.peer, ""))
+                standby = self.standbys.words(r.peer, step, self._sources.get(r.peer, ""))
+                if standby:  # a standby, or one replaced
+                    said[r.peer] = standby
                 elif r.peer in self.entry.held:
                     said[r.peer] = (
                         f"waiting its turn to enter stage {stage}: {self.entry.why(stage)}"

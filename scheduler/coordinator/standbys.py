@@ -282,7 +282,12 @@ class Standbys:
         return None if at < 0 else max(0, step - at)
 
     def words(self, peer: str, step: int, source: str) -> str:
-        """What `swarm status` says of the standby `peer` at the coordinator's `step`."""
+        """What `swarm status` says of the standby `peer` at the coordinator's `step`, or of one
+        replaced until it joins; "" for any other peer."""
+        if peer in self.passed_over:
+            return f"replaced as standby ({self.passed_over[peer]}); joins once it caught up"
+        if peer not in self._stage:
+            return ""
         lag, stage = self.lag(peer, step), self._stage.get(peer)
         if lag is None:
             return f"standby for stage {stage}: copying the state of {source or 'a member'}"

@@ -112,6 +112,8 @@ async def test_a_standby_that_falls_behind_is_replaced_and_serves_once_it_caught
         await h.step()  # the pool never waits for it
     assert h.coordinator.membership.standbys.of(standby) is None
     assert said and said[0].startswith(f"standby {standby} of stage 1 replaced: it was more "), said
+    waits = h.coordinator.membership.waits()  # status says so too, with why, until it joins
+    assert waits[standby].startswith("replaced as standby (it was more than 2 steps "), waits
     # An ordinary peer of its stage now: once its copy is done it joins as any joiner does.
     h.swarm[standby].copying = 0
     await h.step()
