@@ -46,6 +46,7 @@ from client.audit.push_contributions import PushContributions
 from client.audit.push_fetch import Records
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
+from swarm.job.rule import rule_of
 from swarm.model.boundary import boundary_of
 from swarm.ops import timeline
 from swarm.proto import stage_pb2 as pb
@@ -101,9 +102,14 @@ class PushAudits:
 
     def defers(self, task: Task) -> bool:
         """Whether `task`'s audit may end after its microbatch is reported: not at the job's
-        last step (no later commit bounds it). Audits past their bound are cut first."""
+        last step (no later commit bounds it), nor where an auditor that applied the step keeps
+        no copy of its parameters to redo it on (`delayed_update`, bf16-mixed:
+        `stage_server.replica.prior_params`), which would leave the step's last audits to be
+        refused. Audits past their bound are cut first."""
         self.late.cut(task.step)
-        return self.late.deferred and task.step < self.job.training.steps - 1
+        training = self.job.training
+        kept = not rule_of(self.job).delays and training.precision != "bf16-mixed"
+        return self.late.deferred and kept and task.step < training.steps - 1
 
     def later(
         self,

@@ -1,18 +1,28 @@
 """Audits that end after their microbatch's report (`client.audit.late_audits`): what each found
 is reported when it ends; one still out once work of two steps later is given is cut, counted
-and logged, never silently dropped; the job's last step waits for the earlier ones."""
+and logged, never silently dropped; the job's last step waits for the earlier ones, and so does
+every step where an auditor keeps no copy of a committed step's parameters to redo it on."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from client.audit.audits import Audits
 from client.audit.late_audits import LateAudits
+from client.audit.push_audit import PushAudits
+from client.audit.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
-from swarm.rpc.lease import MicrobatchResult, Verdict
+from swarm.clock import MonotonicClock
+from swarm.policy.wiring import Wiring
+from swarm.rpc.lease import MicrobatchResult, Task, Verdict
+from swarm.rpc.routes import Routes
+from tests.support.jobs import make_job
 
 
 def _metrics() -> TrainerMetrics:
@@ -109,3 +119,33 @@ async def test_nothing_found_is_not_reported_and_no_sink_defers_nothing() -> Non
     await late.settled(3)
     assert sent == []
     assert not LateAudits(_metrics()).deferred
+
+
+@pytest.mark.parametrize(
+    ("training", "step", "deferred"),
+    [
+        ({}, 0, True),
+        ({}, 3, False),  # the job's last step: no later commit bounds its audits
+        ({"delayed_update": True}, 0, False),  # no copy of a committed step's parameters kept
+        ({"precision": "bf16-mixed", "dtype": "float32"}, 0, False),
+    ],
+)
+def test_an_audit_is_deferred_only_where_a_later_commit_bounds_it_and_auditors_can_redo_it(
+    tmp_path: Path, training: dict[str, object], step: int, deferred: bool
+) -> None:
+    job = make_job(
+        tmp_path,
+        training={"stages": 2, "steps": 4, **training},
+        runtime={"data_plane": "push"},
+        trust={"audit_fraction": 0.5},
+    )
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    routes = Routes(job, "job", None, wiring)
+    audits = Audits(0.5, 0.0, StageReexecutor(job, routes), _metrics())
+
+    async def report(result: MicrobatchResult) -> None:
+        pass
+
+    task = Task(step, 0, frozenset({0, 1}))
+    assert PushAudits(job, audits, routes, report).defers(task) is deferred
+    assert not PushAudits(job, audits, routes).defers(task)  # nowhere to report to
