@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from client.audit.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
 from swarm.clock import MonotonicClock
 from swarm.policy.wiring import Wiring
-from swarm.rpc.lease import MicrobatchResult, Task, Verdict
+from swarm.rpc.lease import MicrobatchResult, Task, Verdict, result_from_proto, result_to_proto
 from swarm.rpc.routes import Routes
 from tests.support.jobs import make_job
 
@@ -149,3 +150,9 @@ def test_an_audit_is_deferred_only_where_a_later_commit_bounds_it_and_auditors_c
     task = Task(step, 0, frozenset({0, 1}))
     assert PushAudits(job, audits, routes, report).defers(task) is deferred
     assert not PushAudits(job, audits, routes).defers(task)  # nowhere to report to
+
+
+def test_a_late_report_crosses_the_wire_as_one() -> None:
+    found = _found(3, 5)
+    assert result_from_proto(result_to_proto(found)) == found and found.late
+    assert not result_from_proto(result_to_proto(replace(found, late=False))).late
