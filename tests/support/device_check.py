@@ -42,8 +42,9 @@ class Checked:
     def cuda_tests(self) -> dict[str, str]:
         """The "CUDA tests" part's outcomes by test (bench/gpu_cuda_tests.py's JSON), from the
         check's work folder."""
-        (found,) = self.work.glob("swarm-gpu-check-*/tests.json")
-        return dict(json.loads(found.read_text()))
+        found = sorted(self.work.glob("swarm-gpu-check-*/tests.json"))
+        assert len(found) == 1, f"the CUDA tests part left {found}:\n{self.output[-3000:]}"
+        return dict(json.loads(found[0].read_text()))
 
 
 @pytest.fixture(scope="module")
