@@ -9,7 +9,9 @@ and the bench exits 1 when it is missed.
         [--tiny]
 
 The runs alternate (on, off, off, on, on, off, ...) so a machine that drifts slower or faster
-weighs on both alike; the first step of each run is warm-up and not counted. At least
+weighs on both alike; the first step of each run is warm-up and not counted, nor is the last:
+the job's last step waits for its audits and every late one before it (no later commit bounds
+them, `client.audit.late_audits`), a cost of the job's end, not of a step. At least
 `MIN_PAIRS` pairs. Speed belongs on a quiet machine: a figure from one shared with other work
 says nothing about the target (the ratios' spread shows it). The last line says PASS or FAIL
 with the median; `--tiny` runs a d64 model instead, a smoke run whose figure judges nothing.
@@ -102,7 +104,10 @@ def child(
         )
     finally:
         stop_all(servers)
-    records = [json.loads(line) for line in log.read_text().splitlines()][1:]  # skip warm-up
+    # the steps trained (a final evaluation, where there is one, is none), less the warm-up and
+    # the job's last step, which waits for its audits
+    steps_run = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [r for r in steps_run if r.get("samples", 1)][1:-1]
     print(sum(r["seconds"] for r in records) / len(records))
 
 
@@ -130,13 +135,17 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     """The bench; `runner` times a run (None: `run`, a process of its own)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="alternated pairs of runs")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run (first is warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=7, help="steps per run (the first and the last not counted)"
+    )
     parser.add_argument("--replicas", type=int, default=3, help="stage servers a stage")
     parser.add_argument("--fraction", type=float, default=0.045, help="audit_fraction when on")
     parser.add_argument("--tiny", action="store_true", help="a d64 model: a smoke run")
     parser.add_argument("--ready-s", type=float, default=120.0, help=argparse.SUPPRESS)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error(f"--steps {args.steps}: the first and the last are not counted; 3 or more")
     if args.child:
         child(args.steps, args.child, args.fraction, args.replicas, args.tiny, args.ready_s)
         return 0

@@ -10,11 +10,19 @@ microbatches pushed at once, each through one replica a stage (the least loaded,
 forward up and backward down, a hop between calls. After its push answers, a microbatch's audit
 fetches the commitments, then, for each stage drawn (`audit_fraction`) or whose replica's
 contribution the coordinator drew (`fraction / (2 - fraction)` a replica a step: two auditors),
-a record and the stage's forward and backward again on other replicas. The step's microbatches
-end with their audits; the commit (`--commit` seconds) follows. Printed, for a re-execution's
-place in its auditor's queue (`fifo`; `ahead` of the pushes queued, as `Worker.run_ahead`;
-`behind` them): seconds a step with audits on against off, as the step waits for its audits
-now, and as it would if they overlapped the commit (the verdicts gating the apply instead).
+a record and the stage's forward and backward again on other replicas. Printed, for a
+re-execution's place in its auditor's queue (`fifo`; `ahead` of the pushes queued, as
+`Worker.run_ahead`; `behind` them), seconds a step with audits on against off:
+- `on/off`: the step's microbatches end with their audits, the commit (`--commit` seconds)
+  follows (the rule before issue 69's item 4: a liar banned before its work commits);
+- `overlapping`: the audits overlapping the commit (the verdicts gating the apply instead);
+- `all late`: the rule now (`client.audit.late_audits`), steps modelled one after another: a
+  microbatch is reported as its push answers, its audit running on through the commit and the
+  next step (a contribution's digests judged when they come); `late` counts the audits run so,
+  `cut` those not ended by the end of the next step's commit (their bound);
+- `answers late`: as `all late`, but a microbatch with a contribution drawn on its path waits
+  for its audit (its digests judged at the step's round): what deferring the answers' audits
+  alone would give.
 """
 
 from __future__ import annotations
@@ -48,7 +56,39 @@ class Step:
 
 
 def step(costs: Costs, policy: str, audits: bool, rng: random.Random) -> Step:
-    """One step's microbatches, pushed and (with `audits`) audited."""
+    """One step's microbatches, pushed and (with `audits`) audited, on idle replicas."""
+    run = simulate(costs, policy, audits, rng, steps=1, commit=0.0, deferred=False)
+    return Step(run.pushed[0], run.audited[0])
+
+
+@dataclass
+class _Sim:
+    pushed: list[float]  # per step, its last push answered (seconds since the run began)
+    audited: list[float]  # per step, its last audit ended
+    ends: list[float]  # per step, its commit's end
+    late: int = 0
+    cut: int = 0
+
+
+def simulate(
+    costs: Costs,
+    policy: str,
+    audits: bool,
+    rng: random.Random,
+    *,
+    steps: int,
+    commit: float,
+    deferred: bool,
+    contributions_wait: bool = True,
+) -> _Sim:
+    """`steps` steps, one after another on the same replicas: a step's pushes start when the
+    commit before it ends (`commit` seconds from its last microbatch reported). A microbatch is
+    reported once its audit ends, or (`deferred`, the rule of issue 69's item 4) as soon as its
+    push answers unless a contribution drawn is on its path (its digests are judged at the
+    step's round; not `contributions_wait`: those too, as if the round judged them late); a late
+    audit goes on through the commit and the next step, its re-executions queued at its auditors
+    like any, and is cut (counted) where it has not ended by the end of the next step's
+    commit."""
     events: list[tuple[float, int, Callable[[], None]]] = []
     order = itertools.count()
     now = 0.0
@@ -59,6 +99,12 @@ def step(costs: Costs, policy: str, audits: bool, rng: random.Random) -> Step:
     busy = dict.fromkeys(queues, False)
     load = dict.fromkeys(queues, 0)
     rank = {"fifo": (1, 1), "ahead": (1, 0), "behind": (1, 2)}[policy]  # (push, re-execution)
+    f, b = costs.forward, costs.backward
+    share = costs.fraction / (2 - costs.fraction)
+    sim = _Sim([0.0] * steps, [0.0] * steps, [0.0] * steps)
+    reported = [0] * steps
+    pending: dict[int, set[int]] = {n: set() for n in range(steps)}  # late audits still out
+    cut: set[tuple[int, int]] = set()
 
     def at(t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(events, (t, next(order), fn))
@@ -82,46 +128,76 @@ def step(costs: Costs, policy: str, audits: bool, rng: random.Random) -> Step:
 
         at(now + seconds, end)
 
-    f, b = costs.forward, costs.backward
-    share = costs.fraction / (2 - costs.fraction)
-    drawn = {rep for rep in queues if audits and rng.random() < share}
-    pushed: dict[int, float] = {}
-    audited: dict[int, float] = {}
-
     def least_loaded(k: int) -> Replica:
         low = min(load[(k, r)] for r in range(REPLICAS))
         return (k, rng.choice([r for r in range(REPLICAS) if load[(k, r)] == low]))
 
-    def redo(k: int, rep: Replica, done: Callable[[], None]) -> None:
+    def redo(k: int, rep: Replica, done: Callable[[], None], live: Callable[[], bool]) -> None:
+        if not live():  # cut meanwhile: nothing more of it is asked
+            return
         if k == STAGES - 1:
             submit(rep, f + b, lambda: at(now + HOP, done), True)
-        else:
-            then = lambda: at(now + HOP, lambda: submit(rep, b, lambda: at(now + HOP, done), True))  # noqa: E731
-            submit(rep, f, then, True)
+            return
 
-    def audit(i: int, path: Sequence[Replica]) -> None:
-        pushed[i] = now
-        if not audits:
-            audited[i] = now
+        def backward() -> None:
+            if live():  # cut between its forward and its backward: the backward is not asked
+                submit(rep, b, lambda: at(now + HOP, done), True)
+
+        submit(rep, f, lambda: at(now + HOP, backward), True)
+
+    def report(n: int) -> None:
+        reported[n] += 1
+        if reported[n] == MICROBATCHES:
+            at(now + commit, functools.partial(committed, n))
+
+    def committed(n: int) -> None:
+        sim.ends[n] = now
+        for i in sorted(pending.get(n - 1, ())):  # past their bound: cut
+            cut.add((n - 1, i))
+            sim.cut += 1
+        pending[n - 1] = set()
+        if n + 1 < steps:
+            begin(n + 1)
+
+    def audit(n: int, i: int, path: Sequence[Replica], drawn: set[Replica]) -> None:
+        sim.pushed[n] = max(sim.pushed[n], now)
+        jobs = []
+        if audits:
+            jobs = [(k, rep, 1) for k, rep in enumerate(path) if rng.random() < costs.fraction]
+            jobs += [(k, rep, 2) for k, rep in enumerate(path) if rep in drawn]
+        late = deferred and not (contributions_wait and any(rep in drawn for rep in path))
+        if late:
+            report(n)
+        if not jobs:
+            sim.audited[n] = max(sim.audited[n], now + (COMMITMENTS if audits else 0.0))
+            if not late:
+                at(now + (COMMITMENTS if audits else 0.0), functools.partial(report, n))
             return
-        jobs = [(k, rep, 1) for k, rep in enumerate(path) if rng.random() < costs.fraction]
-        jobs += [(k, rep, 2) for k, rep in enumerate(path) if rep in drawn]
-        left = [sum(n for _, _, n in jobs)]
-        if not left[0]:
-            at(now + COMMITMENTS, lambda: audited.__setitem__(i, now))
-            return
+        if late:
+            sim.late += 1
+            pending[n].add(i)
+        left = [sum(m for _, _, m in jobs)]
+
+        def live() -> bool:
+            return (n, i) not in cut
 
         def one_done() -> None:
             left[0] -= 1
-            if not left[0]:
-                audited[i] = now
+            if not left[0] and live():
+                sim.audited[n] = max(sim.audited[n], now)
+                pending[n].discard(i)
+                if not late:
+                    report(n)
 
-        for k, rep, n in jobs:
+        for k, rep, m in jobs:
             others = [(k, r) for r in range(REPLICAS) if (k, r) != rep]
-            for auditor in rng.sample(others, n):
-                at(now + COMMITMENTS + RECORD + HOP, functools.partial(redo, k, auditor, one_done))
+            for auditor in rng.sample(others, m):
+                at(
+                    now + COMMITMENTS + RECORD + HOP,
+                    functools.partial(redo, k, auditor, one_done, live),
+                )
 
-    def push(i: int) -> None:
+    def push(n: int, i: int, drawn: set[Replica]) -> None:
         path: list[Replica] = []
 
         def up(k: int) -> None:
@@ -134,18 +210,22 @@ def step(costs: Costs, policy: str, audits: bool, rng: random.Random) -> Step:
 
         def down(k: int) -> None:
             if k < 0:
-                audit(i, path)
+                audit(n, i, path, drawn)
             else:
                 submit(path[k], b, lambda: at(now + HOP, lambda: down(k - 1)), False)
 
         up(0)
 
-    for i in range(MICROBATCHES):
-        at(0.0, functools.partial(push, i))
+    def begin(n: int) -> None:
+        drawn = {rep for rep in queues if audits and rng.random() < share}
+        for i in range(MICROBATCHES):
+            at(now, functools.partial(push, n, i, drawn))
+
+    begin(0)
     while events:
         now, _, fn = heapq.heappop(events)
         fn()
-    return Step(max(pushed.values()), max(audited.values()))
+    return sim
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.045, help="audit_fraction")
     args = parser.parse_args(argv)
     costs = Costs(args.forward, args.backward, args.fraction)
-    print(f"{'queue':<7} {'off s':>7} {'on s':>7} {'on/off':>7} {'overlapping the commit':>23}")
+    print(
+        f"{'queue':<7} {'off s':>7} {'on s':>7} {'on/off':>7} {'overlapping':>12} "
+        f"{'answers late':>13} {'all late':>9} {'late':>6} {'cut':>6}"
+    )
     for policy in POLICIES:
         rng = random.Random(args.seed)
         off = statistics.fmean(step(costs, policy, False, rng).pushed for _ in range(args.steps))
@@ -166,8 +249,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         waits = statistics.fmean(s.audited for s in on) + args.commit
         overlaps = statistics.fmean(max(s.pushed + args.commit, s.audited) for s in on)
         base = off + args.commit
+        answers = simulate(
+            costs, policy, True, rng, steps=args.steps, commit=args.commit, deferred=True
+        )
+        run = simulate(
+            costs,
+            policy,
+            True,
+            rng,
+            steps=args.steps,
+            commit=args.commit,
+            deferred=True,
+            contributions_wait=False,
+        )
+        cut = f"{run.cut / run.late:.2%}" if run.late else "-"
         print(
-            f"{policy:<7} {base:>7.3f} {waits:>7.3f} {waits / base:>7.3f} {overlaps / base:>23.3f}"
+            f"{policy:<7} {base:>7.3f} {waits:>7.3f} {waits / base:>7.3f} "
+            f"{overlaps / base:>12.3f} {answers.ends[-1] / args.steps / base:>13.3f} "
+            f"{run.ends[-1] / args.steps / base:>9.3f} {run.late:>6} {cut:>6}"
         )
     return 0
 

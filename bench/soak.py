@@ -438,7 +438,8 @@ def serving(status: Any) -> dict[int, set[str]]:
 def standby(r: Any) -> bool:
     """Whether status shows replica `r` as a standby (`runtime.standby`): it serves nothing, and is
     in place all the same (its words: "standby for stage K, N steps behind")."""
-    return bool(r.state == 1 and r.joining.startswith("standby for stage"))  # PEER_STATE_JOINING
+    # PEER_STATE_STANDBY (5) since issue 67's status state; JOINING (1) before
+    return bool(r.state in (1, 5) and r.joining.startswith("standby for stage"))
 
 
 def standing_by(status: Any) -> set[str]:

@@ -41,6 +41,7 @@ from swarm.proto import scheduler_pb2
 from swarm.proto.control_pb2 import (
     PEER_STATE_JOINING,
     PEER_STATE_SERVING,
+    PEER_STATE_STANDBY,
     REACHABILITY_DIRECT,
     REACHABILITY_RELAYED,
     REACHABILITY_UNREACHABLE,
@@ -129,9 +130,11 @@ def status_lines(
     for st in s.stages:
         layers = _layers(list(st.layers))
         joining = sum(r.state == PEER_STATE_JOINING for r in st.replicas)
+        standing = sum(r.state == PEER_STATE_STANDBY for r in st.replicas)
         lines.append(
             f"stage {st.stage} ({layers}): {_counted(st)} replica(s)"
             + (f", {joining} joining" if joining else "")
+            + (f", {standing} standby" if standing else "")
         )
         rows = [["  PEER", "DEVICE", "SAMPLES/S", "PATH", "UP/DOWN", "HOLDS", "STATE"]]
         rows += [
@@ -162,7 +165,10 @@ def status_lines(
 def _state_text(r: scheduler_pb2.Replica, now: float) -> str:
     """A replica's state as known: what a joining one waits for, and since when a serving one
     has sent no load report (issue 68 item 3: not `serving` through a pulled router)."""
-    text = peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else "")
+    if r.state == PEER_STATE_STANDBY and r.joining.startswith("standby"):
+        text = shown(r.joining)  # "standby for stage K, N steps behind (following P)"
+    else:
+        text = peer_state_name(r.state) + (f": {shown(r.joining)}" if r.joining else "")
     if r.silent_since:
         text += f", silent since {_clock_time(r.silent_since)} ({now - r.silent_since:.0f} s)"
     return text
@@ -276,12 +282,13 @@ def _counted(stage: scheduler_pb2.StageStatus) -> int:
 
 
 def _where(s: scheduler_pb2.JobStatus) -> dict[str, int]:
-    """Where each replica is, once it joined (one still joining has not) or while it drains."""
+    """Where each replica is, once it joined (one still joining, or standing by, has not) or
+    while it drains."""
     return {
         shown(r.peer): st.stage
         for st in s.stages
         for r in st.replicas
-        if r.state != PEER_STATE_JOINING
+        if r.state not in (PEER_STATE_JOINING, PEER_STATE_STANDBY)
     }
 
 

@@ -103,7 +103,9 @@ async def _train(
         checkpoint_dir=checkpoint_dir,
         on_route=on_route,
     )
-    if coordinator.rounds.readmits:  # standbys (issue 67) where a member's state is the stage's
+    # Standbys (issue 67) where a member's state is the stage's, by number only: a standalone
+    # trainer knows no peer's host, so it cannot tell a spare on another machine ("auto")
+    if coordinator.rounds.readmits and job.runtime.standby != "auto":
         coordinator.membership.standbys.wanted = job.runtime.standby
     metrics = TrainerMetrics(fingerprint(job), registry)
     runs += [

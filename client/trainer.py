@@ -85,7 +85,8 @@ class PipelineTrainer:
         )
         self.routes = Routes(job, self.job_id, token, wiring, client_factory)
         self.hops = StageHops(self.routes, hop_attempts, self.metrics)
-        self.plane: DataPlane = make_plane(job, self.hops, self.metrics)
+        # a push-plane audit that ends after its microbatch's report sends what it found so
+        self.plane: DataPlane = make_plane(job, self.hops, self.metrics, self._report_late)
         self._departed: dict[str, float] = {}  # peer -> when it left, until its series go
         self._leased_step = -1  # the step of the last lease
         self._failing = Backoff(first_s=0.05, cap_s=2.0)  # the pause before a `_give_back`
@@ -256,6 +257,10 @@ class PipelineTrainer:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.create_task(self._report(running))
         return await waiter
+
+    async def _report_late(self, result: MicrobatchResult) -> None:
+        """An audit's own report, after its microbatch's (`client.audit.late_audits`)."""
+        await self.coordinator.report(self.trainer_id, result)
 
     async def _give_back(self, task: Task) -> None:
         """Release a microbatch that failed, after a pause: one that fails at once (a stage's

@@ -53,6 +53,7 @@ from swarm.model import checkpoint
 from swarm.model.routes import write_record
 from swarm.net.commit_auth import SchedulerKey
 from swarm.policy.backoff import Backoff
+from swarm.policy.domains import Domains
 
 __all__ = ["NEWS_SAID_STEPS", "JobTraining", "final_path", "save_final"]
 
@@ -197,6 +198,7 @@ class JobTraining:
             self.moves,
             floor,
             coordinator.membership.standbys.peers,
+            lambda: coordinator.membership.standbys.short,
         )
         watch = self._stall_watch(job_id, job, coordinator, trainer, reports, mover, floor)
         try:
@@ -255,18 +257,31 @@ class JobTraining:
 
     def _stand_by(self, job_id: str, job: JobConfig, coordinator: LocalCoordinator) -> None:
         """The job's standbys (`scheduler.coordinator.standbys`), each on a host none of its
-        stage's replicas is on; a promotion is in the job's history. Only where a stage's state
-        is whole at every member (the plain rules): under rounds a replica holds its own."""
-        standbys, wanted = coordinator.membership.standbys, job.runtime.standby
+        stage's replicas is on: `runtime.standby = "auto"` (the default) one per stage where a
+        peer the job does not need serving has room, N N; a promotion, a standby replaced or
+        serving again is in the job's history. Only where a stage's state is whole at every
+        member (the plain rules): under rounds a replica holds its own, and none stands by (a
+        warning where the job asked for some by number)."""
+        standbys, asked = coordinator.membership.standbys, job.runtime.standby
+        wanted = 1 if asked == "auto" else asked
         if wanted and not coordinator.rounds.readmits:
-            log.warning("job %s: runtime.standby = %d: none under pool rounds", job_id, wanted)
+            if asked != "auto":
+                log.warning("job %s: runtime.standby = %d: none under pool rounds", job_id, asked)
             wanted = 0
-        standbys.wanted = wanted
+        standbys.wanted, standbys.only_spares = wanted, asked == "auto"
+        standbys.min_replicas = self.assignments.floor(job)
 
-        def host(peer: str) -> str:  # one peer's, not every peer's domains: asked per pair
+        def domains(peer: str) -> Domains | None:  # one peer's, not every peer's: per pair
             announced, registry = self.peer_registry.peers.get(peer), self.peer_registry
-            domains = domains_of(announced, registry.relayed(peer)) if announced else None
-            return domains.host if domains is not None and domains.host else f"peer:{peer}"
+            return domains_of(announced, registry.relayed(peer)) if announced else None
+
+        def host(peer: str) -> str:
+            known = domains(peer)
+            return known.host if known is not None and known.host else f"peer:{peer}"
+
+        def router(peer: str) -> str:
+            known = domains(peer)
+            return known.router if known is not None else ""
 
         def promoted(step: int, stage: int, peer: str) -> None:
             self.history.record(
@@ -276,8 +291,9 @@ class JobTraining:
                 "held the stage's state at the job's step, so nothing rolls back",
             )
 
-        standbys.host = host
+        standbys.host, standbys.router = host, router
         standbys.promoted.append(promoted)
+        standbys.said.append(lambda stage, peer, text: self.history.record(job_id, "standby", text))
 
     def _step(self, job_id: str) -> int:
         record = self.store.get(job_id)

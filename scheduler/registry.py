@@ -291,10 +291,12 @@ class PeerRegistry:
         admitted: Collection[str] | None,
         waits: Mapping[str, str] | None = None,
         stages: int | None = None,
+        standbys: Collection[str] = (),
     ) -> list[Shown]:
         """The job's peers on its stages as status shows them: `admitted`, the coordinator's
         members (None: no coordinator, nobody is admitted); `waits`, what each joining one
-        waits for (the coordinator's words). Safe on another thread (the metrics')."""
+        waits for (the coordinator's words); `standbys`, the coordinator's (STANDBY, with its
+        words). Safe on another thread (the metrics')."""
         waits = waits or {}
         now, result = self.clock.now(), []
         for p in sorted(list(self.peers.values()), key=lambda p: p.peer):
@@ -308,7 +310,8 @@ class PeerRegistry:
                 elif admitted is None:
                     state, joining = cpb.PEER_STATE_JOINING, "waiting for training to start"
                 else:
-                    state = cpb.PEER_STATE_JOINING
+                    standby = p.peer in standbys
+                    state = cpb.PEER_STATE_STANDBY if standby else cpb.PEER_STATE_JOINING
                     joining = waits.get(p.peer) or (
                         "its load reports stopped"
                         if self.quiet(job_id, p.peer) > self.load_silence_s

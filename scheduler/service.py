@@ -191,8 +191,11 @@ class Scheduler:
             return []  # not started yet: its run partitions it first, off the event loop
         result = [spb.StageStatus(stage=k, layers=list(r)) for k, r in enumerate(ranges)]
         coordinator = self._coordinators.get(job_id)
-        waits = coordinator.membership.waits() if coordinator is not None else {}
-        for shown in self.peer_registry.shown(job_id, self.admitted(job_id), waits, len(result)):
+        membership = coordinator.membership if coordinator is not None else None
+        waits = membership.waits() if membership is not None else {}
+        standbys = membership.standbys.peers() if membership is not None else set()  # STANDBY
+        admitted = self.admitted(job_id)
+        for shown in self.peer_registry.shown(job_id, admitted, waits, len(result), standbys):
             result[shown.stage].replicas.append(replica_status(shown, self.peer_registry))
         return result
 

@@ -263,7 +263,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             maybe_die(Point.FORWARD, step)
             # The outputs' copy to the host on the worker thread, right after the compute.
             outputs, queued = await self._answering.run(h)(
-                self.compute.forward,
+                self._answering.computing(h, self.compute.forward),
                 lambda out: self._messages.encode(out, "outputs", reply, "forward"),
                 step,
                 index,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from bench import audit_tail_model as model
 
 
@@ -26,3 +28,40 @@ def test_audits_only_ever_add_to_a_step() -> None:
 
 def test_the_model_prints_each_queue_policy() -> None:
     assert model.main(["--steps", "5"]) == 0
+
+
+def test_steps_one_after_another_without_audits_cost_their_pushes_and_commits() -> None:
+    costs = model.Costs(forward=0.06, backward=0.12, fraction=0.045)
+    for deferred in (False, True):
+        run = model.simulate(
+            costs, "ahead", False, random.Random(0), steps=4, commit=0.15, deferred=deferred
+        )
+        one = model.step(costs, "ahead", False, random.Random(0)).pushed
+        assert run.ends[-1] == pytest.approx(4 * (one + 0.15))  # idle replicas at each start
+        assert run.late == run.cut == 0
+
+
+def test_a_commit_that_no_longer_waits_for_its_audits_ends_no_later() -> None:
+    """Every stage redone (fraction 1, every contribution drawn): with the contributions' audits
+    waiting (their digests judged at the round) a deferred step is the old one; with every
+    audit off the critical path the step's commit starts as its pushes end, and the audits left
+    over run into the next step (cut where not ended by its commit's end, counted)."""
+    costs = model.Costs(forward=0.06, backward=0.12, fraction=1.0)
+    runs = {
+        (deferred, wait): model.simulate(
+            costs,
+            "ahead",
+            True,
+            random.Random(3),
+            steps=6,
+            commit=0.15,
+            deferred=deferred,
+            contributions_wait=wait,
+        )
+        for deferred, wait in ((False, True), (True, True), (True, False))
+    }
+    assert runs[(True, True)].ends == runs[(False, True)].ends  # every path holds one drawn
+    assert runs[(True, True)].late == 0
+    late = runs[(True, False)]
+    assert late.late == 6 * model.MICROBATCHES and 0 <= late.cut <= late.late
+    assert late.ends[0] < runs[(False, True)].ends[0]  # the first commit no longer waits

@@ -280,6 +280,15 @@ OVERSIZE: dict[str, str] = {
         "what it needs (the standing, the views it filters, the voids and the rollback, then "
         "the bans given both), and runs the step protocol over them"
     ),
+    "scheduler.service": (
+        "the scheduler's orchestrator: the registry fed from the bus, each job's task from its "
+        "placing to its end, and a job's status put together from the store, the registry and "
+        "its coordinator's view"
+    ),
+    "swarm.job.schema": (
+        "one concept, the job file's sections and keys, each with its default and range and a "
+        "comment saying what it means: the comments are the reference, not to be squeezed"
+    ),
     "swarm.rpc.stage_client": (
         "one concept, the client of StageService: one method per call of the service, each with "
         "its deadline, chunking and error conversion"

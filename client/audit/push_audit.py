@@ -21,6 +21,12 @@ drawn, the trainer asks every replica of the path for its commitment, each over 
   (`Task.audits`) are redone from their neighbours' records with its seed
   (`client.audit.push_contributions`), whatever the draw above.
 
+- **When**: after the microbatch is reported, where the trainer has somewhere to report to
+  (`client.audit.late_audits`: the step may commit meanwhile, a late verdict's ban rolls it
+  back; a contribution's digests that come after its round are judged as they come,
+  `scheduler.coordinator.trust.contributions`); before, at the job's last step, which no later
+  commit bounds.
+
 A replica that answers nothing (gone, its record dropped) is no evidence either way.
 """
 
@@ -29,20 +35,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import torch
 
 from client.audit.audits import Audits, StageAudit, Work
 from client.audit.disputes import Dispute, Disputes
+from client.audit.late_audits import LateAudits, LateReport
 from client.audit.push_contributions import PushContributions
 from client.audit.push_fetch import Records
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
+from swarm.job.rule import rule_of
 from swarm.model.boundary import boundary_of
 from swarm.ops import timeline
 from swarm.proto import stage_pb2 as pb
-from swarm.rpc.lease import ContributionAudit, GradientDigest, Task, Verdict
+from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Task, Verdict
 from swarm.rpc.routes import Routes
 from swarm.wire.crossing import Crossing
 from swarm.wire.digest import digest
@@ -62,10 +70,15 @@ _CROSSING = (
 class PushAudits:
     """One trainer's audits of the push plane."""
 
-    def __init__(self, job: JobConfig, audits: Audits, routes: Routes) -> None:
+    def __init__(
+        self, job: JobConfig, audits: Audits, routes: Routes, report: LateReport | None = None
+    ) -> None:
+        """`report`: where an audit ended after its microbatch's report sends what it found
+        (None: every audit ends before its microbatch is reported)."""
         self.job, self.audits, self.routes = job, audits, routes
         self.disputes = Disputes()
         self.contributions = PushContributions(job, audits, routes)
+        self.late = LateAudits(audits.metrics, report)
 
     def run_id(self, drawn: Sequence[ContributionAudit]) -> int:
         """The id of a microbatch's run at every replica of its path (`StagePushRequest.run`),
@@ -86,6 +99,46 @@ class PushAudits:
 
     def challenged(self) -> set[str]:
         return self.disputes.challenged()
+
+    def defers(self, task: Task) -> bool:
+        """Whether `task`'s audit may end after its microbatch is reported: not at the job's
+        last step (no later commit bounds it), nor where an auditor that applied the step keeps
+        no copy of its parameters to redo it on (`delayed_update`, bf16-mixed:
+        `stage_server.replica.prior_params`), which would leave the step's last audits to be
+        refused. Audits past their bound are cut first."""
+        self.late.cut(task.step)
+        training = self.job.training
+        kept = not rule_of(self.job).delays and training.precision != "bf16-mixed"
+        return self.late.deferred and kept and task.step < training.steps - 1
+
+    def later(
+        self,
+        done: MicrobatchResult,
+        audit: Callable[[], Awaitable[tuple[tuple[Verdict, ...], int, list[GradientDigest]]]],
+    ) -> None:
+        """Run `audit` (`done`'s run's, `audited`) after `done` was reported; what it found goes
+        to the coordinator in a report of its own (`MicrobatchResult.late`)."""
+
+        async def reported() -> MicrobatchResult | None:
+            verdicts, runs, digests = await audit()
+            if not (verdicts or runs or digests):
+                return None  # nothing to tell
+            return MicrobatchResult(
+                done.step,
+                done.index,
+                {},
+                None,
+                0,
+                verdicts=verdicts,
+                audit_runs=runs,
+                digests=tuple(digests),
+                late=True,
+            )
+
+        self.late.start(done.step, done.index, reported)
+
+    async def settled(self, before: int) -> None:
+        await self.late.settled(before)
 
     async def audited(
         self,

@@ -49,6 +49,9 @@ __all__ = ["PushContributions"]
 
 log = logging.getLogger(__name__)
 
+# Records around a stage, whole, that are not what it committed to (`PushContributions._work`)
+_CONTRADICTED = Work(-1, Crossing(torch.empty(0)), torch.empty(0), torch.empty(0), None, "", "")
+
 
 class PushContributions:
     """One trainer's share of the contributions' audit on the push plane."""
@@ -89,11 +92,23 @@ class PushContributions:
         before = got[k - 1][0] if k - 1 in got else None
         after = got[k + 1][0] if k + 1 in got else None
         work = self._work(k, said, before, after, ids, labels, loss)
-        if work is None:
-            c = said[k]
+        c = said[k]
+        if work is _CONTRADICTED:
             log.warning(
                 "push audit: the contribution of %s at stage %d: the tensors of microbatch "
                 "(%d, %d) around it are not all what it committed to: not digested",
+                c.peer if c is not None else "?",
+                k,
+                step,
+                index,
+            )
+            return StageAudit(), False
+        if work is None:  # as the answers' audit does (`PushAudits._fetched`): nothing to redo
+            self.audits.metrics.audited("skipped")
+            log.info(
+                "push audit: the contribution of %s at stage %d: the records of microbatch "
+                "(%d, %d) around it are not whole (a replica gone, a push it did not finish, "
+                "a rollback since): no evidence either way",
                 c.peer if c is not None else "?",
                 k,
                 step,
@@ -113,7 +128,9 @@ class PushContributions:
         loss: float,
     ) -> Work | None:
         """Stage `k`'s work from its neighbours' records (`before`, `after`) and the trainer's
-        own, where every tensor is what stage `k` committed to (None otherwise)."""
+        own, where every tensor is what stage `k` committed to (`_CONTRADICTED` where one is
+        not; None where the records are not whole: a commitment or a record not had, or one
+        whose push did not finish there)."""
         c, last = said[k], len(said) - 1
         if c is None or (k > 0 and before is None) or (k < last and after is None):
             return None
@@ -142,7 +159,7 @@ class PushContributions:
             "grad_inputs": grad_inputs,
         }
         if any(getattr(c, name) != digest(t) for name, t in committed.items()):
-            return None
+            return _CONTRADICTED
         if isinstance(grad_outputs, torch.Tensor):  # the last stage's targets, as the trainer sent
             grad_outputs = codec.encode(grad_outputs, "targets")
         given = Crossing(inputs, tokens)

@@ -13,6 +13,7 @@ import torch
 
 from client.audit.audited import Audited
 from client.audit.audits import Audits, tolerance_of
+from client.audit.late_audits import LateReport
 from client.audit.push_audit import PushAudits
 from client.audit.reexecute import StageReexecutor
 from client.data_plane.boundary_cache import BoundaryCache
@@ -47,12 +48,16 @@ class DataPlane(Protocol):
         ...
 
 
-def make_plane(job: JobConfig, hops: StageHops, metrics: TrainerMetrics) -> DataPlane:
+def make_plane(
+    job: JobConfig, hops: StageHops, metrics: TrainerMetrics, report: LateReport | None = None
+) -> DataPlane:
     """The plane `job` names, audited where the job audits: the one place the data planes and
-    the trainer's audits (`client.audit`) are put together."""
+    the trainer's audits (`client.audit`) are put together. `report`: where a push-plane audit
+    that ends after its microbatch's report sends what it found (`client.audit.late_audits`;
+    None: each microbatch waits for its audit)."""
     audits = audits_of(job, hops, metrics)
     if job.runtime.data_plane == "push":
-        pushed = Unaudited() if audits is None else PushAudits(job, audits, hops.routes)
+        pushed = Unaudited() if audits is None else PushAudits(job, audits, hops.routes, report)
         return PushPlane(job, hops, metrics, pushed)
     cache = BoundaryCache(job.runtime.boundary_cache_bytes, delays=rule_of(job).delays)
     plane = CarryPlane(job, hops, metrics, cache)

@@ -6,7 +6,7 @@ adopts their late receipts or replays them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -32,7 +32,11 @@ from swarm.rpc.stage_client import WirePush, named
 from swarm.wire import codec
 from swarm.wire.crossing import Crossing
 
-__all__ = ["PushPlane", "PushTrust", "Unaudited"]
+__all__ = ["Found", "PushPlane", "PushTrust", "Unaudited"]
+
+# What a microbatch's audit found: the liars, the re-executions it took, the drawn
+# contributions' gradient digests
+Found = tuple[tuple[Verdict, ...], int, list[GradientDigest]]
 
 
 class PushTrust(Protocol):
@@ -60,9 +64,23 @@ class PushTrust(Protocol):
         ids: torch.Tensor,
         labels: torch.Tensor,
         loss: float,
-    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+    ) -> Found:
         """Run `run` of `task` pushed through `chain` audited: the liars found, the
         re-executions it took, and the drawn contributions' gradient digests."""
+        ...
+
+    def defers(self, task: Task) -> bool:
+        """Whether `task`'s audit may end after its microbatch is reported (`later`); audits of
+        steps past their bound are cut as `task`'s step is given."""
+        ...
+
+    def later(self, done: MicrobatchResult, audit: Callable[[], Awaitable[Found]]) -> None:
+        """Run `audit` (`done`'s, as `audited` runs it) after `done` is reported, reporting
+        what it found when it ends."""
+        ...
+
+    async def settled(self, before: int) -> None:
+        """Every audit of a step before `before` ended."""
         ...
 
 
@@ -87,8 +105,17 @@ class Unaudited:
         ids: torch.Tensor,
         labels: torch.Tensor,
         loss: float,
-    ) -> tuple[tuple[Verdict, ...], int, list[GradientDigest]]:
+    ) -> Found:
         return (), 0, []
+
+    def defers(self, task: Task) -> bool:
+        return False
+
+    def later(self, done: MicrobatchResult, audit: Callable[[], Awaitable[Found]]) -> None:
+        pass
+
+    async def settled(self, before: int) -> None:
+        pass
 
 
 class PushPlane:
@@ -181,19 +208,28 @@ class PushPlane:
         chain = (peer or "", *result.path)
         whole = len(chain) == last + 1 and all(chain)
         if run and whole:
-            # Audited before it is reported: a liar caught is banned before its work commits.
+            touched, stage_runs = tuple(sorted(set(chain))), len(chain)
+            done = MicrobatchResult(
+                step, index, holders, loss, samples, touched=touched, stage_runs=stage_runs
+            )
+            if self.trust.defers(task):
+                # Reported now, its audit ending off the step's critical path: a liar caught
+                # then is banned, and the ban's rollback replays the committed step away
+                # (issue 69; `client.audit.late_audits`).
+                self.trust.later(
+                    done,
+                    lambda: self.trust.audited(
+                        task, run, chain, holders, ids, labels, result.loss_sum
+                    ),
+                )
+                return done
+            # Audited before it is reported: the job's last step has no next to bound it.
             verdicts, runs, digests = await self.trust.audited(
                 task, run, chain, holders, ids, labels, result.loss_sum
             )
-            done = MicrobatchResult(step, index, holders, loss, samples, verdicts=verdicts)
-            touched, stage_runs = tuple(sorted(set(chain))), len(chain)
-            return replace(
-                done,
-                touched=touched,
-                stage_runs=stage_runs,
-                audit_runs=runs,
-                digests=tuple(digests),
-            )
+            if step >= self.job.training.steps - 1:  # the job's last: no late audit after it
+                await self.trust.settled(step)
+            return replace(done, verdicts=verdicts, audit_runs=runs, digests=tuple(digests))
         if not rule_of(self.job).rounds or not whole:
             # pool.mode = "local" needs the whole path: without it, nothing of the run counts
             holders = {} if rule_of(self.job).rounds else holders

@@ -331,6 +331,8 @@ class LocalCoordinator:
         if await self.bans.screen(trainer, result, live.ledger if live else None):
             self._wake()  # it rests on a banned peer's answer: it goes out again
             return
+        if result.late:  # an audit's own report: its verdicts acted on, no work of its own
+            return
         if live is None or live.commit.applied:
             return
         ledger = live.ledger
@@ -454,6 +456,8 @@ class LocalCoordinator:
         (with delayed_update it is open already: its commit may start now)."""
         ledger = live.ledger
         record = self._records.applied(ledger, live.started, self.two_phase.grad_norm)
+        # audits of the step before's contributions still waiting for digests: their bound
+        await self.bans.settle(ledger.step)
         step = ledger.step + 1
         if not ledger.microbatches:  # the final evaluation: the job is done
             self._open(step)

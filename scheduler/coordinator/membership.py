@@ -110,8 +110,9 @@ class Membership:
                 if r.peer in self.synced:
                     continue
                 failed = self._failed.get(r.peer)
-                if self.standbys.of(r.peer) is not None:
-                    said[r.peer] = self.standbys.words(r.peer, step, self._sources.get(r.peer, ""))
+                standby = self.standbys.words(r.peer, step, self._sources.get(r.peer, ""))
+                if standby:  # a standby, or one replaced
+                    said[r.peer] = standby
                 elif r.peer in self.entry.held:
                     said[r.peer] = (
                         f"waiting its turn to enter stage {stage}: {self.entry.why(stage)}"
@@ -387,7 +388,8 @@ class Membership:
         epoch, asked = self.epoch(), []
         for k, joiner, source in copying:
             call = self.clients.get(k, joiner).join(source.address, step, source.peer, epoch)
-            if not self.standbys.nudge(joiner, call):  # a standby's: the pool never waits for it
+            # a standby's (or one replaced for falling behind): the pool never waits for it
+            if not self.standbys.nudge(joiner, call, step):
                 asked.append((k, joiner, call))
         answers = await asyncio.gather(*(call for _, _, call in asked), return_exceptions=True)
         for (stage, joiner, _), at in zip(asked, answers, strict=True):

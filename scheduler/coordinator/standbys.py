@@ -15,9 +15,18 @@ that died with the stage: the job rolls back as before, and the rollback says wh
 Which peers: each stage keeps `wanted` of them, chosen at a step boundary (no step of the
 stage's is open, so a replica turned standby holds no work) among the stage's peers, never one
 that would leave the stage without a replica, never one on the host of a replica it stands by
-for, a joiner (which serves nothing yet) before a replica, standbys of one stage spread over
-hosts, the slowest replica first. docs/decisions.md, "Standbys", says what this slice leaves
-out.
+for. A spare first (`swarm.policy.spares`: a peer the job does not need to serve, by
+rebalancing's notion of need, so it costs the job nothing), then, only where the job asked for
+standbys by number (not `only_spares`, the default's "where the swarm has room"), a replica it
+needs; within each, a joiner (which serves nothing yet) before a replica, standbys of one stage
+spread over hosts, the slowest first. Under `only_spares` a standby the job has come to need
+(its stage became the bottleneck: a replica left) serves again (`released`).
+
+A standby that falls behind (more than `LAG_BOUND` steps behind as `LAG_STEPS` steps in a row
+open, or `FAILED_ASKS` asks in a row failed) is replaced: it becomes an ordinary peer of its
+stage (it joins when it catches up, as any joiner), is not chosen again, and another candidate
+stands by from the next boundary. It never slows the pool meanwhile: its asks run in the
+background (`nudge`). The job's history says each of these with its cause (`said`).
 """
 
 from __future__ import annotations
@@ -28,27 +37,58 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from swarm.errors import SwarmError
+from swarm.policy.spares import bottleneck, spare
+from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
-__all__ = ["Standbys"]
+__all__ = ["FAILED_ASKS", "LAG_BOUND", "LAG_STEPS", "Standbys"]
 
 log = logging.getLogger(__name__)
 
 #: Told (step, stage, peer) when a standby becomes its stage's replica.
 Promoted = Callable[[int, int, str], None]
+#: Told (stage, peer, the words for the job's history) when a standby is replaced or released.
+Said = Callable[[int, str, str], None]
+
+#: A standby more than this many steps behind as a step opens is behind ...
+LAG_BOUND = 2
+#: ... and replaced once that held as this many steps in a row opened.
+LAG_STEPS = 3
+#: A standby whose asks (its Join as a step opens) failed this many times in a row is replaced.
+FAILED_ASKS = 3
 
 
 class Standbys:
-    def __init__(self, wanted: int = 0, host: Callable[[str], str] = lambda peer: peer) -> None:
+    def __init__(
+        self,
+        wanted: int = 0,
+        host: Callable[[str], str] = lambda peer: peer,
+        *,
+        only_spares: bool = False,
+        min_replicas: int = 1,
+        router: Callable[[str], str] = lambda peer: "",
+    ) -> None:
         """`wanted`: standbys per stage (the job's `runtime.standby`; 0: none); `host(peer)`:
-        the machine a peer runs on (its failure domain), never a replica's of its stage."""
-        self.wanted, self.host = wanted, host
+        the machine a peer runs on (its failure domain), never a replica's of its stage;
+        `only_spares`: only peers the job does not need stand by (`runtime.standby = "auto"`),
+        else a replica it needs may when no spare can; `min_replicas`: the job's floor, which
+        no standby takes a stage below (`swarm.policy.spares`); `router(peer)`: the public
+        address its traffic leaves from ("" not known): one none of the stage's replicas is
+        behind first, as one home's outage takes its router's peers together."""
+        self.wanted, self.host, self.router = wanted, host, router
+        self.only_spares, self.min_replicas = only_spares, min_replicas
         self._stage: dict[str, int] = {}  # standby -> the stage it stands by for
         self._at: dict[str, int] = {}  # standby -> the step its last Join answered (-1: copying)
         self.promoted: list[Promoted] = []
+        self.said: list[Said] = []
         # Why the last stage lost whole had no standby to promote ("" none): the rollback's words.
         self.missed = ""
         self._asks: dict[str, asyncio.Task[None]] = {}  # standby -> its Join asked as a step opened
+        self._behind: dict[str, int] = {}  # standby -> steps in a row it opened > LAG_BOUND behind
+        self._failed: dict[str, int] = {}  # standby -> its asks in a row that failed
+        # Peers replaced for falling behind, with why: never chosen again while on their stage.
+        self.passed_over: dict[str, str] = {}
+        self.short: list[int] = []  # stages short of `wanted` after the last boundary's choice
 
     def peers(self) -> set[str]:
         """The standbys now, of every stage."""
@@ -65,11 +105,11 @@ class Standbys:
         if not self.wanted and not self._stage:
             return []
         listed = {r.peer: k for k, stage in enumerate(members) for r in stage}
+        self.passed_over = {p: why for p, why in self.passed_over.items() if p in listed}
         for peer, k in list(self._stage.items()):
             if listed.get(peer) != k:
                 log.info("standby %s of stage %d is gone", peer, k)
-                del self._stage[peer]
-                self._at.pop(peer, None)
+                self._forget(peer)
         # A rollback loads its checkpoint on every peer listed, standbys too, which makes them
         # members: they stand by again where a replica on another host stays; one that is its
         # stage's only replica now (the others died with the rollback's cause) stays its replica.
@@ -82,11 +122,13 @@ class Standbys:
                 demoted.append(peer)
             else:
                 log.info("standby %s is stage %d's replica now (a rollback loaded it)", peer, k)
-                del self._stage[peer]
-                self._at.pop(peer, None)
+                self._forget(peer)
+        speeds = [{r.peer: r.throughput for r in stage} for stage in members]
+        if self.only_spares:
+            self._release(speeds)
         for k, stage in enumerate(members):
             while sum(s == k for s in self._stage.values()) < self.wanted:
-                picked = self._pick(k, stage, synced)
+                picked = self._pick(k, stage, synced, speeds)
                 if picked is None:
                     break
                 self._stage[picked.peer] = k
@@ -95,29 +137,108 @@ class Standbys:
                 )
                 if picked.peer in synced:
                     demoted.append(picked.peer)
-        return demoted
+        # Stages left short: none of their own peers may stand by; a spare of another stage
+        # may be moved there (`scheduler.rebalance_loop.Mover.stand_by`).
+        self.short = [
+            k
+            for k in range(len(members))
+            if sum(s == k for s in self._stage.values()) < self.wanted
+        ]
+        return [p for p in demoted if p in self._stage]
 
-    def _pick(self, stage: int, listed: list[Replica], synced: set[str]) -> Replica | None:
+    def _pick(
+        self, stage: int, listed: list[Replica], synced: set[str], speeds: list[dict[str, float]]
+    ) -> Replica | None:
         """The peer of `stage` (`listed`) to make its next standby, None when none may be."""
         replicas = [r for r in listed if r.peer in synced and r.peer not in self._stage]
         held = {self.host(p) for p, k in self._stage.items() if k == stage}
         fits = []
         for c in listed:
-            if c.peer in self._stage:
+            if c.peer in self._stage or c.peer in self.passed_over:
                 continue
             left = {self.host(r.peer) for r in replicas if r.peer != c.peer}
             if left and self.host(c.peer) not in left:  # a replica stays, on another host
-                fits.append(c)
-        # A joiner first, a host no standby of the stage is on first, the slowest replica first.
-        fits.sort(key=lambda c: (c.peer in synced, self.host(c.peer) in held, c.throughput, c.peer))
-        return fits[0] if fits else None
+                free = spare(speeds, {*self._stage, c.peer}, self.min_replicas)
+                routers = {self.router(r.peer) for r in replicas if r.peer != c.peer} - {""}
+                fits.append((c, free, self.router(c.peer) in routers))
+        if self.only_spares:
+            fits = [f for f in fits if f[1]]
+        # A spare first, a joiner first, a router none of the stage's replicas is behind
+        # first, a host no standby of the stage is on first, the slowest replica first.
+        fits.sort(
+            key=lambda f: (
+                not f[1],
+                f[0].peer in synced,
+                f[2],
+                self.host(f[0].peer) in held,
+                f[0].throughput,
+                f[0].peer,
+            )
+        )
+        return fits[0][0] if fits else None
 
-    def nudge(self, peer: Replica, join: Coroutine[Any, Any, int]) -> bool:
-        """As a step opens: ask the standby `peer` (its Join, `join`, which fetches the step's
+    def _release(self, speeds: list[dict[str, float]]) -> None:
+        """Under `only_spares`: standbys the job needs now (their stage fell to the bottleneck,
+        a replica left) serve again, the one whose return lifts the bottleneck most first."""
+        out = set(self._stage)
+        while out and not spare(speeds, out, self.min_replicas):
+            back = max(sorted(out), key=lambda p: bottleneck(speeds, out - {p}))
+            out.discard(back)
+            stage = self._stage[back]
+            self._forget(back)
+            self._say(
+                stage,
+                back,
+                f"standby {back} of stage {stage} serves again: the job needs it as a replica "
+                "(without it the slowest stage is slower); a spare stands by when there is one",
+            )
+
+    def _forget(self, peer: str) -> None:
+        self._stage.pop(peer, None)
+        self._at.pop(peer, None)
+        self._behind.pop(peer, None)
+        self._failed.pop(peer, None)
+
+    def _say(self, stage: int, peer: str, text: str) -> None:
+        log.warning("%s", text)
+        for told in self.said:
+            told(stage, peer, text)
+
+    def _replace(self, peer: str, why: str) -> None:
+        """`peer` fell behind (`why`): an ordinary peer of its stage from now on, never chosen
+        again; another stands by from the next boundary, if one may."""
+        stage = self._stage[peer]
+        self._forget(peer)
+        self.passed_over[peer] = why
+        asking = self._asks.pop(peer, None)
+        if asking is not None:
+            asking.cancel()
+        self._say(
+            stage,
+            peer,
+            f"standby {peer} of stage {stage} replaced: {why}; another peer of the stage stands "
+            "by from the next step, if one may",
+        )
+
+    def nudge(self, peer: Replica, join: Coroutine[Any, Any, int], step: int) -> bool:
+        """As `step` opens: ask the standby `peer` (its Join, `join`, which fetches the step's
         update at once) in the background, one ask at a time; the pool never waits for a standby,
-        however slow its link. False (`join` left to the caller) for a peer that is no standby."""
-        if peer.peer not in self._stage:
+        however slow its link, nor for one replaced (`passed_over`: its own loop admits it once
+        it caught up). A standby behind by more than `LAG_BOUND` as `LAG_STEPS` steps in a row
+        open is replaced. False (`join` left to the caller) for any other peer."""
+        if peer.peer not in self._stage and peer.peer not in self.passed_over:
             return False
+        lag = self.lag(peer.peer, step) if peer.peer in self._stage else None
+        if lag is not None and lag > LAG_BOUND:
+            self._behind[peer.peer] = behind = self._behind.get(peer.peer, 0) + 1
+            if behind >= LAG_STEPS:
+                self._replace(
+                    peer.peer,
+                    f"it was more than {LAG_BOUND} steps behind as {behind} steps in a row "
+                    f"opened ({lag} at step {step}): its link does not keep up with the updates",
+                )
+        elif lag is not None:
+            self._behind.pop(peer.peer, None)
         asking = self._asks.get(peer.peer)
         if asking is not None and not asking.done():
             join.close()  # the one before is still on its way: this one is not sent
@@ -127,9 +248,20 @@ class Standbys:
 
     async def _ask(self, peer: str, join: Coroutine[Any, Any, int]) -> None:
         try:
-            self.answered(peer, await join)
+            at = await join
         except SwarmError as e:  # its own loop asks again; a standby gone is forgotten
             log.info("standby %s did not answer its Join: %s", peer, e)
+            if peer not in self._stage:
+                return
+            self._failed[peer] = failed = self._failed.get(peer, 0) + 1
+            if failed >= FAILED_ASKS:
+                self._asks.pop(peer, None)  # this ask, ending: nothing to cancel
+                self._replace(
+                    peer, f"its last {failed} asks for the stage's updates failed ({brief(e)})"
+                )
+            return
+        self._failed.pop(peer, None)
+        self.answered(peer, at)
 
     def asking(self) -> list[asyncio.Task[None]]:
         """The asks in flight, cancelled (the coordinator closes)."""
@@ -138,8 +270,10 @@ class Standbys:
         return list(self._asks.values())
 
     def answered(self, peer: str, at: int) -> None:
-        """`peer`'s Join said it is a copy at `at` (-1: still copying)."""
-        if peer in self._stage:
+        """`peer`'s Join said it is a copy at `at` (-1: still copying). One that held a copy
+        and copies again (its follow failed: it fell out of its source's update log) is still
+        at the step it held, and falls behind from there."""
+        if peer in self._stage and (at >= 0 or self._at.get(peer, -1) < 0):
             self._at[peer] = at
 
     def lag(self, peer: str, step: int) -> int | None:
@@ -148,7 +282,12 @@ class Standbys:
         return None if at < 0 else max(0, step - at)
 
     def words(self, peer: str, step: int, source: str) -> str:
-        """What `swarm status` says of the standby `peer` at the coordinator's `step`."""
+        """What `swarm status` says of the standby `peer` at the coordinator's `step`, or of one
+        replaced until it joins; "" for any other peer."""
+        if peer in self.passed_over:
+            return f"replaced as standby ({self.passed_over[peer]}); joins once it caught up"
+        if peer not in self._stage:
+            return ""
         lag, stage = self.lag(peer, step), self._stage.get(peer)
         if lag is None:
             return f"standby for stage {stage}: copying the state of {source or 'a member'}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +22,8 @@ from stage_server.replica.worker import Worker
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
+
+T = TypeVar("T")
 
 __all__ = ["Answered", "Answering"]
 
@@ -62,17 +64,35 @@ class Answering:
 
     def run(self, h: Any) -> Callable[..., Awaitable[tuple[Any, float]]]:
         """How the call of header `h` takes the worker: ahead of the calls queued in turn where
-        it is an audit's re-execution (`Worker.run_ahead`, issue 69), else in turn. On the push
-        plane, whose training and evaluation go through Push alone, a Backward is one, and a
-        Forward or a ForwardBackward that does not evaluate (on the relay plane they train)."""
+        it is an audit's re-execution (`Worker.run_ahead`, issue 69), else in turn."""
+        return self.worker.run_ahead if self.redoes(h) else self.worker.run_then
+
+    def redoes(self, h: Any) -> bool:
+        """Whether the call of header `h` is an audit's re-execution. On the push plane, whose
+        training and evaluation go through Push alone, a Backward is one, and a Forward or a
+        ForwardBackward that does not evaluate (on the relay plane they train)."""
         if isinstance(h, pb.StageBackwardRequest):
             redo = True
         elif isinstance(h, (pb.StageForwardRequest, pb.StageForwardBackwardRequest)):
             redo = not h.evaluate
         else:  # a Push's, at a stage of its path
             redo = False
-        pushing = self._runtime().job.runtime.data_plane == "push"
-        return self.worker.run_ahead if pushing and redo else self.worker.run_then
+        return redo and self._runtime().job.runtime.data_plane == "push"
+
+    def computing(self, h: Any, fn: Callable[..., T]) -> Callable[..., T]:
+        """`fn`, the compute of the call of header `h`, as the worker runs it: a re-execution
+        (`redoes`) may compute on the step before's parameters where they are kept for its
+        late audits (`stage_server.replica.prior_params`, issue 69)."""
+        if not self.redoes(h):
+            return fn
+        prior = self._runtime().copies
+
+        @functools.wraps(fn)  # named as `fn` is (the benches' timeline: `swarm.ops.timeline`)
+        def redoing(*args: Any, **kwargs: Any) -> T:
+            with prior.redoing():
+                return fn(*args, **kwargs)
+
+        return redoing
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
@@ -105,12 +125,14 @@ class Answering:
             encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
             return loss, encoded, done
 
+        computed = self.computing(h, fn)
+
         @functools.wraps(fn)  # named as `fn` is (the benches' timeline: `swarm.ops.timeline`)
         def admitted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
             # On the worker, as a rollback's state load is: work leased before the rollback that
             # lands after the load is refused, not added to the replayed step (`swarm.rpc.epoch`)
             self._runtime().sums.admit(h.microbatch.epoch, step, index)
-            return fn(*args, **kwargs)
+            return computed(*args, **kwargs)
 
         (loss, grad, done), queued = await self.run(h)(
             admitted,

@@ -307,6 +307,7 @@ class PushPlane:
         if not call.run or not rt.job.trust.audit_fraction or rule_of(rt.job).rounds:
             return NO_RECORD
         record = self.records.begin(rt.stage, call.step, call.index, call.run)
+        rt.copies.recorded(call.step)  # its audit may end after its step commits (`prior_params`)
         self.messages.metrics.recorded()
         record.received("inputs", call.crossing.hidden, came.get("inputs"))
         tokens = None if rt.is_first else call.crossing.tokens  # the first stage's: none kept

@@ -20,9 +20,9 @@ import torch
 
 from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
-from stage_server.replica.delayed_copies import copies_for
 from stage_server.replica.following import Following
 from stage_server.replica.gradient_digest import backprop_apart
+from stage_server.replica.prior_params import PriorParams
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
 from stage_server.replica.step_sums import Receipt, Sums
@@ -67,8 +67,8 @@ class StageRuntime:
         self.optimizer = build_optimizer(self.params, job.optimizer)
         self.step = 0  # steps committed so far; the step being accumulated
         self.rule = rule_of(job)
-        # the parameters each step computes on: the module's, or delayed_update's copies
-        self.copies = copies_for(job, stage, self.module)
+        # the parameters each step computes on: the module's, delayed_update's copies, an audit's
+        self.copies = PriorParams.of(job, stage, self.module)
         self.sums = Sums(self.params)  # step -> its sums: `step`, and `step + 1` if delayed
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache = ActivationCache()
@@ -97,6 +97,8 @@ class StageRuntime:
     # -- validation -----------------------------------------------------------------------------
     def _check_step(self, step: int, next_ok: bool = False) -> None:
         """`step` must be this replica's; with `next_ok` under delayed_update, or the next."""
+        if self.copies.holds(step):  # an audit's late re-execution of the step before
+            return
         if step != self.step and not (
             next_ok and self.step < step <= self.step + self.copies.ahead
         ):
@@ -259,7 +261,7 @@ class StageRuntime:
         want_x = need_grad_inputs and not self.is_first
         params = self.copies.params_at(step, self.step)
         samples = int(x.shape[0])
-        sums = self.sums.of(step)
+        sums = self.copies.sums_of(self.sums, step, self.step, accumulate)
         duplicate = index in sums.receipts
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
         if accumulate and not duplicate:  # its receipt once the sums hold it whole
@@ -358,6 +360,7 @@ class StageRuntime:
         learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
         # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
         self.updates.record(Update(self.step, grad_sums, total_samples, scale))
+        self.copies.keep(self.step, self.params)  # for the step's late audits, before it moves
         self.snapshots.detach()  # the state changes in place
         # This step's own sums: not needed once prepared (averaged in place, they are
         # `grad_sums` now; a replica alone prepares them as they are).

@@ -345,7 +345,9 @@ class RuntimeConfig(Section):
     #: replicas every stage gets before any stage gets more, and keeps when peers are moved to
     #: the bottleneck (count; 0: the scheduler's `--min-replicas`, 1 unless it says)
     min_replicas: int = _f(0, GE0)
-    standby: int = _f(0, GE0)  #: peers per stage following it, to take it over if lost (count)
+    #: peers per stage following it, to take it over if lost (count); "auto": one where a peer
+    #: the job does not need serving has room (`swarm.policy.spares`), else none
+    standby: int | Literal["auto"] = _f("auto", GE0)
     #: seconds with no committed step before a job stops, or shows `stalled`, naming the cause
     patience_s: float = _f(600.0, (lambda v: 0 < v < math.inf, "finite and > 0"))
 

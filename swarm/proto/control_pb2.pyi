@@ -14,6 +14,7 @@ class PeerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PEER_STATE_SERVING: _ClassVar[PeerState]
     PEER_STATE_DRAINING: _ClassVar[PeerState]
     PEER_STATE_OFFLINE: _ClassVar[PeerState]
+    PEER_STATE_STANDBY: _ClassVar[PeerState]
 
 class PeerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ PEER_STATE_JOINING: PeerState
 PEER_STATE_SERVING: PeerState
 PEER_STATE_DRAINING: PeerState
 PEER_STATE_OFFLINE: PeerState
+PEER_STATE_STANDBY: PeerState
 PEER_ROLE_STAGE_SERVER: PeerRole
 PEER_ROLE_RELAY: PeerRole
 PEER_ROLE_AGGREGATOR: PeerRole

@@ -337,7 +337,7 @@ class SchedulerLeaseMicrobatchesResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[LeaseTask, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class MicrobatchReport(_message.Message):
-    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched", "stage_runs", "audit_runs", "digests")
+    __slots__ = ("step", "index", "holders", "loss_sum", "samples", "chain", "back", "verdicts", "touched", "stage_runs", "audit_runs", "digests", "late")
     class HoldersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +364,7 @@ class MicrobatchReport(_message.Message):
     STAGE_RUNS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_RUNS_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     holders: _containers.ScalarMap[int, str]
@@ -376,7 +377,8 @@ class MicrobatchReport(_message.Message):
     stage_runs: int
     audit_runs: int
     digests: _containers.RepeatedCompositeFieldContainer[GradientDigest]
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ..., digests: _Optional[_Iterable[_Union[GradientDigest, _Mapping]]] = ...) -> None: ...
+    late: bool
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., holders: _Optional[_Mapping[int, str]] = ..., loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., chain: _Optional[_Iterable[str]] = ..., back: _Optional[_Mapping[int, str]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., touched: _Optional[_Iterable[str]] = ..., stage_runs: _Optional[int] = ..., audit_runs: _Optional[int] = ..., digests: _Optional[_Iterable[_Union[GradientDigest, _Mapping]]] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("peer", "stage", "evidence", "auditors")

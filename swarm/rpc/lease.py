@@ -131,6 +131,10 @@ class MicrobatchResult:
     stage_runs: int = 0
     audit_runs: int = 0
     digests: tuple[GradientDigest, ...] = ()  # of its stages whose contribution is audited
+    # An audit's own report, after its microbatch's was (issue 69: the audit ended off the step's
+    # critical path, `client.audit.late_audits`): its verdicts, `audit_runs` and `digests` act
+    # as any report's; it is never counted as the microbatch's work (the ledger never sees it).
+    late: bool = False
 
 
 # (step, index): a microbatch a trainer is still working on, named in a lease to renew it
@@ -269,6 +273,7 @@ def result_to_proto(result: MicrobatchResult) -> spb.MicrobatchReport:
             )
             for d in result.digests
         ],
+        late=result.late,
     )
     if result.loss_sum is not None:
         msg.loss_sum = result.loss_sum
@@ -297,4 +302,5 @@ def result_from_proto(msg: spb.MicrobatchReport) -> MicrobatchResult:
             )
             for d in msg.digests
         ),
+        msg.late,
     )

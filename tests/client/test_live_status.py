@@ -167,6 +167,21 @@ def test_a_replica_still_joining_is_shown_with_what_it_waits_for_and_not_counted
     assert events(after, admitted) == ["p5 joined stage 0"]
 
 
+def test_a_standby_is_shown_as_standby_with_its_lag_and_neither_counted_nor_joining() -> None:
+    # Issue 67: a standby follows its stage's updates and serves nothing; status names it so,
+    # with its lag in steps, and watching, it does not "join" until it is promoted.
+    s = _status(7, {"p0": 0, "p1": 1})
+    words = "standby for stage 0, 1 step behind (following p0)"
+    s.stages[0].replicas.append(
+        spb.Replica(peer="sb", device="cpu", state=cpb.PEER_STATE_STANDBY, joining=words)
+    )
+    lines = status_lines(s, now=0.0)
+    assert "stage 0 (layer 0): 1 replica(s), 1 standby" in lines
+    row = next(line for line in lines if line.startswith("  sb"))
+    assert row.endswith(words)
+    assert events(_status(7, {"p0": 0}), s) == ["p1 joined stage 1"]
+
+
 def test_each_replica_shows_its_path_and_link_rates_and_an_unreachable_one_its_remedy() -> None:
     s = _status(7, {})
     s.stages[0].replicas.extend(

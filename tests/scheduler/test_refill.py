@@ -77,6 +77,19 @@ def test_a_spare_replica_is_moved_at_once_and_once() -> None:
     assert asyncio.run(mover.refill([])) == {}
 
 
+def test_a_standby_is_no_replica_to_give_its_stage_a_spare() -> None:
+    # Issue 67: stage 2's second peer, c, stands by (serves nothing). Moving b to the empty
+    # stage would leave stage 2 with no replica: it has no spare, and none is moved (seen in
+    # test_standby: the stage's standby then took it over, a promotion nobody asked for). Nor is
+    # the standby itself moved: it holds its own stage's state.
+    registry, assignments, _, moves = _scheduler()
+    _stage_1_lost(registry)
+    mover = Mover("j", 3, RebalanceConfig(), assignments, moves, 1, lambda: {"c"})
+    assert asyncio.run(mover.refill([1])) == {}
+    assert assignments.on_the_way("j", 3) == [[], [], []]
+    assert moves.labels(job="j")._value.get() == 0.0
+
+
 def test_an_idle_peer_goes_first_and_no_spare_leaves_the_remedy() -> None:
     registry, assignments, mover, moves = _scheduler()
     _stage_1_lost(registry)

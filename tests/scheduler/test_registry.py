@@ -408,6 +408,20 @@ def test_shown_counts_a_peer_serving_only_once_admitted_and_says_what_the_rest_w
     assert reg.given("j", "c") is None
 
 
+def test_shown_names_the_coordinators_standbys_standby_with_their_words() -> None:
+    # Issue 67: a standby serves its stage's announcement but is no member; status shows it as
+    # STANDBY (not joining), with the coordinator's words (its lag in steps).
+    reg = registry(FakeClock())
+    for message in (serving("a", 0), serving("b", 0)):
+        reg.announce(message)
+    words = {"b": "standby for stage 0, 0 steps behind (following a)"}
+    shown = reg.shown("j", {"a"}, words, standbys={"b"})
+    assert [(s.announcement.peer, s.state, s.joining) for s in shown] == [
+        ("a", cpb.PEER_STATE_SERVING, ""),
+        ("b", cpb.PEER_STATE_STANDBY, words["b"]),
+    ]
+
+
 def test_status_shows_a_replicas_live_speed_not_the_one_it_measured_at_join() -> None:
     """Issue 51: samples/s in `swarm status` stayed at the join-time figure while the peer slowed
     down (another program on its GPU) or sped up; it follows the load reports now."""

@@ -13,59 +13,15 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.support.once import once
+from tests.support.device_check import Checked
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(520)]
-
-
-@dataclass
-class Checked:
-    """One quick run of the device check on the CPU: its exit status, output and $OUT."""
-
-    code: int
-    output: str
-    out: Path
-
-    @property
-    def summary(self) -> str:
-        return (self.out / "gpu_check.txt").read_text()
-
-    def log(self, part: str) -> str:
-        return (self.out / "gpu_check_logs" / f"{part}.log").read_text()
-
-
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
-    """The check, run once per pytest run (`once`: its tests may be dealt to both workers) for
-    the tests that read what it said."""
-    with once(tmp_path_factory, "gpu-check") as (tmp_path, first):
-        if first:
-            env = {
-                **os.environ,
-                "PYTHON": sys.executable,
-                "OUT": str(tmp_path / "out"),
-                "GPU_CHECK_WHEELS": "",
-                "TMPDIR": str(tmp_path),
-            }
-            done = subprocess.run(
-                [str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--quick"],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=500,  # the check's own budget (QUICK_TOTAL_S) and its smoke's, beyond it
-            )
-            (tmp_path / "code").write_text(str(done.returncode))
-            (tmp_path / "output").write_text(done.stdout + done.stderr)
-        code = int((tmp_path / "code").read_text())
-        return Checked(code, (tmp_path / "output").read_text(), tmp_path / "out")
 
 
 def check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Checked:
@@ -85,16 +41,16 @@ def check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Chec
         text=True,
         timeout=400,
     )
-    return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out")
+    return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out", tmp_path)
 
 
 def files_under(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
-def test_the_device_check_runs_green_on_a_cpu(checked: Checked) -> None:
-    assert checked.code == 0, checked.output
-    summary = checked.summary
+def test_the_device_check_runs_green_on_a_cpu(quick_check: Checked) -> None:
+    assert quick_check.code == 0, quick_check.output
+    summary = quick_check.summary
     assert "9 of 9 parts passed" in summary, summary
     for part in (
         "environment",
@@ -121,7 +77,7 @@ def test_the_device_check_runs_green_on_a_cpu(checked: Checked) -> None:
     ), summary
     assert "swarm against torch on the same device" in summary and "| swarm | " in summary
     assert "MPS A/B: not available: cpu is not a CUDA device" in summary, summary
-    assert (checked.out / "gpu_check_logs" / "train-fp32.log").exists()
+    assert (quick_check.out / "gpu_check_logs" / "train-fp32.log").exists()
     # the device-failure part's dry run: the injected failure (no allocator to cap on a CPU),
     # replayed, and float64 against the CPU reference: bitwise on a CPU
     assert "float64 on cpu against the CPU reference 0.00e+00" in summary, summary
@@ -130,9 +86,9 @@ def test_the_device_check_runs_green_on_a_cpu(checked: Checked) -> None:
     # every part ended whole and was checked before the next: said in its figures
     assert summary.count("left behind: ") == 9, summary
     # $OUT: the summary and each part's log, as the plan says (a device run's is <= 8)
-    assert files_under(checked.out) == sorted(
+    assert files_under(quick_check.out) == sorted(
         ["gpu_check.txt"] + [f"gpu_check_logs/{p}.log" for p in QUICK_LOGS]
-    ), files_under(checked.out)
+    ), files_under(quick_check.out)
 
 
 QUICK_LOGS = (
@@ -148,9 +104,9 @@ QUICK_LOGS = (
 )
 
 
-def test_the_ratio_bench_runs_on_a_cpu_and_swarm_agrees_with_torch(checked: Checked) -> None:
+def test_the_ratio_bench_runs_on_a_cpu_and_swarm_agrees_with_torch(quick_check: Checked) -> None:
     """bench/gpu_ratio.py --cpu-tiny --shapes short --warmup 1 --steps 2 (the part's command)."""
-    output = checked.log("gpu-ratio")
+    output = quick_check.log("gpu-ratio")
     assert "| run | tokens/s | ratio | p50 s | p90 s |" in output
     for run in ("microbatched-eager", "pass-eager", "swarm"):
         assert f"| {run} | " in output, output
@@ -260,18 +216,18 @@ def test_the_device_check_fits_one_call_of_a_lent_machine(tmp_path: Path) -> Non
     assert "installing" not in done.output  # a plan installs no wheels either
 
 
-def test_the_smoke_part_passes_on_a_cpu(checked: Checked) -> None:
+def test_the_smoke_part_passes_on_a_cpu(quick_check: Checked) -> None:
     """The device check's first part, as on a GPU, with the tiny model on the CPU: 2 steps on
     4 real stage servers x 1, both shapes, through the handover; their INFO logs kept. Read from
     the quick run, whose smoke is `--parts smoke`'s very command (checked in
     test_parts_are_chosen_by_name_and_a_cpu_run_is_the_fault_check_s_dry_run)."""
-    summary = checked.summary
+    summary = quick_check.summary
     smoke = summary.split("PASS    smoke (", 1)[1].split("PASS    doctor (", 1)[0]
     for shape in ("short", "long"):
         handed = re.search(rf"{shape}: losses \[[^\]]+\], (\d+) tensors handed over", smoke)
         assert handed and int(handed.group(1)) > 0, summary
     assert "left behind: no process" in smoke, summary
-    log = checked.log("smoke")
+    log = quick_check.log("smoke")
     for shape in ("short", "long"):
         for k in range(4):  # each server's INFO log, its stop included
             assert f"--- {shape}-swarm-stage-{k}.log" in log, log

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.device_check import Checked
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PICKED = """
@@ -100,11 +102,14 @@ def test_tests_are_picked_by_their_skip_reason_or_a_cuda_device_parameter(tmp_pa
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="where torch has a GPU they run")
-def test_every_test_the_check_picks_from_the_suite_skips_without_a_gpu(tmp_path: Path) -> None:
-    """The whole suite, as the check runs it: what it keeps needs CUDA, so here (no GPU) each
+def test_every_test_the_check_picks_from_the_suite_skips_without_a_gpu(
+    quick_check: Checked,
+) -> None:
+    """The whole suite, as the check runs it (its quick run's "CUDA tests" part, which collected
+    the suite with bench/gpu_cuda_tests.py): what it keeps needs CUDA, so here (no GPU) each
     one skips; the CUDA handover's tests are among them, and the CPU tests of CUDA names (the
     deterministic switch's "CUDA:1") are not."""
-    outcomes = picked(tmp_path, "tests", cwd=ROOT)
+    outcomes = quick_check.cuda_tests()
     assert outcomes and set(outcomes.values()) == {"skipped"}, outcomes
     handover = "tests/swarm/device/test_cuda_handover.py::"
     assert sum(name.startswith(handover) for name in outcomes) >= 2, sorted(outcomes)

@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm, start_process
+from swarm.local.procs import (
+    LocalSwarm,
+    SwarmProcess,
+    start_local_swarm,
+    start_process,
+    stop_all,
+)
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
@@ -86,6 +92,15 @@ def _start_relay(sw: LocalSwarm, name: str) -> SwarmProcess:
     return relay
 
 
+def _stop(sw: LocalSwarm, relays: list[SwarmProcess]) -> None:
+    """The peers, then the relays, then the scheduler: a relay announces itself offline as it
+    stops, and with the scheduler's embedded broker gone first it waited out its publish
+    timeout (10 s) for a broker that never came back."""
+    stop_all(sw.peers)
+    stop_all(relays)
+    sw.stop()
+
+
 def test_a_relay_killed_mid_step_is_replaced_without_a_rollback_and_stays_exact(
     tmp_path: Path,
 ) -> None:
@@ -145,9 +160,7 @@ def test_a_relay_killed_mid_step_is_replaced_without_a_rollback_and_stays_exact(
         assert _rollbacks(_metrics(sw.scheduler)) == 0, "a rollback while another path existed"
         assert "rolled back" not in sw.scheduler.log()
     finally:
-        sw.stop()
-        for relay in relays:
-            relay.stop()
+        _stop(sw, relays)
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
     # It went from one relay to the other, never announced without one (nobody could call it
     # then, and it warned that no other relay answers while one did).
@@ -194,9 +207,7 @@ def test_a_peer_behind_nat_with_no_relay_says_so_waits_unassigned_and_serves_onc
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         assert f"attached to relay {relays[0].ready['address']}" in nat.log()
     finally:
-        sw.stop()
-        for relay in relays:
-            relay.stop()
+        _stop(sw, relays)
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
@@ -239,9 +250,7 @@ def test_a_remote_trainer_reaches_a_nat_peer_through_its_relay(tmp_path: Path) -
         assert _tunnels(relays[0]) - before >= 1, "no call went through the relay"
         assert "127.0.0.2" not in remote.log(), remote.log()[-2000:]  # never dialled directly
     finally:
-        sw.stop()
-        for relay in relays:
-            relay.stop()
+        _stop(sw, relays)
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
 
 
@@ -267,6 +276,4 @@ def test_a_nat_peer_reads_relayed_after_its_start(tmp_path: Path, flag: list[str
         info = _metrics(nat)
         assert re.search(r'swarm_peer_info\{[^}]*reachability="relayed"', info), info[-2000:]
     finally:
-        sw.stop()
-        for relay in relays:
-            relay.stop()
+        _stop(sw, relays)

@@ -24,6 +24,7 @@ from tests.support.waiting import wait_until_blocking
 pytestmark = pytest.mark.slow
 
 STANDBY = re.compile(r"standby for stage (\d+), (\d+) steps? behind")
+PROMOTED = re.compile(r"(\S+) promoted from standby to replica of stage (\d+) at step (\d+)")
 
 
 def _swarm_on_hosts(tmp_path: Path, hosts: int) -> LocalSwarm:
@@ -40,24 +41,31 @@ def _swarm_on_hosts(tmp_path: Path, hosts: int) -> LocalSwarm:
     return sw
 
 
-def _wait_step(sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 240) -> int:
+def _wait_step(
+    sw: LocalSwarm, job_id: str, at_least: int, timeout: float = 240, seen: list[int] | None = None
+) -> int:
+    """The job's step once at `at_least`; `seen` collects each step status said meanwhile."""
+
     def step() -> int | None:
         try:
             step = int(job_status_message(sw.address, job_id).step)
         except ClientError:
             return None
+        if seen is not None:
+            seen.append(step)
         return step if step >= at_least else None
 
     return wait_until_blocking(step, f"job {job_id} at step {at_least}", timeout_s=timeout)
 
 
-def _standby_at_the_step(sw: LocalSwarm, job_id: str) -> tuple[int, str, list[str]]:
-    """(stage, standby, the stage's replicas) once some stage's standby is 0 steps behind, seen
-    in the first look after a step opened: the kill that follows comes early in the step, not
-    between its commit and the standby's fetch of it (it would be a step behind then)."""
+def _standby_at_the_step(sw: LocalSwarm, job_id: str) -> tuple[int, str, list[str], int]:
+    """(stage, standby, the stage's replicas, the step) once some stage's standby is 0 steps
+    behind, seen in the first look after a step opened: the kill that follows comes early in
+    the step, not between its commit and the standby's fetch of it (it would be a step behind
+    then). Status shows it as standby (its own state), with its lag."""
     last = [-1]
 
-    def found() -> tuple[int, str, list[str]] | None:
+    def found() -> tuple[int, str, list[str], int] | None:
         status: dict[str, Any] = job_status(sw.address, job_id)
         step = int(status.get("step", 0))
         opened = last[0] not in (-1, step)
@@ -69,9 +77,10 @@ def _standby_at_the_step(sw: LocalSwarm, job_id: str) -> tuple[int, str, list[st
             for r in replicas:
                 said = STANDBY.search(r.get("joining", ""))
                 if said and int(said[1]) == k and said[2] == "0":
+                    assert r["state"] == "PEER_STATE_STANDBY", r
                     others = [o["peer"] for o in replicas if o["peer"] != r["peer"]]
                     if others:
-                        return k, r["peer"], others
+                        return k, r["peer"], others, step
         return None
 
     what = "a standby 0 steps behind as a step opened"
@@ -90,28 +99,36 @@ def _rollbacks(sw: LocalSwarm, job_id: str) -> str:
 
 
 def test_a_stage_lost_whole_is_served_by_its_standby_without_a_rollback(tmp_path: Path) -> None:
-    # Two stages on four peers of four hosts: a stage with two peers keeps one as its standby.
-    # Every replica of that stage is SIGKILLed mid-job; its standby, at the step, is promoted:
-    # the job's history says so, no rollback runs, and the result is `swarm local`'s.
+    # Two stages on four peers of four hosts: a stage with two peers keeps one as its standby
+    # (asked by number: two stages of two equal peers have none to spare). Every replica of
+    # that stage is SIGKILLed mid-job; its standby, at the step, is promoted: the job's history
+    # says so, no rollback runs, the job goes on from the step the loss hit (no step run
+    # again), and the result is `swarm local`'s.
     job = write_job(
         tmp_path,
         training={"stages": 2, "steps": 16, "target_batch_size": 16, "checkpoint_every": 4},
         runtime={"standby": 1},
     )
     sw = _swarm_on_hosts(tmp_path, 4)
+    seen: list[int] = []
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         _wait_step(sw, job_id, 2)
-        stage, standby, replicas = _standby_at_the_step(sw, job_id)
+        stage, standby, replicas, lost_at = _standby_at_the_step(sw, job_id)
         for peer in replicas:
             _process(sw, peer).kill()
-        _wait_step(sw, job_id, 16)
+        _wait_step(sw, job_id, 16, seen=seen)
         swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
         history = "\n".join(e["text"] for e in job_status(sw.address, job_id)["events"])
         rollbacks = _rollbacks(sw, job_id)
     finally:
         sw.stop()
-    assert f"{standby} promoted from standby to replica of stage {stage}" in history, history
+    said = PROMOTED.search(history)
+    assert said is not None and said.group(1, 2) == (standby, str(stage)), history
+    # Promoted at the step the loss hit (the one open as the stage was killed, or the next if
+    # that one committed before the kill landed): none was run again.
+    assert lost_at <= int(said[3]) <= lost_at + 1, (lost_at, said[0])
+    assert seen == sorted(seen) and seen[0] >= lost_at, seen  # the job's step never went back
     assert "rolled back" not in history, history
     assert rollbacks in ("0", "0.0"), rollbacks
     assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
@@ -129,7 +146,7 @@ def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) 
     try:
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         _wait_step(sw, job_id, 5)
-        stage, standby, replicas = _standby_at_the_step(sw, job_id)
+        stage, standby, replicas, _ = _standby_at_the_step(sw, job_id)
         _process(sw, standby).kill()
         for peer in replicas:
             _process(sw, peer).kill()

@@ -39,7 +39,8 @@ job for good, and its influence is replayed away.
   microbatches are replayed. A verdict's own result is dropped the same way.
 - **Contributions**: the audit of what a replica adds into its sums (`contributions`) is drawn
   with the step's tasks (`audited`), fed the trainers' digests with their reports (`screen`),
-  and judged at the round, which bans the same way (`ban`).
+  and judged at the round, which bans the same way (`ban`); where digests were still out at
+  the round, when they come (`screen`) or at the end of the next step's commit (`settle`).
 - **Sums**: a replica owner whose round's sum checks convict it (`sum_liars`) is banned the
   same way (`ban`). The sum caught was refused before anything applied it, but a peer proven
   hostile may have lied where no check looks (an answer not sampled, a forgery within the
@@ -62,7 +63,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
-from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.contributions import Contributions, Late
 from scheduler.coordinator.trust.standing import Ban, Standing
 from swarm.job.config import JobConfig
 from swarm.net.seats import seat
@@ -181,7 +182,7 @@ class Bans:
         cost."""
         self.metrics.stage_runs.inc(result.stage_runs)
         self.metrics.audit_runs.inc(result.audit_runs)
-        self.contributions.record(result)
+        await self._late(self.contributions.record(result))
         # Worked on at `result.step`: a peer that joined after the step's leases went out (so
         # `saw` missed it there) may still have been routed to by a trainer following it.
         for peer in result.touched:
@@ -197,6 +198,17 @@ class Bans:
             for stage, peer in sorted(result.holders.items()):
                 await self.void(ledger, stage, peer)
         return True
+
+    async def settle(self, step: int) -> None:
+        """Step `step` committed: the audits of contributions of the steps before it whose
+        digests were still out are judged with what came (`Contributions.bound`)."""
+        await self._late(self.contributions.bound(step))
+
+    async def _late(self, found: Sequence[Late]) -> None:
+        """Ban the replicas whose contributions a late judgement found wrong: as at the round,
+        the rollback replays the step they were applied in away."""
+        for peer, stage, evidence, step in found:
+            await self.ban(peer, stage, evidence, step)
 
     def _convicts(self, verdict: Verdict) -> bool:
         """Whether `verdict` convicts: its auditors (where it names two or more) are seats of

@@ -26,6 +26,14 @@ no trainer sees, held to its microbatches re-executed by others of its stage.
   history, the rollback and the replay that make the job `swarm local`'s again). A microbatch
   without a digest (an auditor gone, a replay from the cache) skips the audit: no evidence
   either way. Two auditors that disagreed are judged between by q·x_j (`digest_disputes`).
+- **Judged late, where its digests come late**: on the push plane a microbatch is reported
+  before its audit ends (issue 69 item 4, `client.audit.late_audits`), so at the round some of
+  an audited replica's digests may still be out. Its judgement then waits, the round's reports
+  kept with it, and is made when the last digest comes (`record`) or, at the latest, at the end
+  of the next step's commit with what came (`bound`: a microbatch not digested by then skips
+  the audit, logged, as one never digested does). A contribution judged wrong then is banned as
+  at the round: the ban's rollback replays the step it was applied in away. A step drawn anew (a
+  rollback's replay) drops the judgements waiting on its earlier run.
 
 Step rounds only, on either plane (a local-steps or eager round is not audited).
 """
@@ -36,7 +44,7 @@ import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from scheduler.coordinator.ledger import StepLedger
@@ -54,7 +62,21 @@ from swarm.job.tolerance import tolerance_of
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Replica, Task
 
-__all__ = ["Contributions", "drawn_share"]
+__all__ = ["Contributions", "Late", "drawn_share"]
+
+# (audited peer, stage, the evidence, the step): a contribution a late judgement found wrong
+Late = tuple[str, int, str, int]
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """An audited contribution's judgement, waiting for digests still out at its round."""
+
+    step: int
+    audit: ContributionAudit
+    mine: tuple[int, ...]  # the microbatches it accumulated
+    judge: Callable[[], list[tuple[str, str]]]  # with the round's reports, the digests then
+
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +106,8 @@ class Contributions:
         # (step, stage, audited peer) -> microbatch index -> its digest
         self._digests: dict[tuple[int, int, str], dict[int, GradientDigest]] = {}
         self.disputes = DigestDisputes(tolerance)  # two auditors' digests that differ
+        # (step, stage, audited peer) -> its judgement waiting for digests still out
+        self._waiting: dict[tuple[int, int, str], _Waiting] = {}
         # the host a peer's seat is on (`Bans` binds `swarm.net.seats`'): two auditors of one
         # host convict no one; unbound, each peer is a host of its own
         self.seat: Callable[[str], str] = str
@@ -124,14 +148,17 @@ class Contributions:
             for key in [key for key in self._digests if key[0] == step]:
                 del self._digests[key]
         self.disputes.forget(lambda step: step == ledger.step or step < ledger.step - 8)
+        for key in [key for key in self._waiting if key[0] >= ledger.step]:  # taken back
+            del self._waiting[key]
         return audits
 
     def _audits(self, step: int, stage: int) -> list[ContributionAudit]:
         drawn = self._drawn.get(step)
         return [a for a in drawn[1] if a.stage == stage] if drawn else []
 
-    def record(self, result: MicrobatchResult) -> None:
-        """Keep `result`'s digests of the contributions its step audits."""
+    def record(self, result: MicrobatchResult) -> list[Late]:
+        """Keep `result`'s digests of the contributions its step audits; the contributions a
+        judgement that waited for them (wholly digested now) finds wrong."""
         for d in result.digests:
             if not any(
                 (a.peer, a.seed) == (d.peer, d.seed) for a in self._audits(result.step, d.stage)
@@ -141,6 +168,28 @@ class Contributions:
                 self.disputes.record(result.step, result.index, d)
             else:
                 self._digests.setdefault((result.step, d.stage, d.peer), {})[result.index] = d
+        return self._judge_waiting(lambda w: w.step == result.step and self._whole(w.step, w))
+
+    def bound(self, step: int) -> list[Late]:
+        """Step `step` committed: the judgements of the steps before it that still wait are
+        made with the digests that came (a microbatch not digested skips the audit, logged)."""
+        return self._judge_waiting(lambda w: w.step < step)
+
+    def _judge_waiting(self, due: Callable[[_Waiting], bool]) -> list[Late]:
+        found = []
+        for key, waiting in list(self._waiting.items()):
+            if due(waiting):
+                del self._waiting[key]
+                a = waiting.audit
+                found += [(peer, a.stage, why, waiting.step) for peer, why in waiting.judge()]
+        return found
+
+    def _whole(self, step: int, waiting: _Waiting) -> bool:
+        """Whether every microbatch `waiting`'s audited replica accumulated is digested: by two
+        auditors alike, or by two that differ (`disputes`)."""
+        a = waiting.audit
+        digests = self._digests.get((step, a.stage, a.peer), {})
+        return all(i in digests or self.disputes.digested(step, a, i) for i in waiting.mine)
 
     def seeds_for(self, step: int, stage: int, peer: str) -> tuple[int, ...]:
         """The audits' seeds for `peer`'s PREPARE at `stage`: every other audited one's."""
@@ -156,7 +205,9 @@ class Contributions:
     ) -> list[tuple[str, str]]:
         """The audited contributors of `stage`'s round (`peers`: the contributors by index,
         `checks` their checksums, `held` the microbatches each took) whose contribution is not
-        their re-executed microbatches', with the evidence (none where it cannot be told)."""
+        their re-executed microbatches', with the evidence (none where it cannot be told); one
+        whose digests are still out is judged when they come (`record`) or at its bound
+        (`bound`)."""
         found = []
         for audit in self._audits(step, stage):
             if audit.peer not in peers:
@@ -165,40 +216,59 @@ class Contributions:
             by = {i: checks[i].audit_checks(audit.seed) for i in checks if i != j}
             others = list(by.values())
             mine = held.get(audit.peer, [])
-            digests = self._digests.get((step, stage, audit.peer), {})
             if len(others) != len(peers) - 1 or not all(others):
                 continue
-            if not mine or any(index not in digests for index in mine):  # disputed, or missing
-                # (two auditors' devices apart: the dispute allows for them, `_apart`)
-                compare = partial(_compare, by, j, members=len(peers))
-                found += self.disputes.judge(
-                    step, audit, mine, digests, compare, partial(_agreed, others)
-                )
-                continue
-            agreed = [digests[i] for i in mine]
-            got, expected, tol = _compare(by, j, agreed, len(peers), self.disputes.tolerance)
-            if abs(got - expected) <= tol or not _agreed(others, tol):
-                continue
-            auditors = sorted({digests[i].auditors for i in mine})
-            if not any(len({self.seat(a) for a in pair.split(" and ")}) > 1 for pair in auditors):
-                log.warning(
-                    "step %d stage %d: %s's contribution is not judged: its re-executions are all "
-                    "by seats of one host (%s), whose word alone convicts no one (issue 64)",
-                    step,
-                    stage,
-                    audit.peer,
-                    ", ".join(auditors),
-                )
-                continue
-            found.append(
-                (
-                    audit.peer,
-                    f"its contribution to step {step}'s averaging, q·x = {got:.17g} under a seed "
-                    f"it never saw, is not its {len(mine)} microbatches' re-executed by "
-                    f"{', '.join(auditors)} ({expected:.17g}; rounding {tol:.3g})",
-                )
-            )
+            judged = partial(self._judged, step, stage, audit, by, j, mine, len(peers))
+            waiting = _Waiting(step, audit, tuple(mine), judged)
+            if self._whole(step, waiting):
+                found += judged()
+            else:  # digests still out (audits that end after their report): judged as they come
+                self._waiting[(step, stage, audit.peer)] = waiting
         return found
+
+    def _judged(
+        self,
+        step: int,
+        stage: int,
+        audit: ContributionAudit,
+        by: Mapping[int, Sequence[pb.SumCheck]],
+        j: int,
+        mine: Sequence[int],
+        members: int,
+    ) -> list[tuple[str, str]]:
+        """`audit`'s contribution (member `j` of `members`) judged: the round's reports about
+        it (`by`: each other member's), held to the digests of its microbatches (`mine`)."""
+        others = list(by.values())
+        digests = self._digests.get((step, stage, audit.peer), {})
+        if not mine or any(index not in digests for index in mine):  # disputed, or missing
+            # (two auditors' devices apart: the dispute allows for them, `_apart`)
+            compare = partial(_compare, by, j, members=members)
+            return self.disputes.judge(
+                step, audit, mine, digests, compare, partial(_agreed, others)
+            )
+        agreed = [digests[i] for i in mine]
+        got, expected, tol = _compare(by, j, agreed, members, self.disputes.tolerance)
+        if abs(got - expected) <= tol or not _agreed(others, tol):
+            return []
+        auditors = sorted({digests[i].auditors for i in mine})
+        if not any(len({self.seat(a) for a in pair.split(" and ")}) > 1 for pair in auditors):
+            log.warning(
+                "step %d stage %d: %s's contribution is not judged: its re-executions are all "
+                "by seats of one host (%s), whose word alone convicts no one (issue 64)",
+                step,
+                stage,
+                audit.peer,
+                ", ".join(auditors),
+            )
+            return []
+        return [
+            (
+                audit.peer,
+                f"its contribution to step {step}'s averaging, q·x = {got:.17g} under a seed "
+                f"it never saw, is not its {len(mine)} microbatches' re-executed by "
+                f"{', '.join(auditors)} ({expected:.17g}; rounding {tol:.3g})",
+            )
+        ]
 
 
 def _agreed(others: Sequence[Sequence[pb.SumCheck]], tol: float) -> bool:

@@ -64,6 +64,12 @@ class DigestDisputes:
         key = (step, digest.stage, digest.peer)
         self._held.setdefault(key, {}).setdefault(index, {})[digest.auditors] = digest
 
+    def digested(self, step: int, audit: ContributionAudit, index: int) -> bool:
+        """Whether two auditors' digests that differ of microbatch `(step, index)` came, for
+        `audit` (its seed)."""
+        held = self._held.get((step, audit.stage, audit.peer), {}).get(index, {})
+        return sum(d.seed == audit.seed for d in held.values()) >= 2
+
     def forget(self, gone: Callable[[int], bool]) -> None:
         """Drop the disputes of the steps `gone` says (drawn anew, or long committed)."""
         for key in [key for key in self._held if gone(key[0])]:

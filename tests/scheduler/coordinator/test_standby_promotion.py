@@ -7,21 +7,28 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from scheduler.coordinator.standbys import LAG_BOUND, LAG_STEPS
 from swarm.job.fingerprint import fingerprint
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeSwarm
 
 
-async def _with_a_standby(tmp_path: Path, make_harness: MakeHarness) -> tuple[Harness, str, str]:
+async def _with_a_standby(
+    tmp_path: Path, make_harness: MakeHarness, only_spares: bool = False, steps: int = 6
+) -> tuple[Harness, str, str]:
     """Stage 1 of two peers, one of them its standby after the first step: (harness, standby,
-    replica)."""
-    job = job_of(tmp_path, steps=6)
+    replica). `only_spares`: the default's standby ("auto"): stage 0 has one peer, so stage 1
+    has one to spare (no speeds known: each peer counts as one)."""
+    job = job_of(tmp_path, steps=steps)
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a")
     swarm.add(1, "b")
     swarm.add(1, "c")
     h = make_harness(job, swarm)
     h.coordinator.membership.standbys.wanted = 1
+    h.coordinator.membership.standbys.only_spares = only_spares
     await h.coordinator.start()
     await h.step()
     (standby,) = h.coordinator.membership.standbys.peers()
@@ -30,10 +37,11 @@ async def _with_a_standby(tmp_path: Path, make_harness: MakeHarness) -> tuple[Ha
     return h, standby, replica
 
 
+@pytest.mark.parametrize("only_spares", [False, True])
 async def test_a_standby_serves_nothing_and_is_promoted_when_its_stage_is_lost(
-    tmp_path: Path, make_harness: MakeHarness
+    tmp_path: Path, make_harness: MakeHarness, only_spares: bool
 ) -> None:
-    h, standby, replica = await _with_a_standby(tmp_path, make_harness)
+    h, standby, replica = await _with_a_standby(tmp_path, make_harness, only_spares)
     promoted: list[tuple[int, int, str]] = []
     h.coordinator.membership.standbys.promoted.append(lambda *told: promoted.append(told))
     await h.step()  # it copies a member, and is asked again as the next step opens
@@ -70,3 +78,44 @@ async def test_a_standby_behind_the_step_is_not_promoted_and_the_rollback_says_w
         f"stage 1's standby {standby} was at step 1, not 2: the updates it lacked were lost "
         "with the stage"
     )
+
+
+async def test_where_the_swarm_has_no_room_the_default_takes_no_replica(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # The default ("auto"): two stages of two peers each need every one of them; none stands
+    # by, and all four serve, as without standbys.
+    job = job_of(tmp_path, steps=4)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    for stage, peer in ((0, "a"), (0, "b"), (1, "c"), (1, "d")):
+        swarm.add(stage, peer)
+    h = make_harness(job, swarm)
+    h.coordinator.membership.standbys.wanted = 1
+    h.coordinator.membership.standbys.only_spares = True
+    await h.coordinator.start()
+    await h.step()
+    await h.step()
+    assert h.coordinator.membership.standbys.peers() == set()
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "b"], ["c", "d"]]
+
+
+async def test_a_standby_that_falls_behind_is_replaced_and_serves_once_it_caught_up(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    h, standby, _ = await _with_a_standby(tmp_path, make_harness, steps=12)
+    said: list[str] = []
+    h.coordinator.membership.standbys.said.append(lambda stage, peer, text: said.append(text))
+    await h.step()
+    await until(lambda: h.swarm[standby].step == 2, "the standby at the open step")
+    h.swarm[standby].copying = 1_000_000  # it copies anew from now on, never done: behind
+    for _ in range(LAG_BOUND + LAG_STEPS + 1):
+        await h.step()  # the pool never waits for it
+    assert h.coordinator.membership.standbys.of(standby) is None
+    assert said and said[0].startswith(f"standby {standby} of stage 1 replaced: it was more "), said
+    waits = h.coordinator.membership.waits()  # status says so too, with why, until it joins
+    assert waits[standby].startswith("replaced as standby (it was more than 2 steps "), waits
+    # An ordinary peer of its stage now: once its copy is done it joins as any joiner does.
+    h.swarm[standby].copying = 0
+    await h.step()
+    await until(lambda: standby in h.coordinator.membership.synced, "the replaced standby admitted")
+    assert h.coordinator.membership.standbys.peers() == set()  # no other peer may stand by

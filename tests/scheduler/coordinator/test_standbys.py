@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler.coordinator.standbys import Standbys
+from scheduler.coordinator.standbys import FAILED_ASKS, LAG_BOUND, LAG_STEPS, Standbys
+from swarm.errors import SwarmError
 from swarm.rpc.lease import Replica
 
-HOSTS = {"a": "h1", "b": "h2", "c": "h3", "d": "h1", "e": "h4"}
+HOSTS = {"a": "h1", "b": "h2", "c": "h3", "d": "h1", "e": "h4", "f": "h5"}
 
 
-def _standbys(wanted: int = 1) -> Standbys:
-    return Standbys(wanted, lambda peer: HOSTS[peer])
+def _standbys(wanted: int = 1, only_spares: bool = False) -> Standbys:
+    return Standbys(wanted, lambda peer: HOSTS[peer], only_spares=only_spares)
 
 
 def test_none_wanted_none_chosen() -> None:
@@ -111,12 +112,12 @@ def test_a_standby_is_asked_in_the_background_one_ask_at_a_time() -> None:
             await slow.wait()
             return at
 
-        assert standbys.nudge(a, join(7))
+        assert standbys.nudge(a, join(7), 7)
         await asyncio.sleep(0)
         second = join(8)
-        assert standbys.nudge(a, second)  # taken, and closed unsent: the first is on its way
+        assert standbys.nudge(a, second, 8)  # taken, and closed unsent: the first is on its way
         third = join(9)
-        assert not standbys.nudge(b, third)  # no standby: the caller's to await
+        assert not standbys.nudge(b, third, 9)  # no standby: the caller's to await
         third.close()
         slow.set()
         await asyncio.sleep(0.01)
@@ -125,3 +126,119 @@ def test_a_standby_is_asked_in_the_background_one_ask_at_a_time() -> None:
         assert standbys.asking()  # cancelled as the coordinator closes
 
     asyncio.run(run())
+
+
+def test_a_spare_stands_by_before_a_peer_the_job_needs() -> None:
+    # Stage 1 (10 samples/s) is the bottleneck; stage 0 keeps 13 without a, 7 without c: a is
+    # spare, c (a joiner, fast) is needed. A spare first: the standby costs the job nothing.
+    members = [
+        [Replica("a", "x:1", 2.0), Replica("b", "x:2", 5.0), Replica("c", "x:3", 8.0)],
+        [Replica("e", "x:5", 10.0)],
+    ]
+    standbys = _standbys()
+    assert standbys.choose(members, {"a", "b", "e"}) == ["a"]
+    assert standbys.of("a") == 0 and standbys.of("c") is None
+
+
+def test_where_the_swarm_has_room_only_a_spare_stands_by() -> None:
+    # "auto" (only spares): one peer per stage, or two equal stages of two, have none to spare
+    # and run as they did; a third peer beyond the bottleneck stands by.
+    one_each = [[Replica("a", "x:1", 10.0)], [Replica("b", "x:2", 10.0)]]
+    assert _standbys(only_spares=True).choose(one_each, {"a", "b"}) == []
+    two_each = [
+        [Replica("a", "x:1", 10.0), Replica("b", "x:2", 10.0)],
+        [Replica("c", "x:3", 10.0), Replica("e", "x:5", 10.0)],
+    ]
+    standbys = _standbys(only_spares=True)
+    assert standbys.choose(two_each, {"a", "b", "c", "e"}) == []
+    assert standbys.peers() == set()
+    room = [[*two_each[0], Replica("f", "x:6", 10.0)], two_each[1]]
+    assert standbys.choose(room, {"a", "b", "c", "e"}) == []  # f, a joiner, stands by
+    assert standbys.peers() == {"f"}
+
+
+def test_a_standby_the_job_comes_to_need_serves_again() -> None:
+    standbys, said = _standbys(only_spares=True), []
+    standbys.said.append(lambda stage, peer, text: said.append(text))
+    stage0 = [Replica("a", "x:1", 10.0), Replica("b", "x:2", 10.0)]
+    assert standbys.choose([stage0, [Replica("c", "x:3", 10.0)]], {"a", "b", "c"}) == ["a"]
+    # Stage 1 gains a peer: stage 0 without its standby is the job's bottleneck now.
+    grown = [stage0, [Replica("c", "x:3", 10.0), Replica("e", "x:5", 10.0)]]
+    assert standbys.choose(grown, {"b", "c", "e"}) == []
+    assert standbys.peers() == set()
+    assert said == [
+        "standby a of stage 0 serves again: the job needs it as a replica (without it the "
+        "slowest stage is slower); a spare stands by when there is one"
+    ]
+
+
+def test_a_standby_that_falls_behind_is_replaced_by_another() -> None:
+    async def run() -> None:
+        standbys, said = _standbys(), []
+        standbys.said.append(lambda stage, peer, text: said.append((stage, peer, text)))
+        members = [[Replica("a", "x:1", 9.0), Replica("b", "x:2", 1.0), Replica("c", "x:3")]]
+        assert standbys.choose(members, {"a", "b"}) == []
+        assert standbys.peers() == {"c"}  # the joiner
+
+        async def at(step: int) -> int:
+            return step
+
+        # It answers, but stays at step 1 while the job goes on: behind for LAG_STEPS steps
+        # in a row past LAG_BOUND, it is replaced; the pool never awaited it meanwhile.
+        step = 2
+        for _ in range(LAG_BOUND + LAG_STEPS):
+            assert standbys.nudge(members[0][2], at(1), step)
+            await asyncio.sleep(0)
+            step += 1
+        assert standbys.of("c") is None and "c" in standbys.passed_over
+        assert said == [
+            (
+                0,
+                "c",
+                f"standby c of stage 0 replaced: it was more than {LAG_BOUND} steps behind as "
+                f"{LAG_STEPS} steps in a row opened ({step - 2} at step {step - 1}): its link "
+                "does not keep up with the updates; another peer of the stage stands by from the "
+                "next step, if one may",
+            )
+        ]
+        # Another candidate stands by at the next boundary, never the one replaced; its asks
+        # still run in the background (its own loop admits it once it caught up).
+        assert standbys.choose(members, {"a", "b"}) == ["b"]
+        assert standbys.nudge(members[0][2], at(step), step)
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+
+
+def test_a_standby_whose_asks_keep_failing_is_replaced() -> None:
+    async def run() -> None:
+        standbys, said = _standbys(), []
+        standbys.said.append(lambda stage, peer, text: said.append(text))
+        a, b = Replica("a", "x:1"), Replica("b", "x:2")
+        assert standbys.choose([[a, b]], {"a", "b"}) == ["a"]
+
+        async def refused() -> int:
+            raise SwarmError("UNAVAILABLE: connection refused")
+
+        for step in range(FAILED_ASKS):
+            assert standbys.of("a") == 0
+            standbys.nudge(a, refused(), step)
+            await asyncio.sleep(0.01)
+        assert standbys.of("a") is None
+        assert said and said[0].startswith(
+            f"standby a of stage 0 replaced: its last {FAILED_ASKS} asks for the stage's updates "
+            "failed (UNAVAILABLE: connection refused)"
+        ), said
+
+    asyncio.run(run())
+
+
+def test_a_peer_behind_a_router_none_of_the_replicas_is_behind_stands_by_first() -> None:
+    # One home's outage takes its router's peers together: c, alone behind home2, stands by,
+    # though b is the slowest (and would be taken were the routers not known).
+    routers = {"a": "home1", "b": "home1", "c": "home2"}
+    members = [[Replica("a", "x:1", 5.0), Replica("b", "x:2", 1.0), Replica("c", "x:3", 3.0)]]
+    blind = Standbys(1, lambda peer: HOSTS[peer])
+    assert blind.choose(members, {"a", "b", "c"}) == ["b"]
+    standbys = Standbys(1, lambda peer: HOSTS[peer], router=lambda peer: routers[peer])
+    assert standbys.choose(members, {"a", "b", "c"}) == ["c"]

@@ -37,4 +37,5 @@ def test_peer_state_names() -> None:
         "serving",
         "draining",
         "offline",
+        "standby",  # the scheduler's word for a standby (issue 67), never announced
     ]
