@@ -292,6 +292,7 @@ class JobTraining:
             )
 
         standbys.host, standbys.router = host, router
+        standbys.vouched = lambda peer: self.vouched(job_id, peer)
         standbys.promoted.append(promoted)
         standbys.said.append(lambda stage, peer, text: self.history.record(job_id, "standby", text))
 

@@ -67,6 +67,7 @@ class Standbys:
         only_spares: bool = False,
         min_replicas: int = 1,
         router: Callable[[str], str] = lambda peer: "",
+        vouched: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         """`wanted`: standbys per stage (the job's `runtime.standby`; 0: none); `host(peer)`:
         the machine a peer runs on (its failure domain), never a replica's of its stage;
@@ -74,8 +75,10 @@ class Standbys:
         else a replica it needs may when no spare can; `min_replicas`: the job's floor, which
         no standby takes a stage below (`swarm.policy.spares`); `router(peer)`: the public
         address its traffic leaves from ("" not known): one none of the stage's replicas is
-        behind first, as one home's outage takes its router's peers together."""
-        self.wanted, self.host, self.router = wanted, host, router
+        behind first, as one home's outage takes its router's peers together; `vouched(peer)`:
+        whether the scheduler placed `peer` on the job or its coordinator admitted it: no other
+        stands by (a peer that only says it serves the stage is given no state, N9)."""
+        self.wanted, self.host, self.router, self.vouched = wanted, host, router, vouched
         self.only_spares, self.min_replicas = only_spares, min_replicas
         self._stage: dict[str, int] = {}  # standby -> the stage it stands by for
         self._at: dict[str, int] = {}  # standby -> the step its last Join answered (-1: copying)
@@ -154,7 +157,7 @@ class Standbys:
         held = {self.host(p) for p, k in self._stage.items() if k == stage}
         fits = []
         for c in listed:
-            if c.peer in self._stage or c.peer in self.passed_over:
+            if c.peer in self._stage or c.peer in self.passed_over or not self.vouched(c.peer):
                 continue
             left = {self.host(r.peer) for r in replicas if r.peer != c.peer}
             if left and self.host(c.peer) not in left:  # a replica stays, on another host

@@ -45,6 +45,15 @@ def test_a_joiner_stands_by_before_a_replica_and_is_no_member_to_demote() -> Non
     assert standbys.of("c") == 0
 
 
+def test_a_peer_only_saying_it_serves_the_stage_never_stands_by() -> None:
+    """A joiner the scheduler never placed on the job, nor its coordinator admitted (it only
+    announced the stage: N9's flipping peer), is given no state: a vouched one stands by."""
+    standbys = Standbys(1, lambda peer: HOSTS[peer], vouched=lambda peer: peer != "c")
+    members = [[Replica("a", "x:1", 5.0), Replica("b", "x:2", 0.5), Replica("c", "x:3")]]
+    assert standbys.choose(members, {"a", "b"}) == ["b"]  # c, unvouched, is passed by
+    assert standbys.of("c") is None and standbys.of("b") == 0
+
+
 def test_a_standby_gone_is_forgotten_and_replaced() -> None:
     standbys = _standbys()
     three = [[Replica("a", "x:1"), Replica("b", "x:2"), Replica("c", "x:3")]]
