@@ -65,3 +65,24 @@ def test_a_commit_that_no_longer_waits_for_its_audits_ends_no_later() -> None:
     late = runs[(True, False)]
     assert late.late == 6 * model.MICROBATCHES and 0 <= late.cut <= late.late
     assert late.ends[0] < runs[(False, True)].ends[0]  # the first commit no longer waits
+
+
+def test_the_built_queue_runs_gating_reexecutions_ahead_and_late_ones_in_turn() -> None:
+    """`split`, as built (`stage_server.replica.answering`): where every audit gates its
+    microbatch's report it is `ahead`, call for call; where every audit is late it is `fifo`."""
+    costs = model.Costs(forward=0.06, backward=0.12, fraction=1.0)
+
+    def run(policy: str, deferred: bool) -> model._Sim:
+        return model.simulate(
+            costs,
+            policy,
+            True,
+            random.Random(5),
+            steps=4,
+            commit=0.15,
+            deferred=deferred,
+            contributions_wait=False,
+        )
+
+    assert run("split", False).ends == run("ahead", False).ends != run("fifo", False).ends
+    assert run("split", True).ends == run("fifo", True).ends != run("ahead", True).ends
