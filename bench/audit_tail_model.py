@@ -12,7 +12,10 @@ fetches the commitments, then, for each stage drawn (`audit_fraction`) or whose 
 contribution the coordinator drew (`fraction / (2 - fraction)` a replica a step: two auditors),
 a record and the stage's forward and backward again on other replicas. Printed, for a
 re-execution's place in its auditor's queue (`fifo`; `ahead` of the pushes queued, as
-`Worker.run_ahead`; `behind` them), seconds a step with audits on against off:
+`Worker.run_ahead`; `behind` them; `split`, as built: a late audit's in turn, one that gates its
+microbatch's report ahead, `stage_server.replica.answering`; `bystep`: a late audit's in turn
+only where its auditor's step has moved past the audit's, else ahead, what the request's step
+alone could tell), seconds a step with audits on against off:
 - `on/off`: the step's microbatches end with their audits, the commit (`--commit` seconds)
   follows (the rule before issue 69's item 4: a liar banned before its work commits);
 - `overlapping`: the audits overlapping the commit (the verdicts gating the apply instead);
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 STAGES, REPLICAS, MICROBATCHES = 4, 3, 8
 HOP, COMMITMENTS, RECORD = 0.004, 0.003, 0.010  # seconds: a call's hop, the audit's RPCs
-POLICIES = ("fifo", "ahead", "behind")
+POLICIES = ("fifo", "ahead", "behind", "split", "bystep")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,18 @@ def simulate(
     }
     busy = dict.fromkeys(queues, False)
     load = dict.fromkeys(queues, 0)
-    rank = {"fifo": (1, 1), "ahead": (1, 0), "behind": (1, 2)}[policy]  # (push, re-execution)
+    applied = [0]  # the steps whose commit has ended (each replica's update applied)
+
+    def rank(redo: bool, late: bool, n: int) -> int:
+        """A call's place in its replica's queue (0 first; within one, as they came): a push's,
+        or a re-execution of step `n`'s audit (`late`: its microbatch reported already)."""
+        if not redo or policy == "fifo":
+            return 1
+        if policy in ("split", "bystep"):
+            turn = late and (policy == "split" or n < applied[0])
+            return 1 if turn else 0
+        return {"ahead": 0, "behind": 2}[policy]
+
     f, b = costs.forward, costs.backward
     share = costs.fraction / (2 - costs.fraction)
     sim = _Sim([0.0] * steps, [0.0] * steps, [0.0] * steps)
@@ -109,8 +123,15 @@ def simulate(
     def at(t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(events, (t, next(order), fn))
 
-    def submit(rep: Replica, seconds: float, done: Callable[[], None], redo: bool) -> None:
-        heapq.heappush(queues[rep], (rank[redo], next(order), seconds, done))
+    def submit(
+        rep: Replica,
+        seconds: float,
+        done: Callable[[], None],
+        redo: tuple[bool, int] | None = None,
+    ) -> None:
+        """`redo`: a re-execution's (late, its step); None: a push's."""
+        place = rank(False, False, 0) if redo is None else rank(True, *redo)
+        heapq.heappush(queues[rep], (place, next(order), seconds, done))
         load[rep] += 1
         start(rep)
 
@@ -132,18 +153,25 @@ def simulate(
         low = min(load[(k, r)] for r in range(REPLICAS))
         return (k, rng.choice([r for r in range(REPLICAS) if load[(k, r)] == low]))
 
-    def redo(k: int, rep: Replica, done: Callable[[], None], live: Callable[[], bool]) -> None:
+    def redo(
+        k: int,
+        rep: Replica,
+        done: Callable[[], None],
+        live: Callable[[], bool],
+        asked: tuple[bool, int],
+    ) -> None:
+        """Stage `k` of an audit redone on `rep`; `asked`: the audit's (late, step)."""
         if not live():  # cut meanwhile: nothing more of it is asked
             return
         if k == STAGES - 1:
-            submit(rep, f + b, lambda: at(now + HOP, done), True)
+            submit(rep, f + b, lambda: at(now + HOP, done), asked)
             return
 
         def backward() -> None:
             if live():  # cut between its forward and its backward: the backward is not asked
-                submit(rep, b, lambda: at(now + HOP, done), True)
+                submit(rep, b, lambda: at(now + HOP, done), asked)
 
-        submit(rep, f, lambda: at(now + HOP, backward), True)
+        submit(rep, f, lambda: at(now + HOP, backward), asked)
 
     def report(n: int) -> None:
         reported[n] += 1
@@ -152,6 +180,7 @@ def simulate(
 
     def committed(n: int) -> None:
         sim.ends[n] = now
+        applied[0] = n + 1
         for i in sorted(pending.get(n - 1, ())):  # past their bound: cut
             cut.add((n - 1, i))
             sim.cut += 1
@@ -194,7 +223,7 @@ def simulate(
             for auditor in rng.sample(others, m):
                 at(
                     now + COMMITMENTS + RECORD + HOP,
-                    functools.partial(redo, k, auditor, one_done, live),
+                    functools.partial(redo, k, auditor, one_done, live, (late, n)),
                 )
 
     def push(n: int, i: int, drawn: set[Replica]) -> None:
@@ -204,15 +233,15 @@ def simulate(
             rep = least_loaded(k)
             path.append(rep)
             if k == STAGES - 1:
-                submit(rep, f + b, lambda: at(now + HOP, lambda: down(k - 1)), False)
+                submit(rep, f + b, lambda: at(now + HOP, lambda: down(k - 1)))
             else:
-                submit(rep, f, lambda: at(now + HOP, lambda: up(k + 1)), False)
+                submit(rep, f, lambda: at(now + HOP, lambda: up(k + 1)))
 
         def down(k: int) -> None:
             if k < 0:
                 audit(n, i, path, drawn)
             else:
-                submit(path[k], b, lambda: at(now + HOP, lambda: down(k - 1)), False)
+                submit(path[k], b, lambda: at(now + HOP, lambda: down(k - 1)))
 
         up(0)
 

@@ -5,7 +5,8 @@ microbatch is audited (`audit_fraction` 1, every contribution drawn too) and the
 microbatches were reported only once their audits ended, so step 0 never committed and the job
 hung (its bounded wait failed). Now step 0 commits with its audits still out, its contributions'
 judgements waiting for their digests; the audits run on after the auditors applied step 0's
-update, on step 0's parameters, kept for them by a replica that recorded a push of it
+update (their re-executions in turn with the pushes there; the last step's, which gate, ahead of
+them), on step 0's parameters, kept for them by a replica that recorded a push of it
 (`stage_server.replica.prior_params`), or are refused as stale and skipped; never a
 disagreement, so no honest replica is accused, and the job ends equal to `swarm local`."""
 
@@ -22,6 +23,7 @@ from client.audit.push_audit import PushAudits
 from client.metrics import TrainerMetrics
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
+from stage_server.replica.answering import Answering
 from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
 from swarm.rpc.stage_client import StageClient
@@ -35,7 +37,7 @@ OUTCOMES = ("agreed", "caught", "undecided", "skipped", "cut")
 
 
 async def test_a_step_commits_while_its_last_audits_are_still_out(
-    tmp_path: Path, make_swarm: list[Swarm]
+    tmp_path: Path, make_swarm: list[Swarm], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = make_job(
         tmp_path,
@@ -70,6 +72,15 @@ async def test_a_step_commits_while_its_last_audits_are_still_out(
                 await committed.wait()
             return await super().record(step, index, run, tensors=tensors)
 
+    redone: set[tuple[int, bool]] = set()  # the auditors' re-executions: (step, late)
+    place = Answering.run
+
+    def placed(answering: Answering, h: Any) -> Any:
+        if answering.redoes(h):
+            redone.add((h.microbatch.step, h.late))
+        return place(answering, h)
+
+    monkeypatch.setattr(Answering, "run", placed)
     coordinator = LocalCoordinator(job, fingerprint(job), swarm.members, on_step=on_step)
     metrics = TrainerMetrics(fingerprint(job), CollectorRegistry())
     trainers.append(PipelineTrainer(job, coordinator, metrics=metrics, seed=0, client_factory=Held))
@@ -96,3 +107,6 @@ async def test_a_step_commits_while_its_last_audits_are_still_out(
     assert said["caught"] == said["undecided"] == said["cut"] == 0, said
     assert said["agreed"] + said["skipped"] == job.training.steps * microbatches * 3, said
     assert coordinator.bans.banned == {}
+    # a late audit's re-executions say so, and run in turn with the pushes at their auditors;
+    # the job's last step's audits gate its microbatches' reports and run ahead of them
+    assert redone == {(0, True), (1, True), (2, False)}

@@ -18,6 +18,10 @@ N's work away just as a verdict before N's commit rolls the earlier steps' away.
   step N + 1 has committed) is cut: cancelled, counted (`outcome="cut"`) and logged with its
   microbatch. At most one step late, so the rollback a late verdict costs reaches at most one
   step further than a verdict before the commit.
+- **In turn at its auditors.** Its re-executions say they are late (`swarm.rpc.late_audit`), and
+  queue in turn with the pushes there (`stage_server.replica.answering`): with a step to end in,
+  it need not hold up the step being trained. An audit that gates its microbatch's report (the
+  job's last step, `PushAudits.defers`) still runs ahead of them.
 - **Reported, or said why not.** A late report that fails (the coordinator gone) is logged with
   its cause; its verdicts are lost with it, as a report's are.
 """
@@ -29,6 +33,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from client.metrics import TrainerMetrics
+from swarm.rpc import late_audit
 from swarm.rpc.lease import MicrobatchResult
 
 __all__ = ["LateAudits", "LateReport"]
@@ -71,6 +76,9 @@ class LateAudits:
         self._running.pop(task, None)
 
     async def _reported(self, step: int, index: int, audit: Audit) -> None:
+        # its re-executions queue in turn at their auditors, not ahead of the pushes there
+        # (`swarm.rpc.late_audit`): its bound is a step away
+        late_audit.in_late_audit()
         found = await audit()
         if found is None or self.report is None:
             return

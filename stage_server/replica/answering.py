@@ -64,8 +64,13 @@ class Answering:
 
     def run(self, h: Any) -> Callable[..., Awaitable[tuple[Any, float]]]:
         """How the call of header `h` takes the worker: ahead of the calls queued in turn where
-        it is an audit's re-execution (`Worker.run_ahead`, issue 69), else in turn."""
-        return self.worker.run_ahead if self.redoes(h) else self.worker.run_then
+        it is the re-execution of an audit that gates its microbatch's report (`Worker.run_ahead`,
+        issue 69: the step's commit waits for it), else in turn. A late audit's (`h.late`: its
+        microbatch reported already, `client.audit.late_audits`) has until the step after next
+        is given out; ahead, it would hold up the pushes of the step being trained. The trainer
+        says which: a false word only moves its own audit in this queue."""
+        ahead = self.redoes(h) and not h.late
+        return self.worker.run_ahead if ahead else self.worker.run_then
 
     def redoes(self, h: Any) -> bool:
         """Whether the call of header `h` is an audit's re-execution. On the push plane, whose

@@ -19,11 +19,12 @@ settled, outside its timing, so the loop never waits on the device.
 `throttle` > 1 stands in for a slower device: the worker is held that much longer after each call,
 as a slower device would hold it, and the EMA sees the held time.
 
-Calls run in turn, except an audit's re-execution (`first`): it runs before every call still
-queued (issue 69). A step waits for its microbatches' audits before it commits, and a re-execution
-queued behind an auditor's pushes made the step wait for them too; ahead of them it costs those
-pushes its own compute only. Among the calls asked `first`, and among the others, the order is
-the order they came in.
+Calls run in turn, except the re-execution of an audit that gates its microbatch's report
+(`first`, `run_ahead`): it runs before every call still queued (issue 69). Such a step waits for
+its microbatches' audits before it commits, and a re-execution queued behind an auditor's pushes
+made the step wait for them too; ahead of them it costs those pushes its own compute only. A late
+audit's (`stage_server.replica.answering`) runs in turn: its bound is a step away. Among the calls
+asked `first`, and among the others, the order is the order they came in.
 
 A stopping stage server `close`s its worker before it shuts the executor down: gRPC's stop returns
 once its core holds no live call, not once every handler has ended, so a Push whose request was
@@ -103,8 +104,8 @@ class Worker:
     async def run_ahead(
         self, fn: Callable[..., T], after: Callable[[T], U], *args: Any, **kwargs: Any
     ) -> tuple[U, float]:
-        """`run_then`, before every call queued in turn (an audit's re-execution: the module's
-        docstring)."""
+        """`run_then`, before every call queued in turn (the re-execution of an audit that gates
+        its microbatch's report: the module's docstring)."""
         return await self._run(True, fn, after, *args, **kwargs)
 
     async def _run(

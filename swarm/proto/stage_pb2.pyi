@@ -55,7 +55,7 @@ class Receipt(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., samples: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class StageForwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "evaluate")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "evaluate", "late")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class StageForwardRequest(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -70,7 +71,8 @@ class StageForwardRequest(_message.Message):
     chunk: _tensor_pb2.Chunk
     reply_codec: _tensor_pb2.Codec
     evaluate: bool
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    late: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., evaluate: _Optional[bool] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class StageForwardResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "queued_seconds")
@@ -83,7 +85,7 @@ class StageForwardResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
 
 class StageBackwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "digest_seed")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "digest_seed", "late")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,7 @@ class StageBackwardRequest(_message.Message):
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -102,7 +105,8 @@ class StageBackwardRequest(_message.Message):
     accumulate: bool
     need_grad_inputs: bool
     digest_seed: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., digest_seed: _Optional[int] = ...) -> None: ...
+    late: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., digest_seed: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class StageBackwardResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "receipt", "queued_seconds", "digest")
@@ -119,7 +123,7 @@ class StageBackwardResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., queued_seconds: _Optional[float] = ..., digest: _Optional[_Union[SumCheck, _Mapping]] = ...) -> None: ...
 
 class StageForwardBackwardRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "evaluate", "digest_seed")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "reply_codec", "accumulate", "need_grad_inputs", "evaluate", "digest_seed", "late")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +134,7 @@ class StageForwardBackwardRequest(_message.Message):
     NEED_GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -140,7 +145,8 @@ class StageForwardBackwardRequest(_message.Message):
     need_grad_inputs: bool
     evaluate: bool
     digest_seed: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., digest_seed: _Optional[int] = ...) -> None: ...
+    late: bool
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., reply_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., accumulate: _Optional[bool] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., digest_seed: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class StageForwardBackwardResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "receipt", "loss_sum", "queued_seconds", "digest")

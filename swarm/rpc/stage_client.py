@@ -22,7 +22,7 @@ from swarm.net.commit_auth import STATE_DIGEST_KEY, state_digest
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.rpc import epoch
+from swarm.rpc import epoch, late_audit
 from swarm.rpc.push_call import PushCall
 from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
@@ -226,6 +226,7 @@ class StageClient:
             tensors=self._crossing(crossing),
             reply_codec=self._forward,
             evaluate=evaluate,
+            late=late_audit.current(),  # where it queues at the replica (`swarm.rpc.late_audit`)
         )
         header, tensors = await self._call(self.stub.Forward, request)
         self.last_queued_s = header.queued_seconds
@@ -257,6 +258,7 @@ class StageClient:
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
             digest_seed=digest_seed,
+            late=late_audit.current(),
         )
         header, received = await self._call(self.stub.Backward, request)
         return BackwardResult(
@@ -287,6 +289,7 @@ class StageClient:
             accumulate=accumulate,
             need_grad_inputs=need_grad_inputs,
             digest_seed=digest_seed,
+            late=late_audit.current(),
         )
         header, received = await self._call(self.stub.ForwardBackward, request)
         return BackwardResult(

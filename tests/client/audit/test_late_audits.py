@@ -21,6 +21,7 @@ from client.audit.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
 from swarm.clock import MonotonicClock
 from swarm.policy.wiring import Wiring
+from swarm.rpc import late_audit
 from swarm.rpc.lease import MicrobatchResult, Task, Verdict, result_from_proto, result_to_proto
 from swarm.rpc.routes import Routes
 from tests.support.jobs import make_job
@@ -120,6 +121,33 @@ async def test_nothing_found_is_not_reported_and_no_sink_defers_nothing() -> Non
     await late.settled(3)
     assert sent == []
     assert not LateAudits(_metrics()).deferred
+
+
+async def test_a_late_audits_calls_say_they_are_late_and_no_other_calls_do() -> None:
+    """Its re-executions queue in turn at their auditors (`swarm.rpc.late_audit`;
+    `stage_server.replica.answering`): its own calls and those of the tasks it starts are marked,
+    the caller's (the pushes, an audit that gates its microbatch's report) are not."""
+    seen: list[tuple[str, bool]] = []
+
+    async def call(name: str) -> None:
+        seen.append((name, late_audit.current()))
+
+    async def audit() -> MicrobatchResult | None:
+        await call("late")
+        await asyncio.gather(call("late, redone at once"))  # tasks of its own
+        return None
+
+    late = LateAudits(_metrics(), report=None)
+    late.start(3, 5, audit)
+    await call("a push meanwhile")
+    await late.settled(4)
+    await call("gating")
+    assert sorted(seen) == [
+        ("a push meanwhile", False),
+        ("gating", False),
+        ("late", True),
+        ("late, redone at once", True),
+    ]
 
 
 @pytest.mark.parametrize(

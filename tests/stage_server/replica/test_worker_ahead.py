@@ -1,8 +1,10 @@
 """A replica's worker runs an audit's re-execution ahead of the calls queued in turn
-(`Worker.run_ahead`, issue 69): a step waits for its microbatches' audits before it commits, and a
-re-execution queued behind the auditor's pushes made it wait for those pushes too. The calls
-queued in turn keep their order; a caller that gives up, or a worker whose executor is shut down
-with calls queued, leaves nothing waiting."""
+(`Worker.run_ahead`, issue 69) where the audit still gates its microbatch's report: the step
+waits for it before it commits, and a re-execution queued behind the auditor's pushes made it wait
+for those pushes too. A late audit's (its microbatch reported already, `client.audit.late_audits`)
+has a step to end in: it runs in turn, so it does not hold up the pushes of the step being trained.
+The calls queued in turn keep their order; a caller that gives up, or a worker whose executor is
+shut down with calls queued, leaves nothing waiting."""
 
 from __future__ import annotations
 
@@ -106,6 +108,54 @@ async def test_calls_queued_when_the_executor_shuts_down_are_cancelled_not_left_
     assert worker.waiting == 0
 
 
+def _answering(tmp_path: Path, plane: str, worker: Worker) -> Answering:
+    job = make_job(tmp_path, runtime={"data_plane": plane})
+    runtime = StageRuntime(job, 0)
+    return Answering(
+        peer="p",
+        worker=worker,
+        messages=Messages(Limits(PeerLimits()), StageMetrics("p")),
+        runtime=lambda: runtime,
+    )
+
+
+async def _placed(
+    answering: Answering, h: object, call: Callable[[str], str], name: str
+) -> tuple[str, float]:
+    """`call(name)` on the worker, placed there as the call of header `h` is."""
+    return await answering.run(h)(call, _itself, name)
+
+
+async def test_a_late_reexecution_queues_behind_the_pushes_and_a_gating_one_runs_before_them(
+    tmp_path: Path,
+) -> None:
+    """On the push plane, as the auditor's `Answering` places them: the pushes queued keep their
+    turn before a late audit's re-execution (its deadline a step away), and one whose audit
+    gates its microbatch's report (the job's last step, `delayed_update`, bf16-mixed:
+    `PushAudits.defers`) still runs before them."""
+    ran: list[str] = []
+    call = _recorded(ran)
+    with ThreadPoolExecutor(1) as pool:
+        worker = Worker(pool, lambda _: None)
+        answering = _answering(tmp_path, "push", worker)
+        release = threading.Event()
+        holding = await _held(worker, release)
+        asked = []
+        for name, h in (
+            ("push 0", pb.StagePushRequest()),
+            ("push 1", pb.StagePushRequest()),
+            ("late", pb.StageBackwardRequest(late=True)),
+            ("gating", pb.StageForwardRequest()),
+            ("push 2", pb.StagePushRequest()),
+        ):
+            asked.append(asyncio.create_task(_placed(answering, h, call, name)))
+            await asyncio.sleep(0)  # queued in this order, each before the next is asked
+        release.set()
+        await asyncio.gather(holding, *asked)
+    assert ran == ["gating", "push 0", "push 1", "late", "push 2"]
+    assert worker.waiting == 0
+
+
 @pytest.mark.parametrize("plane", ["push", "relay"])
 async def test_on_the_push_plane_a_call_outside_a_push_is_a_reexecution(
     tmp_path: Path, plane: str
@@ -113,16 +163,9 @@ async def test_on_the_push_plane_a_call_outside_a_push_is_a_reexecution(
     """The push plane trains and evaluates through Push alone: there a Forward, Backward or
     ForwardBackward that does not evaluate is an audit's re-execution, run ahead. On the relay
     plane (`client.data_plane.carry`) they are its training, run in turn."""
-    job = make_job(tmp_path, runtime={"data_plane": plane})
-    runtime = StageRuntime(job, 0)
     with ThreadPoolExecutor(1) as pool:
         worker = Worker(pool, lambda _: None)
-        answering = Answering(
-            peer="p",
-            worker=worker,
-            messages=Messages(Limits(PeerLimits()), StageMetrics("p")),
-            runtime=lambda: runtime,
-        )
+        answering = _answering(tmp_path, plane, worker)
         ahead = worker.run_ahead if plane == "push" else worker.run_then
         assert answering.run(pb.StageForwardRequest()) == ahead
         assert answering.run(pb.StageBackwardRequest()) == ahead
@@ -130,3 +173,7 @@ async def test_on_the_push_plane_a_call_outside_a_push_is_a_reexecution(
         assert answering.run(pb.StageForwardRequest(evaluate=True)) == worker.run_then
         assert answering.run(pb.StageForwardBackwardRequest(evaluate=True)) == worker.run_then
         assert answering.run(pb.StagePushRequest()) == worker.run_then
+        # a late audit's (`client.audit.late_audits`): in turn, on either plane
+        assert answering.run(pb.StageForwardRequest(late=True)) == worker.run_then
+        assert answering.run(pb.StageBackwardRequest(late=True)) == worker.run_then
+        assert answering.run(pb.StageForwardBackwardRequest(late=True)) == worker.run_then

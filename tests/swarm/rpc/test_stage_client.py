@@ -9,21 +9,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 
 from scheduler.coordinator.replicas import ReplicaClients
-from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
+from swarm.errors import FailedPrecondition, InvalidArgument, PeerUnavailable, ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.model.stage_state import initial_state
 from swarm.model.state_checks import StateChecks
 from swarm.model.transformer import build_stage
 from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.rpc import late_audit
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient
 from swarm.wire import codec
+from swarm.wire.crossing import Crossing
 from tests.support.hostile import HostileStage, serving
 from tests.support.jobs import make_job
 
@@ -316,3 +319,64 @@ async def test_a_state_of_many_tiny_tensors_is_refused(tmp_path: Path, per_messa
                 await client.download_state(True, prefix="", expect=StateChecks(job, STAGE))
         finally:
             await client.close()
+
+
+class _Heard(stage_pb2_grpc.StageServiceServicer):
+    """Notes whether each Forward, Backward or ForwardBackward said it was a late audit's, then
+    refuses it (the answer is not what is tested)."""
+
+    def __init__(self) -> None:
+        self.late: list[tuple[str, bool]] = []
+
+    async def _heard(self, call: str, requests: AsyncIterator[Any], context: Any) -> None:
+        async for header in requests:
+            self.late.append((call, header.late))
+            break
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "noted")
+
+    async def Forward(self, request_iterator: Any, context: Any) -> Any:  # type: ignore[override]
+        await self._heard("forward", request_iterator, context)
+
+    async def Backward(self, request_iterator: Any, context: Any) -> Any:  # type: ignore[override]
+        await self._heard("backward", request_iterator, context)
+
+    async def ForwardBackward(  # type: ignore[override]
+        self, request_iterator: Any, context: Any
+    ) -> Any:
+        await self._heard("forward_backward", request_iterator, context)
+
+
+async def test_a_late_audits_reexecutions_say_so_on_the_wire(tmp_path: Path) -> None:
+    """A call made in a late audit's task (`swarm.rpc.late_audit`) carries `late`, so its
+    auditor runs it in turn with the pushes (`stage_server.replica.answering`); any other
+    carries none, and is run ahead there where it re-executes."""
+    heard = _Heard()
+    x = torch.ones(2, 4)
+
+    async def calls(client: StageClient) -> None:
+        for call in (
+            client.forward(0, 1, Crossing(x)),
+            client.backward(0, 1, None, x, accumulate=False),
+            client.forward_backward(0, 1, Crossing(x), x, accumulate=False),
+        ):
+            with pytest.raises(FailedPrecondition):
+                await call
+
+    async def late() -> None:
+        late_audit.in_late_audit()
+        await calls(client)
+
+    async with serving(heard) as address:
+        client = StageClient(address, make_job(tmp_path), "job", 0)
+        try:
+            await calls(client)
+            await asyncio.create_task(late())
+            await calls(client)  # the mark stayed in the late audit's task
+        finally:
+            await client.close()
+    names = ["forward", "backward", "forward_backward"]
+    assert heard.late == [
+        *((n, False) for n in names),
+        *((n, True) for n in names),
+        *((n, False) for n in names),
+    ]
