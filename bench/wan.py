@@ -3,7 +3,8 @@ Linux network namespaces, each host's link shaped to a rate and a one-way delay,
 swarm unshaped, measured in the same run.
 
     sudo .venv/bin/python bench/wan.py [--rate 100mbit|20mbit|none] [--delay-ms 0]
-        [--codec none|fp16|bf16|int8_blockwise] [--data-plane push|relay] [--steps 10]
+        [--codec none|fp16|bf16|int8_blockwise] [--averaging none|fp16|bf16|int8_blockwise]
+        [--data-plane push|relay] [--steps 10]
         [--max-in-flight 8] [--workload d256|tiny | --small] [--replicas 1]
         [--delayed-update] [--standby 0] [--json]
 
@@ -15,7 +16,10 @@ step no microbatch could be leased because a commit was under way (the coordinat
 `--standby N` (with `--replicas` above N) makes N of each stage's servers standbys
 (`runtime.standby`, issue 67): they follow the stage's updates and serve nothing, so their hosts'
 received bytes are a standby's cost a microbatch, and the samples/s against a run of
-`--replicas` less N without one is its cost in speed.
+`--replicas` less N without one is its cost in speed (`bench/standby_cost.py` runs both and
+judges it). `--averaging` is the pools' codec (`compression.averaging`): a standby of a pool that
+averages in a lossy one receives each step's sum in it (a pool of one averages nothing, and its
+standby receives the float32 sum).
 
 Hosts. The trainer and each stage server run in a namespace of their own (`swb-<pid>-<host>`),
 with one address on 10.77.0.0/24 on their `eth0`: one end of a veth pair whose other end is a
@@ -252,6 +256,7 @@ def job_toml(
     in_flight: int = 8,
     delayed_update: bool = False,
     standby: int = 0,
+    averaging: str = "none",
 ) -> str:
     p = WORKLOADS[workload]
     plane = f'data_plane = "{data_plane}"\n'
@@ -278,6 +283,7 @@ kind = "adamw"
 lr = 1e-3
 [compression]
 wire = "{codec}"
+averaging = "{averaging}"
 [runtime]
 max_in_flight = {in_flight}
 standby = {standby}
@@ -410,6 +416,7 @@ def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> di
         "rate_bits_per_s": args.rate_bits,
         "delay_ms": args.delay_ms,
         "codec": args.codec,
+        "averaging": args.averaging,
         "data_plane": args.data_plane,
         "replicas": args.replicas,
         "delayed_update": args.delayed_update,
@@ -451,7 +458,8 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
         f"workload {w['name']}: gpt d_model {w['d_model']}, {w['n_layers']} blocks, "
         f"{w['n_heads']} heads, seq {w['seq_len']}, {w['stages']} stages; "
         f"{w['microbatch_size']} samples x {w['microbatches']} microbatches per step, "
-        f"{w['dtype']}; wire {r['codec']}, data plane {r['data_plane']}; "
+        f"{w['dtype']}; wire {r['codec']}, averaging {r.get('averaging', 'none')}, data plane "
+        f"{r['data_plane']}; "
         f"{r['replicas']} replica(s) per stage{standby}"
         f"{', delayed_update' if r['delayed_update'] else ''}",
         file=out,
@@ -520,6 +528,12 @@ def parse_args() -> argparse.Namespace:
         default="none",
         choices=[str(a) for a in get_args(get_type_hints(CompressionConfig)["wire"])],
         help="[compression] wire: the tensor codec on the wire",
+    )
+    parser.add_argument(
+        "--averaging",
+        default="none",
+        choices=[str(a) for a in get_args(get_type_hints(CompressionConfig)["averaging"])],
+        help="[compression] averaging: the pools' codec (a standby's updates come in it)",
     )
     parser.add_argument(
         "--data-plane", default="push", choices=DATA_PLANES, help="runtime.data_plane of the job"
@@ -623,6 +637,7 @@ def main() -> int:
             args.max_in_flight,
             args.delayed_update,
             args.standby,
+            args.averaging,
         )
         job.write_text(toml)
         print(f"unshaped run (1 + {args.steps} + 1 steps) ...", file=sys.stderr, flush=True)

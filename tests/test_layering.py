@@ -289,6 +289,11 @@ OVERSIZE: dict[str, str] = {
         "one concept, the job file's sections and keys, each with its default and range and a "
         "comment saying what it means: the comments are the reference, not to be squeezed"
     ),
+    "stage_server.replica.runtime": (
+        "one concept, a stage replica's model state: its parameters, optimizer and step, and "
+        "every way the step's update reaches them (applied, recorded for followers, kept for "
+        "late audits), which must be read together as one step's commit"
+    ),
     "swarm.rpc.stage_client": (
         "one concept, the client of StageService: one method per call of the service, each with "
         "its deadline, chunking and error conversion"

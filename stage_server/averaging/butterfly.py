@@ -54,7 +54,7 @@ from stage_server.averaging.staging import ChunkCopies, OffLoop, TorchChunkCopie
 from swarm.device.oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.policy.parts import EQUAL_PARTS, Parts
-from swarm.proto import pool_pb2
+from swarm.proto import pool_pb2, tensor_pb2
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire.codec import CODEC_NONE, decode, dtype_name, encode
@@ -113,6 +113,7 @@ async def all_reduce(
     keep: Callable[[slice], Awaitable[None]] | None = None,
     copies: ChunkCopies | None = None,
     checks: PartChecks | None = None,
+    on_sum: Callable[[int, tensor_pb2.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the replicas of `settings.group`, bitwise the same on every
     replica; `flat` itself when the group is alone.
@@ -124,6 +125,8 @@ async def all_reduce(
     `residuals` (a lossy codec's error feedback) are read, and replaced once the round completed.
     `checks` takes the checksum of every slice of every part, sent (or, this replica's own part,
     contributed) and summed (a lossy codec's as decoded: `stage_server.averaging.checksum`).
+    `on_sum(k, message)`, under a lossy codec: part k's sum as its owner encoded it, the bytes
+    this replica decoded it from (what a follower decodes to apply the same values).
     Uncompressed, a part travels in slices of `settings.slice_bytes`, `window` of them to each
     owner at once: while one slice is summed and answered the next is sent, and an owner holds
     `window` slices of each sender, not its whole part.
@@ -165,6 +168,7 @@ async def all_reduce(
         keep=keep,
         copies=copies,
         checks=checks,
+        on_sum=on_sum,
     )
     try:
         return await butterfly.run()
@@ -188,6 +192,7 @@ class ButterflyRound:
         keep: Callable[[slice], Awaitable[None]] | None = None,
         copies: ChunkCopies | None = None,
         checks: PartChecks | None = None,
+        on_sum: Callable[[int, tensor_pb2.Tensor], None] | None = None,
     ) -> None:
         self.flat, self.settings, self.averager, self.channels = flat, settings, averager, channels
         self._keep = keep
@@ -206,6 +211,7 @@ class ButterflyRound:
         self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
         self.checks = checks
+        self._on_sum = on_sum if self.lossy else None  # each part's sum as it was encoded
         if self.checks is not None and self.lossy:  # checked on the decoded values (issue 54)
             self.checks.lossy(settings.codec, settings.block_size)
         self._dropped: Residuals | None = None  # what this round's encodings drop, as it goes
@@ -324,6 +330,8 @@ class ButterflyRound:
             raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {shapes}")
         if got.data_ptr() != self.total[where].data_ptr():  # not received in place
             await self._off(self._place, where, got)
+        if self._on_sum is not None:  # a lossy part is one slice: its sum whole
+            self._on_sum(k, _as_received(reply))
         if check is not None:
             await asyncio.to_thread(check.summed, k, where.start, self.total[where])
         self.received += sum(t.nbytes for t in reply.header.tensors)
@@ -388,6 +396,8 @@ class ButterflyRound:
         )
         if self._dropped is not None:
             self._dropped.summed[where] = reduced.exact - reduced.tensor
+        if self._on_sum is not None and reduced.message is not None:
+            self._on_sum(index, reduced.message)
         if self.checks is not None:  # the sum as every member takes it
             await asyncio.to_thread(self.checks.summed, index, where.start, reduced.tensor)
         await self._overwriting(where)
@@ -482,3 +492,18 @@ class ButterflyRound:
         if self.feedback is not None and self._dropped is not None:
             self.feedback.sent, self.feedback.summed = self._dropped.sent, self._dropped.summed
         return self.total
+
+
+def _as_received(reply: wire.Received[Any]) -> tensor_pb2.Tensor:
+    """The sum an owner's reply carries (its part's) as one message, its bytes in `data`
+    (a chunked payload copied there: a lossy codec's, a fraction of the part's values)."""
+    i = next(i for i, t in enumerate(reply.header.tensors) if t.name == "sum")  # decoded: there
+    sent = tensor_pb2.Tensor()
+    sent.CopyFrom(reply.header.tensors[i])
+    payload = reply.payloads[i]
+    if isinstance(payload, torch.Tensor):  # handed over: never on the pool's wire, but whole
+        sent.data = payload.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    else:
+        sent.data = bytes(payload)
+    sent.ClearField("handover")
+    return sent

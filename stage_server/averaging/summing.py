@@ -25,15 +25,15 @@ class Reduced:
     def __init__(
         self, tensor: torch.Tensor, message: tensor_pb2.Tensor | None, exact: torch.Tensor
     ) -> None:
-        self.tensor, self._message = tensor, message
+        self.tensor, self.message = tensor, message  # `message`: a lossy codec's encoding
         self.exact = exact  # the sum before a lossy codec encoded it (`tensor` if none did)
         # encoded bytes of the sum, as each reply carries them
         self.wire_bytes = message.nbytes if message is not None else tensor.nbytes
 
     def replies(self, chunk_bytes: int) -> Iterator[pool_pb2.PoolReduceResponse]:
-        if self._message is None:
+        if self.message is None:
             return wire.split_tensor(pool_pb2.PoolReduceResponse(), "sum", self.tensor, chunk_bytes)
-        return wire.split(pool_pb2.PoolReduceResponse(tensors=[self._message]), chunk_bytes)
+        return wire.split(pool_pb2.PoolReduceResponse(tensors=[self.message]), chunk_bytes)
 
 
 class Summer(Protocol):

@@ -41,10 +41,12 @@ from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
 from stage_server.averaging.hostile import misreport, poison
 from stage_server.averaging.owner import Averager, AveragingAborted
+from stage_server.averaging.sent_sums import SentSum
 from stage_server.averaging.spill import Spill
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.messages import Limits
 from stage_server.replica.runtime import Served, StageRuntime
+from stage_server.replica.step_sums import Sent
 from stage_server.replica.worker import Worker
 from swarm.device.oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
@@ -146,6 +148,9 @@ class Committer:
         self.feedback = ErrorFeedback()  # what lossy averaging dropped, for the next round
         # (job, stage, step, squared norm) of the average this replica prepared last
         self._prepared: tuple[str, int, int, float] | None = None
+        # (round, its sum as a lossy codec carried it) of the last round averaged while a peer
+        # follows this replica: what the update sent to it is made of (`SentSum`)
+        self._sent: tuple[str, Sent] = ("", ())
 
     def serve(self) -> None:
         """A stage installed anew starts from no residuals."""
@@ -173,7 +178,8 @@ class Committer:
             sums = await self._part(
                 c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
             )
-            await self._worker.run(rt.set_prepared, step, sums, c.total_samples)
+            sent = self._sent[1] if self._sent[0] == c.round else ()
+            await self._worker.run(rt.set_prepared, step, sums, c.total_samples, sent)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
             self._prepared = (c.job, c.stage, step, sq_norm)
             if not math.isfinite(sq_norm):
@@ -375,6 +381,8 @@ class Committer:
                 await asyncio.to_thread(spill.keep, where)
 
         averaged = codec.codec_from_name("none" if lossless else rt.job.compression.averaging)
+        # A peer follows this replica: what it is sent of the sum is what the codec carried.
+        sent = SentSum() if averaged != codec.CODEC_NONE and rt.updates.followed else None
         residuals = None
         if rt.job.compression.error_feedback and averaged != codec.CODEC_NONE:  # a lossy one only
             residuals = self.feedback.start(c.job, c.stage, c.step, flat)
@@ -401,7 +409,10 @@ class Committer:
             on_bytes=self.metrics.averaged,
             keep=keep,
             checks=checks,
+            on_sum=sent,
         )
+        if sent is not None:
+            self._sent = (c.round, sent.whole(flat.numel()))
         self.metrics.averaging_seconds(time.perf_counter() - start)
         if residuals is not None:
             self.feedback.prepared(c.job, c.stage, c.step, residuals)

@@ -41,7 +41,7 @@ from swarm.job.config import JobConfig, RuntimeConfig
 from swarm.ops.boundary_bytes import Way
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
-from swarm.rpc.state_streams import Update
+from swarm.rpc.state_streams import FLAT, Update
 from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.budget import Held
@@ -383,18 +383,29 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
 
 def updates_reply(updates: list[Update], chunk_bytes: int) -> Iterator[pb.StageUpdatesResponse]:
     """The Updates answer, built as it is sent: one message per gradient sum of each update, in
-    chunks of at most `chunk_bytes` cut from the log's own tensors (nothing encoded ahead)."""
+    chunks of at most `chunk_bytes` cut from the log's own tensors (nothing encoded ahead); or,
+    for an update the pool's averaging carried in a lossy codec, one per part of its flat sum,
+    as those bytes (`Update.encoded`, named `flat/<j>`: `swarm.rpc.state_streams.FlatSum`)."""
     for u in updates:
-        for i, g in enumerate(u.grad_sums):
-            header = pb.StageUpdatesResponse(
-                step=u.step,
-                total_samples=u.total_samples,
-                grad_scale=u.scale,
-                round_end=u.round_end,
-                eager=u.eager,  # type: ignore[arg-type]  # `EagerOp` is the wire's
-                boundary=u.boundary,
-            )
-            yield from wire.split_tensor(header, str(i), g, chunk_bytes)
+        for j, part in enumerate(u.encoded):
+            header = _update_header(u)
+            sent = header.tensors.add()
+            sent.CopyFrom(part)
+            sent.name = f"{FLAT}{j}"
+            yield from wire.split(header, chunk_bytes)
+        for i, g in enumerate([] if u.encoded else u.grad_sums):
+            yield from wire.split_tensor(_update_header(u), str(i), g, chunk_bytes)
+
+
+def _update_header(u: Update) -> pb.StageUpdatesResponse:
+    return pb.StageUpdatesResponse(
+        step=u.step,
+        total_samples=u.total_samples,
+        grad_scale=u.scale,
+        round_end=u.round_end,
+        eager=u.eager,  # type: ignore[arg-type]  # `EagerOp` is the wire's
+        boundary=u.boundary,
+    )
 
 
 def state_reply(snapshot: Snapshot, chunk_bytes: int) -> Iterator[pb.StageDownloadStateResponse]:

@@ -25,7 +25,7 @@ from stage_server.replica.gradient_digest import backprop_apart
 from stage_server.replica.prior_params import PriorParams
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
-from stage_server.replica.step_sums import Receipt, Sums
+from stage_server.replica.step_sums import Receipt, Sent, Sums
 from stage_server.replica.tensor_checks import Given, TensorChecks
 from stage_server.replica.update_log import UpdateLog
 from swarm.device.compiled import CompiledRuns
@@ -305,10 +305,13 @@ class StageRuntime:
         # The sums themselves, lent to the commit (`Sums.lend`): a late Backward adds into a copy.
         return self.sums.lend(step)
 
-    def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
-        """Keep the pool's summed gradient for `step` until `apply`."""
+    def set_prepared(
+        self, step: int, grad_sums: list[torch.Tensor], total_samples: int, sent: Sent = ()
+    ) -> None:
+        """Keep the pool's summed gradient for `step` until `apply` (`sent`: as the averaging's
+        lossy codec carried it, for followers: `Update.encoded`)."""
         self._check_step(step)
-        self.sums.set_prepared(step, grad_sums, total_samples)
+        self.sums.set_prepared(step, grad_sums, total_samples, sent)
 
     def prepared_sq_norm(self, step: int) -> float:
         """The squared L2 norm of the pool's averaged gradient prepared for `step`: this stage's
@@ -325,7 +328,7 @@ class StageRuntime:
         if step < self.step:
             return True
         grad_sums, total_samples = self._prepared(step)
-        self.apply_update(grad_sums, total_samples, scale)
+        self.apply_update(grad_sums, total_samples, scale, self.sums.sent(step))
         return False
 
     def _prepared(self, step: int) -> tuple[list[torch.Tensor], int]:
@@ -354,12 +357,12 @@ class StageRuntime:
         return dropped
 
     def apply_update(
-        self, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0
+        self, grad_sums: list[torch.Tensor], total_samples: int, scale: float = 1.0, sent: Sent = ()
     ) -> None:
         """One optimizer step with gradient `scale * grad_sums / total_samples` at the step's
         learning rate (`swarm.model.optim.update`, as the reference); then the next step."""
         # Recorded first (a copy, only while a peer follows): the mean is taken in place below.
-        self.updates.record(Update(self.step, grad_sums, total_samples, scale))
+        self.updates.record(Update(self.step, grad_sums, total_samples, scale, encoded=sent))
         self.copies.keep(self.step, self.params)  # for the step's late audits, before it moves
         self.snapshots.detach()  # the state changes in place
         # This step's own sums: not needed once prepared (averaged in place, they are

@@ -24,8 +24,13 @@ import torch
 from stage_server.averaging.spill import Spill, SpillFile
 from swarm.errors import FailedPrecondition
 from swarm.model.flat import flat_copy, flat_view
+from swarm.proto import tensor_pb2
 
-__all__ = ["Receipt", "StepSums", "Sums"]
+__all__ = ["Receipt", "Sent", "StepSums", "Sums"]
+
+# The pool's summed gradient as the averaging's lossy codec carried it: the flat sum's parts, the
+# bytes every replica decoded them from (`swarm.rpc.state_streams.Update.encoded`); none: as is.
+Sent = tuple[tensor_pb2.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,9 @@ class Sums:
         # The one spill file each step's spill writes in turn: over pages the page cache holds
         # already, not a new file's (`stage_server.averaging.spill`).
         self._spill_file = SpillFile()
-        # (step, the pool's summed gradient, the step's samples) between prepare and apply
-        self._prepared: tuple[int, list[torch.Tensor], int] | None = None
+        # (step, the pool's summed gradient, the step's samples, the sum as a lossy codec
+        # carried it) between prepare and apply
+        self._prepared: tuple[int, list[torch.Tensor], int, Sent] | None = None
         # The epoch of the last rollback's LoadState, or of the coordinator's Join if newer
         # (`swarm.rpc.epoch`): work leased before it would add into a replayed step a gradient
         # taken on the state before.
@@ -192,14 +198,23 @@ class Sums:
         self._steps, self._prepared = {}, None
 
     # -- the pool's sum, between PREPARE and APPLY ----------------------------------------------
-    def set_prepared(self, step: int, grad_sums: list[torch.Tensor], total_samples: int) -> None:
-        self._prepared = (step, grad_sums, total_samples)
+    def set_prepared(
+        self, step: int, grad_sums: list[torch.Tensor], total_samples: int, sent: Sent = ()
+    ) -> None:
+        self._prepared = (step, grad_sums, total_samples, sent)
 
     def prepared(self, step: int) -> tuple[list[torch.Tensor], int] | None:
         """The pool's summed gradient prepared for `step` and its samples (None: not prepared)."""
         if self._prepared is None or self._prepared[0] != step:
             return None
         return self._prepared[1], self._prepared[2]
+
+    def sent(self, step: int) -> Sent:
+        """The pool's sum prepared for `step` as the averaging's lossy codec carried it (none: it
+        carried none, or no peer followed this replica as it averaged)."""
+        if self._prepared is None or self._prepared[0] != step:
+            return ()
+        return self._prepared[3]
 
     def unprepare(self) -> None:
         self._prepared = None

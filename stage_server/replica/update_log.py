@@ -128,15 +128,23 @@ class UpdateLog:
             if follower in self._followers:
                 self._followers[follower].heard = self._clock()
 
+    @property
+    def followed(self) -> bool:
+        """Whether a peer follows this replica now (what it applies is kept for it)."""
+        with self._lock:
+            return bool(self._followers)
+
     def record(self, update: Update) -> None:
         """This replica applied `update` (`update.scale * grad_sums / total_samples` at its
-        step, or a round's end before it): kept, a copy on the CPU, while a peer follows."""
+        step, or a round's end before it): kept, a copy on the CPU, while a peer follows; as
+        the averaging's codec carried it where one did (`Update.encoded`: those bytes alone,
+        its sums not copied)."""
         with self._lock:
             self._forget_silent()
             if not self._followers:
                 return
-        cpu = [g.detach().to("cpu", copy=True) for g in update.grad_sums]  # outside the lock
-        with self._lock:
+        cpu = [] if update.encoded else [g.detach().to("cpu", copy=True) for g in update.grad_sums]
+        with self._lock:  # (the copy made outside it)
             if not self._followers:
                 return
             self._updates.append(replace(update, grad_sums=cpu))

@@ -68,6 +68,11 @@ class StateChecks:
         """How many gradient sums one update holds (one per parameter, in optimizer order)."""
         return len(self._params)
 
+    def update_shapes(self) -> list[torch.Size]:
+        """The shapes of one update's gradient sums, in optimizer order: how a flat sum that came
+        whole (in the averaging's codec, `swarm.rpc.state_streams.Update.encoded`) is cut."""
+        return [shape for shape, _ in self._params]
+
     def max_state_bytes(self) -> int:
         """The most bytes a state for this stage can take (parameters, their copies, and an
         optimizer's state of at most three tensors per parameter, at 8 bytes a value, and a

@@ -18,13 +18,17 @@ import torch
 from swarm.deadline import within
 from swarm.errors import InvalidArgument, PeerUnavailable, ResourceExhausted
 from swarm.job.rule import EagerOp
+from swarm.proto import tensor_pb2
 from swarm.rpc.stream_order import OutOfOrder, StateOrder, UpdateHeader, UpdateOrder
 from swarm.wire import chunking as wire
 
 __all__ = [
+    "FLAT",
+    "MAX_FLAT_PARTS",
     "STATE_FLOOR_S",
     "STATE_MIN_RATE",
     "ExpectedState",
+    "FlatSum",
     "ReplicaStreams",
     "StateSink",
     "Update",
@@ -60,9 +64,17 @@ class Update:
     # which arrived while the replica was at `step`
     eager: int = EagerOp.NONE
     boundary: int = -1
+    # The pool's summed gradient as the averaging's lossy codec carried it, where one did: the
+    # flat sum's parts in order, each the bytes every replica decoded its part from, so that a
+    # follower decoding them applies the very values the pool applied (`grad_sums` are those
+    # decodings, and go unsent). Empty: the sums travel as they are (no codec, a pool of one).
+    encoded: tuple[tensor_pb2.Tensor, ...] = ()
 
     @property
     def nbytes(self) -> int:
+        """What it takes kept or sent: its encoding's bytes, else its sums'."""
+        if self.encoded:
+            return sum(part.nbytes for part in self.encoded)
         return sum(t.nbytes for t in self.grad_sums)
 
 
@@ -88,6 +100,8 @@ class ExpectedState(Protocol):
     def complete(self, names: Collection[str]) -> None: ...
 
     def update_tensor(self, index: int, tensor: torch.Tensor) -> None: ...
+
+    def update_shapes(self) -> list[torch.Size]: ...
 
 
 class ReplicaStreams:
@@ -153,6 +167,7 @@ class ReplicaStreams:
         received = self._bounded(call, limit, why, 0)
         order = UpdateOrder(from_step, rounds=rounds, sums=expect.num_parameters)
         updates: list[Update] = []
+        flat = FlatSum(expect.update_shapes())
         while (message := await received.next()) is not None:
             header, tensors = message
             scale = header.grad_scale if header.HasField("grad_scale") else 1.0
@@ -168,11 +183,13 @@ class ReplicaStreams:
             if begun is not None:
                 step, samples, scale, end, eager, boundary = begun
                 updates.append(Update(step, [], samples, scale, end, EagerOp(eager), boundary))
+                flat = FlatSum(flat.shapes)  # each update's own (a flat sum or sums)
             sums = updates[-1].grad_sums
             for name, tensor in tensors.items():
-                index = self._in_order(order.sum, name)
-                self._check(expect.update_tensor, index, tensor)
-                sums.append(tensor)  # its own buffer: no copy
+                for sum_name, g in self._in_order(flat.add, name, tensor, order.count):
+                    index = self._in_order(order.sum, sum_name)
+                    self._check(expect.update_tensor, index, g)
+                    sums.append(g)  # its own buffer (or a view of the whole sum's): no copy
         self._in_order(order.end)
         return updates
 
@@ -207,6 +224,52 @@ class ReplicaStreams:
             check(*args)
         except InvalidArgument as e:
             raise self._refused(f"what stage {self.stage} would not load: {e}") from None
+
+
+FLAT = "flat/"  # the name of a part of a flat sum (`FlatSum`), before its index
+# The most parts a flat sum comes in: one a member of its round (a pool's largest group), so
+# that a sender cannot make it many tiny tensors, each held at a tensor's cost.
+MAX_FLAT_PARTS = 1024
+
+
+class FlatSum:
+    """An update's sums as they come, one message's tensor at a time: each itself (named by its
+    index), or, where the pool's averaging carried them in a lossy codec (`Update.encoded`), the
+    flat sum's parts, decoded, named `flat/<j>` in order, gathered until they hold every
+    parameter's values and then cut into the parameters' shapes (`shapes`)."""
+
+    def __init__(self, shapes: list[torch.Size]) -> None:
+        self.shapes = shapes
+        self.total = sum(shape.numel() for shape in shapes)
+        self.parts: list[torch.Tensor] = []
+        self.held = 0  # values the parts so far hold
+
+    def add(self, name: str, tensor: torch.Tensor, sums: int) -> list[tuple[str, torch.Tensor]]:
+        """The sums (name, tensor) that `tensor` named `name` completes; `sums`: how many of
+        the update came before it. OutOfOrder for a part not due (a sum's, or a part after
+        one, or past the sums' values)."""
+        if not name.startswith(FLAT):
+            if self.parts:
+                raise OutOfOrder(f"gradient sum {name!r} in a flat sum of {self.held} values")
+            return [(name, tensor)]
+        due = f"{FLAT}{len(self.parts)}"
+        first = self.parts[0] if self.parts else tensor
+        numel = tensor.numel()
+        if name != due or sums or tensor.dim() != 1 or tensor.dtype != first.dtype:
+            raise OutOfOrder(f"a part {name!r} of {tensor.dtype}{list(tensor.shape)} of a flat sum")
+        if self.held + numel > self.total or len(self.parts) >= MAX_FLAT_PARTS:
+            raise OutOfOrder(
+                f"a flat sum of more than the stage's {self.total} values or {MAX_FLAT_PARTS} parts"
+            )
+        self.parts.append(tensor)
+        self.held += numel
+        if self.held < self.total:
+            return []
+        whole = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        self.parts, self.held = [], 0
+        sizes = [shape.numel() for shape in self.shapes]
+        cut = torch.split(whole, sizes)
+        return [(str(i), t.view(s)) for i, (t, s) in enumerate(zip(cut, self.shapes, strict=True))]
 
 
 class _Bounded:

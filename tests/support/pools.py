@@ -81,7 +81,8 @@ async def reduce_all(
     pool: Sequence[Replica], flats: Sequence[torch.Tensor], **kwargs: Any
 ) -> list[Any]:
     """Every replica's all_reduce, concurrently; results or exceptions in group order. `copies`:
-    each replica's `ChunkCopies` (a fake device's), in group order."""
+    each replica's `ChunkCopies` (a fake device's), in group order; `on_sum`: each replica's
+    (`all_reduce`'s), in group order."""
     opts: dict[str, Any] = {
         "round": "r0",
         "job": JOB,
@@ -93,6 +94,7 @@ async def reduce_all(
     group = opts.pop("group", [r.address for r in pool])
     on_bytes = opts.pop("on_bytes", None)
     copies = opts.pop("copies", [None] * len(pool))  # each replica's device copies, or torch's
+    on_sum = opts.pop("on_sum", [None] * len(pool))  # each replica's, in group order
     calls = [
         all_reduce(
             f,
@@ -101,8 +103,9 @@ async def reduce_all(
             channels=r.channels,
             on_bytes=on_bytes,
             copies=c,
+            on_sum=s,
         )
-        for i, (r, f, c) in enumerate(zip(pool, flats, copies, strict=True))
+        for i, (r, f, c, s) in enumerate(zip(pool, flats, copies, on_sum, strict=True))
     ]
     return await asyncio.gather(*calls, return_exceptions=True)
 
