@@ -91,6 +91,10 @@ class Standbys:
         self._failed: dict[str, int] = {}  # standby -> its asks in a row that failed
         # Peers replaced for falling behind, with why: never chosen again while on their stage.
         self.passed_over: dict[str, str] = {}
+        # Standbys lost (gone from their stage's list): never chosen again for the job. A peer
+        # that comes and goes is no holder to promote, and one flipping its announcement would
+        # stand by again, and be said to, on every flip (N9).
+        self.lost: set[str] = set()
         self.short: list[int] = []  # stages short of `wanted` after the last boundary's choice
 
     def peers(self) -> set[str]:
@@ -111,8 +115,9 @@ class Standbys:
         self.passed_over = {p: why for p, why in self.passed_over.items() if p in listed}
         for peer, k in list(self._stage.items()):
             if listed.get(peer) != k:
-                log.info("standby %s of stage %d is gone", peer, k)
+                log.info("standby %s of stage %d is gone; it stands by no more", peer, k)
                 self._forget(peer)
+                self.lost.add(peer)
         # A rollback loads its checkpoint on every peer listed, standbys too, which makes them
         # members: they stand by again where a replica on another host stays; one that is its
         # stage's only replica now (the others died with the rollback's cause) stays its replica.
@@ -157,7 +162,9 @@ class Standbys:
         held = {self.host(p) for p, k in self._stage.items() if k == stage}
         fits = []
         for c in listed:
-            if c.peer in self._stage or c.peer in self.passed_over or not self.vouched(c.peer):
+            if c.peer in self._stage or c.peer in self.passed_over or c.peer in self.lost:
+                continue
+            if not self.vouched(c.peer):
                 continue
             left = {self.host(r.peer) for r in replicas if r.peer != c.peer}
             if left and self.host(c.peer) not in left:  # a replica stays, on another host

@@ -34,6 +34,18 @@ class Peers:
     def members(self, job_id: str, stages: int) -> list[list[Replica]]:
         return self.swarm.members()
 
+    def given(self, job_id: str, peer: str) -> int | None:
+        """The stage `peer` serves: every server of the swarm was put on its stage as it was
+        started, as the scheduler gives one."""
+        return next(
+            (
+                k
+                for k, stage in enumerate(self.swarm.members())
+                if any(r.peer == peer for r in stage)
+            ),
+            None,
+        )
+
     def domains(self) -> dict[str, object]:
         return {}  # no failure domains known: no warning of them
 

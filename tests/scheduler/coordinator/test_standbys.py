@@ -62,6 +62,18 @@ def test_a_standby_gone_is_forgotten_and_replaced() -> None:
     assert standbys.of("a") is None
 
 
+def test_a_standby_gone_and_back_stands_by_no_more() -> None:
+    """A peer that comes and goes is no holder to promote: once lost as a standby, it is not
+    chosen again (a flipping peer would stand by, and be said to, on every flip: N9)."""
+    standbys = _standbys()
+    three = [[Replica("a", "x:1", 3.0), Replica("b", "x:2", 0.5), Replica("c", "x:3", 5.0)]]
+    assert standbys.choose(three, {"a", "b", "c"}) == ["b"]
+    assert standbys.choose([[three[0][0], three[0][2]]], {"a", "c"}) == ["a"]  # b gone
+    # a gone too, b back (joining again): b stands by no more, and c, alone, serves
+    assert standbys.choose([three[0][1:]], {"c"}) == []
+    assert standbys.of("b") is None and standbys.of("a") is None
+
+
 def test_status_says_the_standbys_lag_in_steps() -> None:
     standbys = _standbys()
     standbys.choose([[Replica("a", "x:1"), Replica("b", "x:2")]], {"a", "b"})
