@@ -59,10 +59,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/swarm demo
 
-# Three workers (pytest-xdist) on 2 cores: most of the suite's time is spent waiting on the
-# processes a test starts (two workers left the CPU idle 39% of a run), so a third worker fills
-# those waits (docs/decisions.md, "The suite's own time"). Every run prints its 15 slowest tests.
-TEST_WORKERS ?= 3
+# Two workers (pytest-xdist): most of the suite's time is spent waiting on the processes a test
+# starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. Every run prints its
+# 15 slowest tests.
+TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS)
 
 test: install mosquitto nftables prometheus podman
