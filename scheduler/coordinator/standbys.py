@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -56,6 +57,10 @@ LAG_BOUND = 2
 LAG_STEPS = 3
 #: A standby whose asks (its Join as a step opens) failed this many times in a row is replaced.
 FAILED_ASKS = 3
+#: A standby lost stands by again only this long after (seconds): a peer restarted after a
+#: crash may hold the state again, but one flipping its announcement stands by once, not on
+#: every flip (N9).
+LOST_COOLDOWN_S = 60.0
 
 
 class Standbys:
@@ -68,6 +73,7 @@ class Standbys:
         min_replicas: int = 1,
         router: Callable[[str], str] = lambda peer: "",
         vouched: Callable[[str], bool] = lambda peer: True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`wanted`: standbys per stage (the job's `runtime.standby`; 0: none); `host(peer)`:
         the machine a peer runs on (its failure domain), never a replica's of its stage;
@@ -79,6 +85,7 @@ class Standbys:
         whether the scheduler placed `peer` on the job or its coordinator admitted it: no other
         stands by (a peer that only says it serves the stage is given no state, N9)."""
         self.wanted, self.host, self.router, self.vouched = wanted, host, router, vouched
+        self.clock = clock
         self.only_spares, self.min_replicas = only_spares, min_replicas
         self._stage: dict[str, int] = {}  # standby -> the stage it stands by for
         self._at: dict[str, int] = {}  # standby -> the step its last Join answered (-1: copying)
@@ -91,10 +98,9 @@ class Standbys:
         self._failed: dict[str, int] = {}  # standby -> its asks in a row that failed
         # Peers replaced for falling behind, with why: never chosen again while on their stage.
         self.passed_over: dict[str, str] = {}
-        # Standbys lost (gone from their stage's list): never chosen again for the job. A peer
-        # that comes and goes is no holder to promote, and one flipping its announcement would
-        # stand by again, and be said to, on every flip (N9).
-        self.lost: set[str] = set()
+        # Standbys lost (gone from their stage's list) -> when: none stands by again within
+        # LOST_COOLDOWN_S (one flipping its announcement would, and be said to, on every flip).
+        self.lost: dict[str, float] = {}
         self.short: list[int] = []  # stages short of `wanted` after the last boundary's choice
 
     def peers(self) -> set[str]:
@@ -115,9 +121,14 @@ class Standbys:
         self.passed_over = {p: why for p, why in self.passed_over.items() if p in listed}
         for peer, k in list(self._stage.items()):
             if listed.get(peer) != k:
-                log.info("standby %s of stage %d is gone; it stands by no more", peer, k)
+                log.info(
+                    "standby %s of stage %d is gone (stands by again %.0f s on)",
+                    peer,
+                    k,
+                    LOST_COOLDOWN_S,
+                )
                 self._forget(peer)
-                self.lost.add(peer)
+                self.lost[peer] = self.clock()
         # A rollback loads its checkpoint on every peer listed, standbys too, which makes them
         # members: they stand by again where a replica on another host stays; one that is its
         # stage's only replica now (the others died with the rollback's cause) stays its replica.
@@ -162,7 +173,7 @@ class Standbys:
         held = {self.host(p) for p, k in self._stage.items() if k == stage}
         fits = []
         for c in listed:
-            if c.peer in self._stage or c.peer in self.passed_over or c.peer in self.lost:
+            if c.peer in self._stage or c.peer in self.passed_over or self._cooling(c.peer):
                 continue
             if not self.vouched(c.peer):
                 continue
@@ -186,6 +197,11 @@ class Standbys:
             )
         )
         return fits[0][0] if fits else None
+
+    def _cooling(self, peer: str) -> bool:
+        """Whether `peer`, lost as a standby, was lost within `LOST_COOLDOWN_S`."""
+        lost = self.lost.get(peer)
+        return lost is not None and self.clock() - lost < LOST_COOLDOWN_S
 
     def _release(self, speeds: list[dict[str, float]]) -> None:
         """Under `only_spares`: standbys the job needs now (their stage fell to the bottleneck,

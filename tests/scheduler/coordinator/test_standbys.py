@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler.coordinator.standbys import FAILED_ASKS, LAG_BOUND, LAG_STEPS, Standbys
+from scheduler.coordinator.standbys import (
+    FAILED_ASKS,
+    LAG_BOUND,
+    LAG_STEPS,
+    LOST_COOLDOWN_S,
+    Standbys,
+)
 from swarm.errors import SwarmError
 from swarm.rpc.lease import Replica
 
@@ -62,16 +68,20 @@ def test_a_standby_gone_is_forgotten_and_replaced() -> None:
     assert standbys.of("a") is None
 
 
-def test_a_standby_gone_and_back_stands_by_no_more() -> None:
-    """A peer that comes and goes is no holder to promote: once lost as a standby, it is not
-    chosen again (a flipping peer would stand by, and be said to, on every flip: N9)."""
-    standbys = _standbys()
+def test_a_standby_gone_and_back_stands_by_again_only_after_its_cooldown() -> None:
+    """Once lost as a standby, a peer stands by again only `LOST_COOLDOWN_S` later (a flipping
+    peer would stand by, and be said to, on every flip: N9)."""
+    now = [100.0]
+    standbys = Standbys(1, lambda peer: HOSTS[peer], clock=lambda: now[0])
     three = [[Replica("a", "x:1", 3.0), Replica("b", "x:2", 0.5), Replica("c", "x:3", 5.0)]]
     assert standbys.choose(three, {"a", "b", "c"}) == ["b"]
     assert standbys.choose([[three[0][0], three[0][2]]], {"a", "c"}) == ["a"]  # b gone
-    # a gone too, b back (joining again): b stands by no more, and c, alone, serves
+    # a gone too, b back (joining again): b does not stand by yet, and c, alone, serves
     assert standbys.choose([three[0][1:]], {"c"}) == []
     assert standbys.of("b") is None and standbys.of("a") is None
+    now[0] += LOST_COOLDOWN_S  # the cooldown over: b, joining, stands by again
+    assert standbys.choose([three[0][1:]], {"c"}) == []
+    assert standbys.of("b") == 0
 
 
 def test_status_says_the_standbys_lag_in_steps() -> None:
