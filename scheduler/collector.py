@@ -4,7 +4,8 @@ the scheduler's dial-back found it (`swarm_peer_reachability`, 1 for its current
 bytes per token crossing each of a job's boundaries each way, as the replicas' load reports say
 (`swarm_scheduler_boundary_bytes_per_token`). A peer
 counts as serving its stage only once the job's coordinator admitted it (`PeerRegistry.shown`):
-until then it is joining.
+until then it is joining, or a standby when the coordinator keeps it as one (`standby`: it
+follows the stage's updates and serves nothing, issue 67).
 
 Why a collector and not gauges kept up to date: these are computed at scrape time from what the
 scheduler already holds, so there is nothing to keep in sync, and a job's series go when it
@@ -48,6 +49,10 @@ class SchedulerView(Protocol):
         """The job's admitted replicas (None: no coordinator); safe on the metrics thread."""
         ...
 
+    def standbys(self, job_id: str) -> frozenset[str]:
+        """The job's standbys (none without a coordinator); safe on the metrics thread."""
+        ...
+
 
 def collector(scheduler: SchedulerView) -> Collector:
     """A Prometheus collector computing peers per stage and state, per-stage throughput, and job
@@ -72,7 +77,9 @@ def collector(scheduler: SchedulerView) -> Collector:
             shown = {
                 s.announcement.peer: (str(s.stage), s.state)
                 for job in {p.job for p in present if p.job}
-                for s in registry.shown(job, scheduler.admitted(job))
+                for s in registry.shown(
+                    job, scheduler.admitted(job), standbys=scheduler.standbys(job)
+                )
             }
             for p in present:
                 announced = (str(p.stage) if p.HasField("stage") else "", p.state)

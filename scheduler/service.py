@@ -205,6 +205,11 @@ class Scheduler:
         coordinator = self._coordinators.get(job_id)
         return frozenset(coordinator.membership.synced) if coordinator is not None else None
 
+    def standbys(self, job_id: str) -> frozenset[str]:
+        """The job's standbys now (none without a coordinator). Safe on the metrics thread."""
+        coordinator = self._coordinators.get(job_id)
+        return frozenset(coordinator.membership.standbys.peers()) if coordinator else frozenset()
+
     def samples_per_second(self, job_id: str) -> float:
         speed = self._speed.get(job_id)
         return speed.rate() if speed is not None else 0.0

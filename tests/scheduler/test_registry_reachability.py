@@ -205,6 +205,9 @@ class _View:
     def admitted(self, job_id: str) -> frozenset[str] | None:
         return None
 
+    def standbys(self, job_id: str) -> frozenset[str]:
+        return frozenset()
+
 
 def test_each_peers_reachability_is_a_gauge() -> None:
     from prometheus_client import CollectorRegistry
