@@ -84,9 +84,11 @@ class Mover:
         the first stage in `short` that one may stand by for: its host holds none of that
         stage's replicas, it has not moved within `min_dwell_s`; one behind a router none of
         them is behind first, then the slowest. It arrives as a joiner the job does not need,
-        and the coordinator makes it the stage's standby (a spare first)."""
+        and the coordinator makes it the stage's standby (a spare first). None with rebalancing
+        off (`config.enabled`): it forbids moving replicas between stages, and this is a move
+        (docs/decisions.md, "Standbys where the swarm has room")."""
         short = self.short()
-        if not short:
+        if not short or not self.config.enabled:
             return
         speeds, coming = self._placed()
         out, domains = set(self.standbys()), self.assignments.registry.domains()

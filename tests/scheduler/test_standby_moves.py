@@ -38,6 +38,7 @@ def _mover(
     standbys: set[str],
     short: list[int],
     routers: dict[str, str] | None = None,
+    rebalancing: bool = True,
 ) -> tuple[Mover, Assignments, Counter]:
     registry = PeerRegistry(MonotonicClock(), load_silence_s=60.0, serve_timeout_s=60.0)
     for peer, stage, host in placed:
@@ -53,7 +54,7 @@ def _mover(
     mover = Mover(
         "j",
         stages,
-        RebalanceConfig(),
+        RebalanceConfig(enabled=rebalancing),
         assignments,
         moves,
         standbys=lambda: standbys,
@@ -80,6 +81,24 @@ def test_a_spare_of_another_stage_moves_to_stand_by_where_none_of_its_own_may() 
     assert moves.labels(job="j")._value.get() == 1.0
     asyncio.run(mover.stand_by(1.0))  # a moved just now: it stays put, and no other is sent
     assert moves.labels(job="j")._value.get() == 1.0
+
+
+def test_with_rebalancing_off_no_replica_moves_to_stand_by() -> None:
+    # `[rebalance] enabled = false` forbids moving replicas between stages: a standby's move is
+    # one (it drains, its work is replayed, it copies the new stage), as an emptied stage's
+    # refill is. The stage's own spares and joiners still stand by (the coordinator's choice).
+    placed = [
+        ("a", 0, "h1"),
+        ("b", 0, "h2"),
+        ("e", 0, "h5"),
+        ("c", 1, "h3"),
+        ("d", 1, "h3"),
+        ("f", 2, "h6"),
+    ]
+    mover, assignments, moves = _mover(placed, 3, {"e"}, [1], rebalancing=False)
+    asyncio.run(mover.stand_by(0.0))
+    assert assignments.on_the_way("j", 3) == [[], [], []]
+    assert moves.labels(job="j")._value.get() == 0.0
 
 
 def test_a_spare_behind_another_router_than_the_stages_replicas_goes_first() -> None:
