@@ -34,10 +34,13 @@ restarted process, a second connection to the same live one, and every file, pip
 socket still count. The raw count is printed beside it. Growth is judged per process instance
 that lived long enough: after its warm-up
 (`--warmup` of the run, counted from the run's start and from the instance's start, or for a peer
-from when the scheduler first showed it serving: a spare idles with fewer threads and descriptors
-until it serves, which is not a leak), the mean of its last
+from when the scheduler first showed it serving or standing by: a spare idles with fewer threads
+and descriptors until then, which is not a leak), the mean of its last
 window (`--window` of the run) over the mean of its first; the worst instance of each role is
-printed. At the end the job is exported (the parameters at one step) and compared with
+printed. A peer's stretches standing by and serving are judged apart, each from its own start
+(`span_growth`): a standby serves nothing, so its thread pools (the event loop's default
+executor, grown lazily up to its `max_workers`) first fill when it is promoted.
+At the end the job is exported (the parameters at one step) and compared with
 `swarm.model.reference.train_local` (what `swarm local` runs) for that many steps; a job that ends
 is checked the same way and a new one submitted. Targets, each a PASS/FAIL line: memory and
 descriptors (and threads) within 10% after warm-up, the result within 1e-9, no rollback beyond
@@ -56,6 +59,7 @@ import contextlib
 import ipaddress
 import itertools
 import json
+import math
 import os
 import pwd
 import random
@@ -208,7 +212,24 @@ class Instance:
         default_factory=list
     )  # t, rss MiB, all descriptors, threads, descriptors judged (see `held_descriptors`)
     stopped: bool = False  # SIGSTOPped now
-    serving_since: float | None = None  # a peer: when the scheduler first showed it serving
+    # A peer: (t, "serving" | "standby") each time the scheduler first showed it in that role
+    # (serving, or standing by for its stage: it serves nothing until it is promoted).
+    phases: list[tuple[float, str]] = field(default_factory=list)
+
+    def shown(self, t: float, role: str) -> None:
+        if not self.phases or self.phases[-1][1] != role:
+            self.phases.append((t, role))
+
+    def spans(self) -> list[tuple[float, float]]:
+        """(from, until) of each stretch of one life judged on its own: the whole life, or a
+        peer's each stretch in one role (none before the scheduler first showed it in one: a
+        spare idles with fewer threads until then)."""
+        if self.role != "peer":
+            return [(self.started, math.inf)]
+        if not self.phases:
+            return []
+        ends = [t for t, _ in self.phases[1:]] + [math.inf]
+        return [(t, end) for (t, _), end in zip(self.phases, ends, strict=True)]
 
     @property
     def pid(self) -> int:
@@ -568,10 +589,13 @@ class Soak:
             self.rollback_metric[self.scheduler.pid, job] = value
         status = job_status(self.address, job)
         if status is not None:
-            for name in set().union(*serving(status).values()):
-                peer = self.peers.get(name)
-                if peer is not None and peer.serving_since is None:
-                    peer.serving_since = t
+            for role, names in (
+                ("serving", set().union(*serving(status).values())),
+                ("standby", standing_by(status)),
+            ):
+                for name in names:
+                    if (peer := self.peers.get(name)) is not None:
+                        peer.shown(t, role)
             step = int(status.step)
             if self.last_step is not None and step > self.last_step:
                 if self.first_step_s is None:
@@ -832,27 +856,14 @@ class Soak:
     # -- the report -----------------------------------------------------------------------------
     def growth(self) -> dict[str, dict[str, Any]]:
         warm, window = self.args.warmup * self.duration, self.args.window * self.duration
-        start = self.t0 + warm
         roles: dict[str, dict[str, Any]] = {}
         for inst in self.procs.all:
             roles.setdefault(inst.role, {"instances": 0, "judged": 0})
             roles[inst.role]["instances"] += 1
-            # Judged within its serving life: a spare's growth as it begins serving is not.
-            since = inst.serving_since if inst.role == "peer" else inst.started
-            if since is None:
-                continue  # a peer that never served
-            begin = max(start, since + warm)
-            after = [s for s in inst.samples if s[0] >= begin]
-            if len(after) < 4 or after[-1][0] - after[0][0] < 2 * window:
-                continue
-            first = [s for s in after if s[0] < after[0][0] + window]
-            last = [s for s in after if s[0] > after[-1][0] - window]
+            judged = span_growth(inst.samples, inst.spans(), self.t0 + warm, warm, window)
             r = roles[inst.role]
-            r["judged"] += 1
-            for k, key in ((1, "rss"), (2, "fds"), (3, "threads"), (4, "held")):
-                a = sum(s[k] for s in first) / len(first)
-                b = sum(s[k] for s in last) / len(last)
-                ratio = b / a if a else 1.0
+            r["judged"] += bool(judged)
+            for key, (ratio, a, b) in judged.items():
                 if ratio >= r.get(key, (0.0,))[0]:
                     r[key] = (ratio, inst.name, round(a, 1), round(b, 1))
         return roles
@@ -876,6 +887,7 @@ class Soak:
                 "name": i.name,
                 "pid": i.pid,
                 "log": i.proc.log_path.name,
+                "phases": [[round(t - self.t0, 1), role] for t, role in i.phases],
                 # seconds into the run, RSS MiB, all descriptors, threads, descriptors judged
                 "samples": [
                     [round(t - self.t0, 1), round(rss, 1), fds, thr, held]
@@ -994,6 +1006,43 @@ class Soak:
             "targets": {k: {"pass": ok, "detail": d} for k, (ok, d) in targets.items()},
             "pass": all(ok for ok, _ in targets.values()),
         }
+
+
+Sample = tuple[float, float, int, int, int]  # t, rss MiB, all descriptors, threads, judged ones
+
+
+def span_growth(
+    samples: list[Sample],
+    spans: list[tuple[float, float]],
+    start: float,
+    warm: float,
+    window: float,
+) -> dict[str, tuple[float, float, float]]:
+    """The worst growth of one process over its `spans` (`Instance.spans`), each judged on its
+    own: from `warm` after it began (and not before `start`, the run's warm-up), the mean of its
+    last `window` over the mean of its first, where it lasted two windows or more. Returns, per
+    key, (ratio, first mean, last mean); empty when no span was judged.
+
+    A peer's stretch standing by is one span, its stretch serving another: a standby serves
+    nothing, so its pools (the event loop's default executor, grown lazily up to its
+    `max_workers`, gRPC's own) stay small until it is promoted, and judging across the
+    promotion counted the pools' first use as growth (the soak of main at 09:35: a standby's
+    threads 13 -> 17, 1.304). Within each span every thread, descriptor and byte still counts."""
+    worst: dict[str, tuple[float, float, float]] = {}
+    for since, until in spans:
+        begin = max(start, since + warm)
+        after = [s for s in samples if begin <= s[0] < until]
+        if len(after) < 4 or after[-1][0] - after[0][0] < 2 * window:
+            continue
+        first = [s for s in after if s[0] < after[0][0] + window]
+        last = [s for s in after if s[0] > after[-1][0] - window]
+        for k, key in ((1, "rss"), (2, "fds"), (3, "threads"), (4, "held")):
+            a = sum(s[k] for s in first) / len(first)
+            b = sum(s[k] for s in last) / len(last)
+            ratio = b / a if a else 1.0
+            if ratio >= worst.get(key, (0.0, 0.0, 0.0))[0]:
+                worst[key] = (ratio, a, b)
+    return worst
 
 
 def rollbacks_target(
