@@ -10,9 +10,11 @@ friend's two machines sit on one LAN behind a NAT router (`swarm.local.nat`) and
   matched certificate names exactly and refused `gpu1.alice` forever ("its certificate does not
   name gpu1.alice.peer.swarm"), though the invite's certificate carries `*.alice.peer.swarm`.
 - The two talk over their LAN (`test_two_machines_on_one_invite_hop_over_their_lan`): a 2-stage
-  job on the push data plane, one stage on each; stage 1's host takes more bytes from stage 0's
-  LAN address on its gRPC port than from the relay (nftables counters in its namespace). Before,
-  each announced 127.0.0.1 (no --host, no --announce-host), the shortcut had nothing to try, and
+  job on the push data plane, one stage on each, one microbatch in flight; stage 1's host takes
+  at least every push but one from stage 0's LAN address, and from the relay during the job at
+  most the control calls plus one push (nftables counters in its namespace; the relay's by
+  connection, the job's alone; tests/support/lan_hops.py, as test_lan_direct). Before, each
+  announced 127.0.0.1 (no --host, no --announce-host), the shortcut had nothing to try, and
   every hop went out to the relay and back. The job ends float64-equal to `swarm local`.
 
 Needs root and nftables (CI has both)."""
@@ -20,6 +22,7 @@ Needs root and nftables (CI has both)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Iterator
@@ -32,7 +35,8 @@ from swarm.local import netns
 from swarm.net.certs import init_ca, issue
 from tests.support import namespaces
 from tests.support.equality import assert_equal_to_local
-from tests.support.jobs import write_job
+from tests.support.lan_hops import assert_hops_over_the_lan, write_lan_job
+from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -127,6 +131,11 @@ def _relayed(host: str) -> str:
     return f"{PEERS[host]}: relayed through {HUB}:{RELAY_PORT}"
 
 
+def _said(host: str, proc: netns.Proc) -> bool:
+    """Whether `host`'s stage server says the scheduler reached it through the relay."""
+    return _relayed(host) in proc.log()
+
+
 def test_a_second_machine_on_one_invite_is_carried_by_a_tls_relay(
     lab: netns.Network, tmp_path: Path
 ) -> None:
@@ -144,26 +153,32 @@ def test_a_second_machine_on_one_invite_is_carried_by_a_tls_relay(
 def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
     """Count, in `host`'s namespace, what arrives from `neighbour` (the LAN, directly; its gRPC
     port is any free one) and what arrives from the relay (every tunnel's data connection, which
-    `host` opened to the relay's port)."""
+    `host` opened to the relay's port), in all and by connection (`host`'s end of it)."""
+    relay = f"ip saddr {HUB} tcp sport {RELAY_PORT}"
     namespaces.tally(
         lab,
         host,
-        {"lan": f"ip saddr {neighbour}", "relay": f"ip saddr {HUB} tcp sport {RELAY_PORT}"},
+        {"lan": f"ip saddr {neighbour}", "relay": relay},
+        by_connection={"relayed": relay},
     )
 
 
 def test_two_machines_on_one_invite_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
-    job = write_job(
-        tmp_path,
-        training={"stages": 2, "steps": 6, "checkpoint_every": 0},
-        runtime={"data_plane": "push"},
-    )
+    # One microbatch in flight: only the first push goes before the LAN probe answers. With
+    # the default window the first step's went through the relay (80 KB in the job, measured),
+    # which this bound fails and the `lan > relay` it replaces passed.
+    job = write_lan_job(tmp_path)
     lan = dict(HOME.hosts)
     _tally(lab, "a", lan["b"])
     _tally(lab, "b", lan["a"])
     looker: namespaces.Looker | None = None
     with _home(lab, tmp_path) as home:
         friends = home.up()
+        # Both attached and relayed: the connections open now carry nothing of the job.
+        for host, proc in friends.items():
+            said = f"{host} says it is relayed"
+            wait_until_blocking(functools.partial(_said, host, proc), said, timeout_s=120)
+        opened = {host: namespaces.tallied_by_connection(lab, host, "relayed") for host in lan}
         try:
             job_id = home.on_hub("submit", str(job), "--scheduler", SCHEDULER).split()[0]
             looker = namespaces.Looker(lab, "hub", SCHEDULER, home.hub_env)
@@ -177,6 +192,7 @@ def test_two_machines_on_one_invite_hop_over_their_lan(lab: netns.Network, tmp_p
             out = tmp_path / "swarm.pt"
             home.on_hub("export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
             counted = {host: namespaces.tallied(lab, host) for host in lan}
+            relayed = {host: namespaces.tallied_by_connection(lab, host, "relayed") for host in lan}
         finally:
             if looker is not None:
                 looker.close()
@@ -184,9 +200,7 @@ def test_two_machines_on_one_invite_hop_over_their_lan(lab: netns.Network, tmp_p
     placed = {h: int(m[1]) for h in lan if (m := re.search(r"serving stage (\d+)", logs[h]))}
     assert sorted(placed.values()) == [0, 1], placed  # one replica per stage, one on each host
     last = next(h for h, k in placed.items() if k == 1)
-    # stage 1's replica took the hops from stage 0's over the LAN: more than all it took from
-    # the relay (the coordinator's calls, the dial-backs, and the first push before the probe)
-    assert counted[last]["lan"] > counted[last]["relay"], counted
+    assert_hops_over_the_lan(counted[last]["lan"], relayed[last], opened[last], counted)
     assert_equal_to_local(job, torch.load(out), tol=1e-9)
     for host in lan:  # both behind NAT, each listening on its LAN address, no flag given
         assert f"listening on this machine's LAN address {lan[host]}" in logs[host], logs[host]

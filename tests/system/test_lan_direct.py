@@ -14,12 +14,7 @@ to a relayed peer went through the relay, its LAN neighbour's included: nothing 
 neighbour at all. The job still ends float64-equal to `swarm local`. Needs root and nftables (CI
 has both).
 
-One microbatch in flight (`max_in_flight = 1`): the probe of stage 1's LAN address starts with
-the first push and goes on beside it (`swarm.rpc.lan`), one Info call straight over the LAN that
-answers long before that push has gone through the relay, both stages and back; every push
-already in flight when it answers goes through the relay too: with the default window that was
-the whole first step's (4 of 24 pushes, 69 KB of the 77 KB relayed, measured), which a bound of
-one push cannot tell from a LAN path lost for a step."""
+One microbatch in flight (`max_in_flight = 1`; tests/support/lan_hops.py says why)."""
 
 from __future__ import annotations
 
@@ -34,7 +29,7 @@ import torch
 from swarm.local import netns
 from tests.support import namespaces
 from tests.support.equality import assert_equal_to_local
-from tests.support.jobs import write_job
+from tests.support.lan_hops import assert_hops_over_the_lan, write_lan_job
 from tests.support.waiting import wait_until_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -47,16 +42,6 @@ SCHEDULER = f"{HUB}:7700"
 BROKER = f"mqtt://{HUB}:1883"
 RELAY_PORT, PORT = 7100, 7000
 TOKEN = "lan-direct-token"
-STEPS = 6
-MICROBATCHES = 4  # a step's (target_batch_size / microbatch_size)
-PUSHES = STEPS * MICROBATCHES  # stage 0 pushes each microbatch to stage 1 once
-PUSH_BYTES = 4 * 16 * 32 * 8  # a push's activations alone (microbatch x seq_len x d_model, float64)
-CONTROL_BYTES = 16 * 1024
-"""What stage 1's host may take from the relay during the job besides pushes: the coordinator's
-calls and any later dial-back, 6.0-6.1 KB in a job of 10-15 s and 9.1 KB in one of 124 s (peers
-throttled 1000x; measured, about 26 B/s more as the job lasts: 14 KB at the 300 s the test
-waits for it); a push takes 17.6 KB on the wire (its activations, their framing), more than this
-by itself, so two pushes never fit."""
 
 
 @pytest.fixture
@@ -91,18 +76,7 @@ def _tally(lab: netns.Network, host: str, neighbour: str) -> None:
 
 
 def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path: Path) -> None:
-    job = write_job(
-        tmp_path,
-        training={
-            "stages": 2,
-            "steps": STEPS,
-            "checkpoint_every": 0,
-            "microbatch_size": 4,
-            "target_batch_size": 4 * MICROBATCHES,
-        },
-        model={"seq_len": 16, "d_model": 32},
-        runtime={"data_plane": "push", "max_in_flight": 1},
-    )
+    job = write_lan_job(tmp_path)
     data_root = tmp_path / "data"
     data_root.mkdir()
     lan = dict(HOME.hosts)
@@ -156,12 +130,5 @@ def test_peers_behind_one_router_hop_over_their_lan(lab: netns.Network, tmp_path
     placed = {h: int(m[1]) for h in lan if (m := re.search(r"serving stage (\d+)", logs[h]))}
     assert sorted(placed.values()) == [0, 1], placed  # one replica per stage, one on each host
     last = next(h for h, k in placed.items() if k == 1)
-    # stage 1's replica took the hops from stage 0's over the LAN: there, at least every push
-    # but one (each at least its activations); through the relay, the control calls and the
-    # first push (before the probe answered) at most, a push as the LAN counted them (their
-    # bytes over those pushes: less than a push's own where more than one was relayed)
-    tally = counted[last]
-    in_job = sum(n for port, n in relayed[last].items() if port not in opened[last])
-    assert tally["lan"] >= (PUSHES - 1) * PUSH_BYTES, counted
-    assert in_job <= CONTROL_BYTES + tally["lan"] / (PUSHES - 1), (in_job, relayed, counted)
+    assert_hops_over_the_lan(counted[last]["lan"], relayed[last], opened[last], counted)
     assert_equal_to_local(job, torch.load(out), tol=1e-9)
