@@ -125,6 +125,9 @@ class PipelineTrainer:
         return self.routes.retiring
 
     async def close(self) -> None:
+        # The push plane's late audits first: none then calls an auditor over a closed client,
+        # or reports to a coordinator this trainer has left.
+        await self.plane.stop()
         await self.routes.close()
 
     # -- membership -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class Plane(Protocol):
     """The data plane being audited (`client.data_plane.plane.DataPlane`)."""
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None: ...
+    async def stop(self) -> None: ...
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult: ...
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor
@@ -64,6 +65,9 @@ class Audited:
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         self.plane.follow(replicas)
+
+    async def stop(self) -> None:
+        await self.plane.stop()  # its audits end before each microbatch's report
 
     async def evaluate(
         self, task: Task, ids: torch.Tensor, labels: torch.Tensor

@@ -24,6 +24,10 @@ N's work away just as a verdict before N's commit rolls the earlier steps' away.
   job's last step, `PushAudits.defers`) still runs ahead of them.
 - **Reported, or said why not.** A late report that fails (the coordinator gone) is logged with
   its cause; its verdicts are lost with it, as a report's are.
+- **Not past the trainer.** The trainer's shutdown (`PipelineTrainer.close`, through its
+  plane's `stop`: the job over for it, cancelled, or failed) cancels every audit still out,
+  logged with their count and microbatches, and waits for them to end before its clients
+  close: none calls an auditor over a closed client or reports to a coordinator it has left.
 """
 
 from __future__ import annotations
@@ -109,6 +113,21 @@ class LateAudits:
                     step,
                     at + 1,
                 )
+
+    async def stop(self) -> None:
+        """The trainer shuts down: cancel every audit still out (its microbatch goes
+        unaudited), logged with their count, and wait for them to end."""
+        pending = {t: at for t, at in self._running.items() if not t.done()}
+        if not pending:
+            return
+        log.warning(
+            "%d late audit(s) cancelled as the trainer shuts down: microbatches %s unaudited",
+            len(pending),
+            ", ".join(f"({step}, {index})" for step, index in sorted(pending.values())),
+        )
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def settled(self, before: int) -> None:
         """Wait for every audit of a step before `before` (the job's last step waits for them:

@@ -140,6 +140,9 @@ class PushAudits:
     async def settled(self, before: int) -> None:
         await self.late.settled(before)
 
+    async def stop(self) -> None:
+        await self.late.stop()
+
     async def audited(
         self,
         task: Task,

@@ -54,6 +54,9 @@ class CarryPlane:
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass  # every hop reads the routes as they are when it is made
 
+    async def stop(self) -> None:
+        pass  # nothing runs past a microbatch's report: its audits end before it
+
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
         # pool.mode = "local": replicas differ, so a replay runs the pipeline again, and the
         # result names every replica the run went through (the route record)

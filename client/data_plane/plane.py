@@ -47,6 +47,11 @@ class DataPlane(Protocol):
         accumulates, so any failed hop is simply tried elsewhere."""
         ...
 
+    async def stop(self) -> None:
+        """The trainer shuts down: what the plane still runs past its microbatches' reports
+        (the push plane's late audits) is cancelled, and has ended on return."""
+        ...
+
 
 def make_plane(
     job: JobConfig, hops: StageHops, metrics: TrainerMetrics, report: LateReport | None = None

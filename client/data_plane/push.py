@@ -83,6 +83,10 @@ class PushTrust(Protocol):
         """Every audit of a step before `before` ended."""
         ...
 
+    async def stop(self) -> None:
+        """The trainer shuts down: every audit still out cancelled, and ended."""
+        ...
+
 
 class Unaudited:
     """The null `PushTrust`: nothing is recorded, set aside or audited."""
@@ -117,6 +121,9 @@ class Unaudited:
     async def settled(self, before: int) -> None:
         pass
 
+    async def stop(self) -> None:
+        pass
+
 
 class PushPlane:
     def __init__(
@@ -130,6 +137,9 @@ class PushPlane:
         self.trust = trust or Unaudited()  # the trainer's audits (`client.audit.push_audit`)
         self._routes: list[pb.Route] = []  # per stage after the first: who serves it
         self.boundary = boundary_of(job.model)
+
+    async def stop(self) -> None:
+        await self.trust.stop()  # its late audits
 
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         if len(replicas) != self.job.training.stages:

@@ -34,6 +34,9 @@ class TwoStages:
     def follow(self, replicas: Sequence[Sequence[Replica]]) -> None:
         pass
 
+    async def stop(self) -> None:
+        pass
+
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
         step, index = task.step, task.index
         if self.answers:

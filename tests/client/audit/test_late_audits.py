@@ -19,6 +19,7 @@ from client.audit.late_audits import LateAudits
 from client.audit.push_audit import PushAudits
 from client.audit.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
+from client.trainer import PipelineTrainer
 from swarm.clock import MonotonicClock
 from swarm.policy.wiring import Wiring
 from swarm.rpc import late_audit
@@ -176,7 +177,8 @@ def test_an_audit_is_deferred_only_where_a_later_commit_bounds_it_and_auditors_c
         pass
 
     task = Task(step, 0, frozenset({0, 1}))
-    assert PushAudits(job, audits, routes, report).defers(task) is deferred
+    late = LateAudits(_metrics(), report)
+    assert PushAudits(job, audits, routes, late).defers(task) is deferred
     assert not PushAudits(job, audits, routes).defers(task)  # nowhere to report to
 
 
@@ -184,3 +186,39 @@ def test_a_late_report_crosses_the_wire_as_one() -> None:
     found = _found(3, 5)
     assert result_from_proto(result_to_proto(found)) == found and found.late
     assert not result_from_proto(result_to_proto(replace(found, late=False))).late
+
+
+async def test_a_late_audit_still_out_is_cancelled_when_the_trainer_shuts_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, the trainer's close left it running: it went on calling auditors over the
+    # trainer's closed clients, and reporting to a coordinator the trainer had left.
+    job = make_job(
+        tmp_path,
+        training={"stages": 2, "steps": 4},
+        runtime={"data_plane": "push"},
+        trust={"audit_fraction": 0.5},
+    )
+    trainer = PipelineTrainer(job, None, seed=0)  # type: ignore[arg-type]  # nothing leased
+    late: LateAudits = trainer.plane.trust.late  # type: ignore[attr-defined]  # the plane's
+    asked, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def audit() -> MicrobatchResult | None:
+        asked.set()
+        try:
+            await asyncio.Event().wait()  # an auditor that never answers
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return None
+
+    late.start(1, 2, audit)
+    late.start(1, 3, audit)
+    await asked.wait()
+    with caplog.at_level(logging.WARNING, logger="client.audit.late_audits"):
+        await trainer.close()
+    assert cancelled.is_set() and late.running == []
+    said = [r.getMessage() for r in caplog.records if "shut" in r.getMessage()]
+    assert said == [
+        "2 late audit(s) cancelled as the trainer shuts down: microbatches (1, 2), (1, 3) unaudited"
+    ], said
