@@ -4,6 +4,7 @@ Flags default from `SWARM_<FLAG>` environment variables (e.g. `SWARM_DEVICE=cuda
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import importlib
 import logging
@@ -153,7 +154,13 @@ def entry() -> None:
     torch's modules' included: about 1 s of CPU per role process once its work is done, and a
     swarm's processes stopping together wait seconds on it. Frozen, they are simply left to the
     process's end: nothing of ours is finalised by it (a role forked by the tests, which ends
-    with os._exit, never ran it). `main` itself does not freeze: tests call it in-process."""
+    with os._exit, never ran it). `main` itself does not freeze: tests call it in-process.
+    Its event loops' default thread pool is named at the OS (`swarm.ops.threads`: a pool
+    grown to its bound is then told from a leak), here and not in `main`, for the same
+    reason."""
+    from swarm.ops.threads import NamedPools
+
+    asyncio.set_event_loop_policy(NamedPools())
     code = main()
     gc.freeze()
     sys.exit(code)
