@@ -91,9 +91,13 @@ def _process(sw: LocalSwarm, peer: str) -> SwarmProcess:
     return next(p for p in sw.peers if p.ready["peer"] == peer)
 
 
-def _rollbacks(sw: LocalSwarm, job_id: str) -> str:
+def _metrics(sw: LocalSwarm) -> str:
     url = f"http://127.0.0.1:{sw.scheduler.ready['metrics']}/metrics"
-    metrics = urllib.request.urlopen(url, timeout=10).read().decode()
+    return str(urllib.request.urlopen(url, timeout=10).read().decode())
+
+
+def _rollbacks(sw: LocalSwarm, job_id: str) -> str:
+    metrics = _metrics(sw)
     found = re.search(rf'swarm_coordinator_rollbacks_total{{job="{job_id}"}} (\S+)', metrics)
     return found[1] if found else "0"
 
@@ -147,6 +151,9 @@ def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) 
         job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
         _wait_step(sw, job_id, 5)
         stage, standby, replicas, _ = _standby_at_the_step(sw, job_id)
+        # the scheduler's peer gauge counts it as status shows it: a standby, not a joiner
+        standing = f'swarm_scheduler_peers{{job="{job_id}",stage="{stage}",state="standby"}} 1.0'
+        gauge = _metrics(sw)
         _process(sw, standby).kill()
         for peer in replicas:
             _process(sw, peer).kill()
@@ -157,6 +164,7 @@ def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) 
         history = "\n".join(e["text"] for e in job_status(sw.address, job_id)["events"])
     finally:
         sw.stop()
+    assert standing in gauge, [g for g in gauge.splitlines() if "swarm_scheduler_peers" in g]
     said = re.search(r"rolled back to step \d+: ([^\n]*)", history)
     assert said is not None, history
     assert f"stage {stage} had no standby" in said[1], said[1]
