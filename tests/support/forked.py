@@ -40,6 +40,13 @@ def _forkserver() -> ForkServerContext:
     return _context
 
 
+def context() -> ForkServerContext:
+    """The fork server's `multiprocessing` context, for a test's own Python processes (a
+    `Process` whose target is a function, not `swarm ARGS`): each forks from the server that
+    imported torch once instead of importing it afresh, as the "spawn" context's do."""
+    return _forkserver()
+
+
 def server_pids() -> set[int]:
     """The fork server's pid and its resource tracker's, once started (they outlive each test)."""
     from multiprocessing import forkserver, resource_tracker

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.brokers import broker  # noqa: F401
-from tests.support.device_check import quick_check  # noqa: F401
+from tests.support.device_check import failed_smoke, quick_check  # noqa: F401
 from tests.support.echo import stub  # noqa: F401
 
 HERE = Path(__file__).resolve().parent

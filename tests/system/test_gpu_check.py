@@ -17,31 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.device_check import Checked
+from tests.support.device_check import STALL_S, Checked, run_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(520)]
-
-
-def check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Checked:
-    """bench/gpu_check.sh with `args`, no wheels, $OUT under `tmp_path`."""
-    done = subprocess.run(
-        [str(ROOT / "bench" / "gpu_check.sh"), *args],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "PYTHON": sys.executable,
-            "OUT": str(tmp_path / "out"),
-            "GPU_CHECK_WHEELS": "",
-            "TMPDIR": str(tmp_path),
-            **(env or {}),
-        },
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    return Checked(done.returncode, done.stdout + done.stderr, tmp_path / "out", tmp_path)
 
 
 def files_under(out: Path) -> list[str]:
@@ -190,7 +170,7 @@ def test_the_device_check_fits_one_call_of_a_lent_machine(tmp_path: Path) -> Non
     sys.path.insert(0, str(ROOT))
     from bench import gpu_check
 
-    done = check(tmp_path, "--device", "cuda:0", "--plan")
+    done = run_check(tmp_path, "--device", "cuda:0", "--plan")
     assert done.code == 0, done.output
     plan = json.loads(done.output.split("PLAN ", 1)[1].splitlines()[0])
     parts = plan["parts"]
@@ -234,24 +214,17 @@ def test_the_smoke_part_passes_on_a_cpu(quick_check: Checked) -> None:
             assert f"INFO stage_server.server: stage {k}: stopped" in log, log
 
 
-def test_a_failed_smoke_part_stops_the_check_with_its_error(tmp_path: Path) -> None:
+def test_a_failed_smoke_part_stops_the_check_with_its_error(failed_smoke: Checked) -> None:
     """Every stage server dies in step 1's backward (SWARM_FAULTS): the smoke part stalls, is
-    stopped at its bound (10 s here, as tests/system/test_gpu_ratio.py's stall: the bench's own
-    40 s only waits longer) with the trainer's last errors, and no part after it runs."""
-    done = check(
-        tmp_path,
-        "--device",
-        "cpu",
-        "--parts",
-        "smoke,device faults",
-        "--smoke-stall-s",
-        "10",
-        env={"SWARM_FAULTS": "backward@1"},
-    )
+    stopped at its bound (10 s here, `--smoke-stall-s`: the bench's own 40 s only waits longer)
+    with the trainer's last errors, and no part after it runs. (The same run shows the bench's
+    stall in tests/system/test_gpu_ratio.py.)"""
+    done = failed_smoke
     assert done.code == 1, done.output
     summary = done.summary
     assert "FAIL    smoke (" in summary, summary
-    assert "stalled: no committed step in 10 s" in summary or "exit " in summary, summary
+    stalled = f"stalled: no committed step in {STALL_S} s"
+    assert stalled in summary or "exit " in summary, summary
     assert "the trainer's last errors:" in summary and "backward@1" in summary, summary
     assert "device faults (0 s): not run: the smoke part failed" in summary, summary
     assert "0 of 2 parts passed" in summary, summary
@@ -268,7 +241,7 @@ def test_the_gpu_idle_part_runs_only_where_named_and_fits_one_call_of_300_s(
     sys.path.insert(0, str(ROOT))
     from bench import gpu_check
 
-    done = check(tmp_path, "--device", "cuda:0", "--plan", "--parts", "environment,gpu idle")
+    done = run_check(tmp_path, "--device", "cuda:0", "--plan", "--parts", "environment,gpu idle")
     assert done.code == 0, done.output
     plan = json.loads(done.output.split("PLAN ", 1)[1].splitlines()[0])
     assert [p["name"] for p in plan["parts"]] == ["environment", "gpu idle"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.device_check import STALL_S, Checked
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_ratio.py"
 
@@ -95,34 +97,40 @@ def test_the_cpu_pass_trains_bf16_mixed_on_real_stage_servers_through_the_handov
 
 
 def test_a_pass_that_stops_committing_steps_stops_at_its_stall_bound_naming_why(
-    tmp_path: Path,
+    failed_smoke: Checked,
 ) -> None:
-    """Stage 1's server dies in step 1's backward (SWARM_FAULTS): the trainer then retries
+    """Every stage server dies in step 1's backward (SWARM_FAULTS): the trainer then retries
     without end (or gives up, naming why). The pass stops within its stall bound, far inside
-    the phase's 600 s timeout (this test's own timeout is shorter), prints the stall and the
-    trainer's last errors, and runs nothing after it; no process is left."""
-    code, output = ratio(
-        tmp_path,
-        "--shapes",
-        "short,long",
-        "--smoke",
-        "--stall-s",
-        "10",
-        "--server-faults",
-        "stage1:backward@1",
-        timeout=300,
-    )
-    assert code == 1, output
+    the phase's 600 s timeout, prints the stall and the trainer's last errors, and runs nothing
+    after it; no process is left. Read from the device check's failed smoke part (its command
+    is `--cpu-tiny --smoke --shapes short,long --stall-s 10`; tests/system/test_gpu_check.py
+    reads how the check stops there)."""
+    output = failed_smoke.log("smoke")
+    assert "\nFAIL short swarm: " in output, output  # what makes its exit status 1
     r = report(output)
+    assert r["failures"], output
     short = r["shapes"]["short"]["rows"]["swarm"]
     error = short["error"]
     # the trainer stalled after step 0 or gave up by itself: either way it is said, with why
-    assert "stalled: no committed step in 10 s after step 0" in error or "exit " in error, error
+    stalled = f"stalled: no committed step in {STALL_S} s after step 0"
+    assert stalled in error or "exit " in error, error
     assert "the trainer's last errors:" in error and "failed" in error, error
     assert "short-swarm-stage-1.log: " in error and "backward@1" in error, error
     assert (
-        r["shapes"]["long"]["rows"]["swarm"]
-        == {"skipped": "an earlier run stalled: no committed step in 10 s after step 0"}
+        r["shapes"]["long"]["rows"]["swarm"] == {"skipped": f"an earlier run {stalled}"}
         or "exit " in error
     )
     assert not left_running(work_dir(output))
+
+
+def test_server_faults_are_each_stage_server_s_own() -> None:
+    """`--server-faults`: `stageK:point@step` arms stage server K alone, `point@step` every one
+    (the SWARM_FAULTS each is started with)."""
+    from bench.gpu_ratio import server_env
+    from swarm.ops.faults import ENV
+
+    faults = "stage1:backward@1,handover-refuse@0"
+    assert server_env(faults, 1) == {ENV: "backward@1,handover-refuse@0"}
+    assert server_env(faults, 0) == {ENV: "handover-refuse@0"}
+    assert server_env("stage2:forward@3", 0) == {}
+    assert server_env("", 3) == {}

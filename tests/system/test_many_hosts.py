@@ -32,7 +32,7 @@ PEERS = [f"peer{i}" for i in range(4)]
 HOSTS = ["broker", "scheduler", "trainer", *PEERS]
 ADDRESSES = {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(HOSTS)}
 TOKEN = "many-hosts-token"
-STEPS = 40
+STEPS = 20  # the kill lands at step 3 or later (the job held still), checkpoints at 10 and 20
 RUN_S = 0.3
 """While the test looks (the job's status, asked from the trainer's namespace by a `Looker`) the
 job holds still: the scheduler runs no trainer of its own and the remote trainer is stopped

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from stage_server.cli import LIFECYCLE_LOGGERS
 from stage_server.replica.speed import device_model, measure_job, measure_stage
 from swarm.job.config import load_job
+from tests.support import forked
 from tests.support.hogs import busy
 from tests.support.jobs import make_job, write_job
 
@@ -70,7 +70,8 @@ def test_peers_that_start_together_on_one_machine_measure_once_and_agree(tmp_pat
     # one stage. Peers on one machine now measure one at a time: the first measures, the others
     # wait and read its figures.
     job = write_job(tmp_path, model={"n_layers": 3}, training={"stages": 3})
-    ctx = multiprocessing.get_context("spawn")
+    # processes of their own, forked from the suite's fork server (torch imported there once)
+    ctx = forked.context()
     outs = [tmp_path / f"peer-{i}.json" for i in range(4)]
     peers = [
         ctx.Process(target=_measure_as_a_peer, args=(str(tmp_path / "cache"), str(job), str(o)))
