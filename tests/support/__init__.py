@@ -27,7 +27,7 @@
 - `hostile`: a hostile member of a stage (DownloadState, Updates) on a real gRPC server.
 - `api`: the job API on a real gRPC server over a real store, with a fake orchestration.
 - `downloads`: a state download's messages decoded into the state they carry.
-- `disks`, `hogs`: a real full disk; a busy machine.
+- `disks`: a real full disk.
 - `scheduled`: a scheduler, the embedded broker and stage servers that join through it, all in
   the test's process.
 
