@@ -10,7 +10,9 @@ is the job's `target_batch_size` samples in `microbatch_size` microbatches (the 
 synthetic data), pushed through the schedule, then AdamW on each stage (the job's lr). No
 gradient clipping (it needs the norm across stages; a job with `grad_clip` is timed without it).
 Rank 0 times each step, the pipeline drained and every rank past its optimizer step (a barrier),
-and prints samples/s over the steps after the first (warm-up): its last line.
+and prints samples/s over the steps after the first (warm-up): its last line. The line before it
+is each rank's process CPU seconds a step over the same steps (`cpu_s_per_step R0 R1 ...`: what
+bench/cpu_split.py holds a swarm's processes against).
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ def rank_main(
     optimizer = torch.optim.AdamW(module.parameters(), lr=job.optimizer.lr)
     data = make_data(job)
     seconds = []
+    cpu = 0.0  # this process's CPU seconds (every thread) over the timed steps
     for step in range(steps):
         pairs = [data.microbatch(step, i) for i in range(microbatches)]
         ids, labels = torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         if rank == 0:
             pipe.step(ids)
         elif rank == world - 1:
@@ -75,9 +78,14 @@ def rank_main(
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()
         seconds.append(time.perf_counter() - started)
+        if step or steps == 1:  # as the timed steps: the first is warm-up
+            cpu += time.process_time() - cpu_started
+    timed = seconds[1:] or seconds
+    cpus: list[float] = [0.0] * world
+    dist.all_gather_object(cpus, cpu / len(timed))
     dist.destroy_process_group()
     if rank == 0:
-        timed = seconds[1:] or seconds
+        print("cpu_s_per_step " + " ".join(f"{c:.4f}" for c in cpus), flush=True)
         print(batch * len(timed) / sum(timed), flush=True)
 
 
@@ -85,6 +93,13 @@ def samples_per_second(
     job: Path, steps: int, schedule: str = "gpipe", threads: int = 1, timeout: float = 600
 ) -> float:
     """One run, its ranks each a process of this script; rank 0's samples/s."""
+    return run(job, steps, schedule, threads, timeout)[0]
+
+
+def run(
+    job: Path, steps: int, schedule: str = "gpipe", threads: int = 1, timeout: float = 600
+) -> tuple[float, list[float]]:
+    """One run: rank 0's samples/s, and each rank's process CPU seconds a step."""
     from bench.small_stages import first_on_path
     from swarm.job.config import load_job
 
@@ -116,7 +131,8 @@ def samples_per_second(
     failed = [i for i, r in enumerate(ranks) if r.returncode]
     if failed:
         raise RuntimeError(f"torch pipelining: ranks {failed} failed:\n{err[-4000:]}")
-    return float(out.split()[-1])
+    *_, cpu_line, rate = out.strip().splitlines()
+    return float(rate), [float(c) for c in cpu_line.split()[1:]]
 
 
 def main() -> None:
