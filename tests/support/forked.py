@@ -33,7 +33,17 @@ from typing import BinaryIO
 from swarm.local import netns
 from swarm.local.procs import Child
 
-PRELOAD = ["torch", "torch._dynamo"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    # What every role imports besides, that starts no thread at import and holds no socket (as
+    # grpc's core would): another 0.05-0.1 s of CPU per process, imported once.
+    "aiomqtt",
+    "cryptography.x509",
+    "google.protobuf.message",
+    "prometheus_client",
+    "yaml",
+]
 CLONE_NEWNET = 0x40000000  # <sched.h>
 SESSION_S = 30.0  # a forked child is in its own session within this (a busy machine)
 PYCACHE = Path(tempfile.gettempdir()) / f"swarm-tests-pycache-{os.getuid()}"
