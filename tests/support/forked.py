@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -46,9 +45,11 @@ PRELOAD = [
 ]
 CLONE_NEWNET = 0x40000000  # <sched.h>
 SESSION_S = 30.0  # a forked child is in its own session within this (a busy machine)
-PYCACHE = Path(tempfile.gettempdir()) / f"swarm-tests-pycache-{os.getuid()}"
-"""The forked processes' bytecode, where the tree is not to get any: Python checks each file
-against its source (modification time and size) as it would in `__pycache__`."""
+PYCACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarm-tests-pycache"
+"""The forked processes' bytecode, where the tree is not to get any: in this user's own cache
+(a shared /tmp would let another user plant bytecode), each file checked against its source
+(modification time and size) as in `__pycache__`. Where it cannot be written, Python compiles
+as before."""
 _context: ForkServerContext | None = None
 
 
