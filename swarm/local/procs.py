@@ -213,18 +213,30 @@ class LocalSwarm:
         threads: int = 1,
         timeout: float = 120.0,
         extra: list[str] | None = None,
+        envs: list[dict[str, str]] | None = None,
     ) -> list[SwarmProcess]:
         """One stage server per throttle, all started before any is waited for: each one's
         start (an interpreter, torch's import, its servers, the broker) is its own, and five
         started one after another took five starts' time. Started together they share the
-        machine, so the wait is `timeout` per peer for all of them, as it was one by one."""
-        started = [self._start_peer(throttle, threads, extra) for throttle in throttles]
+        machine, so the wait is `timeout` per peer for all of them, as it was one by one.
+        `envs`: each peer's variables over the swarm's (`SWARM_HOST_ID`: a machine of its own)."""
+        each = envs or [{} for _ in throttles]  # as many as throttles (zip's strict says so)
+        started = [
+            self._start_peer(throttle, threads, extra, env)
+            for throttle, env in zip(throttles, each, strict=True)
+        ]
         deadline = time.monotonic() + timeout * len(started)
         for peer in started:
             peer.wait_ready(max(deadline - time.monotonic(), 0.1))
         return started
 
-    def _start_peer(self, throttle: float, threads: int, extra: list[str] | None) -> SwarmProcess:
+    def _start_peer(
+        self,
+        throttle: float,
+        threads: int,
+        extra: list[str] | None,
+        env: dict[str, str] | None = None,
+    ) -> SwarmProcess:
         n = len(self.peers)
         peer = start_process(
             [
@@ -247,7 +259,7 @@ class LocalSwarm:
             ],
             log_dir=self.log_dir,
             name=f"peer{n}",
-            env=self.env,
+            env={**self.env, **(env or {})},
         )
         self.peers.append(peer)
         return peer

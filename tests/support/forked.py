@@ -8,6 +8,12 @@ fork server imports both once; each process forks from it and runs `swarm <args>
 -9), killed and stopped as any process is. grpc is not imported before the fork (its core does not
 survive one); every role starts its own. In a namespace of the lab (`swarm.local.netns`) the
 child enters it first, in a session of its own, as `ip netns exec` put a fresh one there.
+
+Where bytecode is not to be written (`PYTHONDONTWRITEBYTECODE`, as on this project's machines),
+every forked process compiled each module torch's import had not brought, the project's and
+grpc's, from source again: half of a stage server's start. Forked processes keep their bytecode
+in a cache of their own outside the tree instead (`PYCACHE`, `sys.pycache_prefix`), which the
+first to import a module fills and the others read; the tree stays as clean as the flag asks.
 """
 
 from __future__ import annotations
@@ -26,9 +32,24 @@ from typing import BinaryIO
 from swarm.local import netns
 from swarm.local.procs import Child
 
-PRELOAD = ["torch", "torch._dynamo"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    # What every role imports besides, that starts no thread at import and holds no socket (as
+    # grpc's core would): another 0.05-0.1 s of CPU per process, imported once.
+    "aiomqtt",
+    "cryptography.x509",
+    "google.protobuf.message",
+    "prometheus_client",
+    "yaml",
+]
 CLONE_NEWNET = 0x40000000  # <sched.h>
 SESSION_S = 30.0  # a forked child is in its own session within this (a busy machine)
+PYCACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarm-tests-pycache"
+"""The forked processes' bytecode, where the tree is not to get any: in this user's own cache
+(a shared /tmp would let another user plant bytecode), each file checked against its source
+(modification time and size) as in `__pycache__`. Where it cannot be written, Python compiles
+as before."""
 _context: ForkServerContext | None = None
 
 
@@ -74,11 +95,21 @@ def _enter(ns: str, cwd: str) -> None:
     os.chdir(cwd)
 
 
+def _keep_bytecode() -> None:
+    """In the forked child, before it imports the project: bytecode is read from and written to
+    `PYCACHE` where none may be written beside the sources (written atomically: children that
+    compile a module at once each replace the file whole)."""
+    if sys.dont_write_bytecode:
+        sys.pycache_prefix = str(PYCACHE)
+        sys.dont_write_bytecode = False
+
+
 def _run(args: list[str], log_path: str, env: dict[str, str], ns: str = "", cwd: str = "") -> None:
     """In the forked child: become `python -m swarm.cli ARGS`, writing to `log_path`; with `ns`,
     in that network namespace and in `cwd`."""
     if ns:
         _enter(ns, cwd)
+    _keep_bytecode()
     out_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)

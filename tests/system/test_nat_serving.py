@@ -184,11 +184,10 @@ def test_a_stage_server_behind_nat(
         )
         assert public.wait_ready(deadline)["address"] == f"{HUB}:7000"
         assert home.wait_ready(deadline)["address"] == f"{HOME}:7000"
-        job_id = _on_hub(
-            lab, tmp_path, _swarm("submit", str(job), "--scheduler", SCHEDULER)
-        ).split()[0]
+        at = ("--scheduler", SCHEDULER)
+        job_id = _on_hub(lab, tmp_path, _swarm("submit", str(job), *at)).split()[0]
         if trainer_behind_nat:
-            start("away", "trainer", "trainer", "--scheduler", SCHEDULER, "--job", job_id)
+            start("away", "trainer", "trainer", *at, "--job", job_id)
         # the job's status 5 times a second (a `swarm status` takes a second to start, and the
         # relayed job trains in less), one JSON line each in the watcher's log
         until = [] if relay else [LEFT_OUT, str(FAILED_AFTER_S)]
@@ -207,10 +206,10 @@ def test_a_stage_server_behind_nat(
         report = _report(lab, tmp_path, "home0")
         announced = _announcement(lab, tmp_path, "home0")
         if relay and now["state"] == "JOB_STATE_SUCCEEDED":
+            # forked on the public host (torch imported once, not by a fresh interpreter)
             out = tmp_path / "swarm.pt"
-            _on_hub(
-                lab, tmp_path, _swarm("export", job_id, "--out", str(out), "--scheduler", SCHEDULER)
-            )
+            exporting = start("hub", "export", "export", job_id, "--out", str(out), *at)
+            assert exporting.popen.wait(120) == 0, exporting.log()[-3000:]
     finally:
         for proc in reversed(procs):  # the watcher before the scheduler it watches
             proc.kill()

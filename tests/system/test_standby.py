@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from client.sdk import ClientError
 from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
+from tests.support.exported import exported_state
 from tests.support.jobs import write_job
 from tests.support.status import job_status, job_status_message
 from tests.support.waiting import wait_until_blocking
@@ -29,12 +29,12 @@ PROMOTED = re.compile(r"(\S+) promoted from standby to replica of stage (\d+) at
 
 def _swarm_on_hosts(tmp_path: Path, hosts: int) -> LocalSwarm:
     """A scheduler and `hosts` stage servers, each announcing a host of its own (a standby is
-    never placed on the host of a replica it stands by for: on one machine, none would be)."""
+    never placed on the host of a replica it stands by for: on one machine, none would be),
+    all started before any is waited for."""
     sw, _ = start_local_swarm([], log_dir=tmp_path)
     try:
-        for host in range(hosts):
-            sw.env["SWARM_HOST_ID"] = f"machine-{host}"
-            sw.add_peer(20.0)
+        machines = [{"SWARM_HOST_ID": f"machine-{host}"} for host in range(hosts)]
+        sw.add_peers([20.0] * hosts, envs=machines)
     except BaseException:
         sw.stop()
         raise
@@ -122,7 +122,7 @@ def test_a_stage_lost_whole_is_served_by_its_standby_without_a_rollback(tmp_path
         for peer in replicas:
             _process(sw, peer).kill()
         _wait_step(sw, job_id, 16, seen=seen)
-        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        state = exported_state(sw.address, job_id, tmp_path / "swarm.pt")
         history = "\n".join(e["text"] for e in job_status(sw.address, job_id)["events"])
         rollbacks = _rollbacks(sw, job_id)
     finally:
@@ -135,7 +135,7 @@ def test_a_stage_lost_whole_is_served_by_its_standby_without_a_rollback(tmp_path
     assert seen == sorted(seen) and seen[0] >= lost_at, seen  # the job's step never went back
     assert "rolled back" not in history, history
     assert rollbacks in ("0", "0.0"), rollbacks
-    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
+    assert_equal_to_local(job, state, tol=1e-9)
 
 
 def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) -> None:
@@ -160,7 +160,7 @@ def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) 
         sw.env["SWARM_HOST_ID"] = "machine-new"
         sw.add_peer(20.0)  # a fresh peer takes the empty stage: the job rolls back
         _wait_step(sw, job_id, 16)
-        swarm("export", job_id, "--out", str(tmp_path / "swarm.pt"), "--scheduler", sw.address)
+        state = exported_state(sw.address, job_id, tmp_path / "swarm.pt")
         history = "\n".join(e["text"] for e in job_status(sw.address, job_id)["events"])
     finally:
         sw.stop()
@@ -169,4 +169,4 @@ def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) 
     assert said is not None, history
     assert f"stage {stage} had no standby" in said[1], said[1]
     assert "promoted" not in history, history
-    assert_equal_to_local(job, torch.load(tmp_path / "swarm.pt"), tol=1e-9)
+    assert_equal_to_local(job, state, tol=1e-9)

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
@@ -32,8 +31,8 @@ from swarm.ops.faults import ENV
 from swarm.policy.parts import part_bounds, water_fill
 from swarm.proto import control_pb2 as cpb
 from tests.support.buses import bus
-from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
+from tests.support.exported import exported_state
 from tests.support.jobs import write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -223,9 +222,7 @@ def test_uneven_parts_a_client_and_an_aggregator_through_a_kill_equal_swarm_loca
         if submit.poll() is None:
             submit.kill()
     assert submit.returncode == 0 and "succeeded" in out, out
-    model = tmp_path / "swarm.pt"
-    swarm("export", out.split()[0], "--out", str(model), *at)
-    state = torch.load(model, weights_only=True)
+    state = exported_state(sw.local.address, out.split()[0], tmp_path / "swarm.pt")
 
     dead = sw.procs[victim]
     assert dead.proc.poll() == -signal.SIGKILL, f"{victim} was not killed by its fault"
