@@ -19,7 +19,7 @@ from swarm.model.local_steps import train_replicas
 from swarm.model.routes import Join, Record, StepRuns, Sync, read_routes
 from swarm.ops.faults import Fault, Point
 from swarm.ops.progress import StepRecord
-from tests.support.cli import swarm
+from tests.support.cli import swarm, swarm_forked
 from tests.support.equality import (
     assert_no_member_skipped_a_round,
     assert_states_within,
@@ -253,7 +253,9 @@ def test_under_a_scheduler_the_record_is_exported_and_swarm_local_replays_it(
         job_id = out.split()[0]
         routes, model = tmp_path / "routes.jsonl", tmp_path / "swarm.pt"
         at = ("--scheduler", sw.address)
-        swarm("export", job_id, "--out", str(model), "--routes", str(routes), *at)
+        # forked: an export imports torch, seconds of CPU a fresh interpreter spends first
+        exported = ["--out", str(model), "--routes", str(routes), *at]
+        swarm_forked("export", job_id, *exported, log_dir=tmp_path, name="export")
     finally:
         sw.stop()
     record = list(read_routes(routes))
@@ -264,6 +266,9 @@ def test_under_a_scheduler_the_record_is_exported_and_swarm_local_replays_it(
         newest = load_file(next((tmp_path / "ckpt").rglob(f"{sealed[-1]}/stage-0.safetensors")))
         assert any(k.startswith("share/") for k in newest), sorted(newest)
         assert any(k.startswith("average/") for k in newest), sorted(newest)
-    swarm("local", str(job), "--routes", str(routes), "--out", str(tmp_path / "ref.pt"))
+    # One torch thread, as the stage servers have: one per core (its default) only contends on
+    # a busy machine.
+    ref = ["--routes", str(routes), "--out", str(tmp_path / "ref.pt"), "--threads", "1"]
+    swarm_forked("local", str(job), *ref, log_dir=tmp_path, name="ref")
     reference = torch.load(tmp_path / "ref.pt", weights_only=True)
     assert_states_within(torch.load(model, weights_only=True), reference, tol=1e-9)

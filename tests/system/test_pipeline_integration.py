@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import torch
 
 from swarm.local.procs import start_stage_servers, stop_all
 from swarm.model import checkpoint
-from tests.support.cli import swarm
+from tests.support.cli import swarm_forked
 from tests.support.equality import assert_states_within
 from tests.support.jobs import write_job
 
@@ -72,7 +70,7 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
     servers = start_stage_servers(job, 4, log_dir=tmp_path)
     try:
         addresses = ",".join(s.address for s in servers)
-        swarm(
+        swarm_forked(
             "trainer",
             "--job",
             str(job),
@@ -86,6 +84,8 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
             str(tmp_path / "ckpt"),
             # A scheduler exported for other commands: --stage-servers still means standalone.
             env={"SWARM_SCHEDULER": "127.0.0.1:1"},
+            log_dir=tmp_path,
+            name="trainer",
             timeout=600,
         )
         # The plane asked for is the one used: a middle stage got pushes, or relayed calls.
@@ -97,13 +97,19 @@ def test_four_stage_servers_equal_local(tmp_path: Path, dtype: str, plane: str, 
     assert codes == [0, 0, 0, 0], "stage servers must shut down cleanly on SIGTERM"
     assert checkpoint.latest(tmp_path / "ckpt") == 10
     assert all("Traceback" not in s.log() for s in servers), servers[0].log()[-2000:]
-    swarm(
+    swarm_forked(
         "local",
         str(job),
         "--out",
         str(tmp_path / "local.pt"),
         "--log",
         str(tmp_path / "local.jsonl"),
+        # One torch thread, as the stage servers have: its default, one per core, only contends
+        # on a busy machine (over 3 s a step of this tiny model, against milliseconds).
+        "--threads",
+        "1",
+        log_dir=tmp_path,
+        name="local",
         timeout=600,
     )
 
@@ -147,22 +153,18 @@ def test_trainer_refuses_servers_of_another_job(tmp_path: Path) -> None:
     other = write_job(tmp_path, "b", training={"stages": 2, "seed": 5})
     servers = start_stage_servers(job, 2, log_dir=tmp_path, metrics=False)
     try:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "swarm.cli",
-                "trainer",
-                "--job",
-                str(other),
-                "--stage-servers",
-                ",".join(s.address for s in servers),
-            ],
-            capture_output=True,
-            text=True,
+        code, said = swarm_forked(
+            "trainer",
+            "--job",
+            str(other),
+            "--stage-servers",
+            ",".join(s.address for s in servers),
+            log_dir=tmp_path,
+            name="trainer",
             timeout=120,
+            check=False,
         )
     finally:
         stop_all(servers)
-    assert result.returncode != 0
-    assert "same job file on both sides?" in result.stderr
+    assert code != 0
+    assert "same job file on both sides?" in said
