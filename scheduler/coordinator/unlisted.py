@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 
 from swarm.rpc.lease import Replica
 
-__all__ = ["GRACE_S", "Unlisted"]
+__all__ = ["ASK_TIMEOUT_S", "GRACE_S", "Unlisted"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 #: (seconds, from when it was first found so): a broker's restart and a peer's reconnect (its
 #: bus's backoff is capped at 5 s, `swarm.bus.api.BusSettings`) take a few seconds.
 GRACE_S = 30.0
+#: How long an unlisted member has to answer (seconds): a live replica answers Info at once; one
+#: stopped (SIGSTOP, a hung host) would hold up every stage's re-admission for its RPC timeout,
+#: and a standby's promotion with it, where before its silence alone let the standby take over.
+ASK_TIMEOUT_S = 2.0
 
 
 class Unlisted:
@@ -68,11 +72,19 @@ class Unlisted:
         listed = {r.peer for stage in members for r in stage}
         asked = [(k, r) for p, (k, r) in self._last.items() if k in empty and p not in listed]
         answers = await asyncio.gather(
-            *(holds(k, r, step) for k, r in asked), return_exceptions=True
+            *(asyncio.wait_for(holds(k, r, step), ASK_TIMEOUT_S) for k, r in asked),
+            return_exceptions=True,
         )
         held = set()
         for (k, r), at in zip(asked, answers, strict=True):
-            if isinstance(at, BaseException):  # not a replica's answer: a bug, said as one
+            if isinstance(at, TimeoutError):
+                log.info(
+                    "stage %d: %s, unlisted, does not answer within %.0f s",
+                    k,
+                    r.peer,
+                    ASK_TIMEOUT_S,
+                )
+            elif isinstance(at, BaseException):  # not a replica's answer: a bug, said as one
                 log.error(
                     "stage %d: asking %s whether it holds the stage failed: %r", k, r.peer, at
                 )

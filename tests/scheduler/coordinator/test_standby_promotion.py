@@ -11,7 +11,6 @@ import pytest
 
 from scheduler.coordinator import unlisted
 from scheduler.coordinator.standbys import LAG_BOUND, LAG_STEPS
-from scheduler.coordinator.unlisted import GRACE_S
 from swarm.job.fingerprint import fingerprint
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeSwarm
@@ -123,15 +122,18 @@ async def test_a_standby_that_falls_behind_is_replaced_and_serves_once_it_caught
     assert h.coordinator.membership.standbys.peers() == set()  # no other peer may stand by
 
 
-@pytest.mark.parametrize("grace_s", [GRACE_S, -1.0])
+@pytest.mark.parametrize("case", ["answers", "past the grace", "stopped"])
 async def test_a_replica_unlisted_but_answering_keeps_its_stage(
-    tmp_path: Path, make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, grace_s: float
+    tmp_path: Path, make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     # The registry no longer lists stage 1's replica (its last-will fired as the broker
     # restarted), but it answers at the step on the data plane: the stage is not lost, so its
     # standby is not promoted and nothing rolls back; listed again, the replica serves on. One
-    # unlisted past the grace (here at once) serves nobody: the standby is promoted then.
-    monkeypatch.setattr(unlisted, "GRACE_S", grace_s)
+    # unlisted past the grace (here at once) serves nobody, and one that does not answer in
+    # time (SIGSTOPped) holds nothing up: the standby is promoted then.
+    if case == "past the grace":
+        monkeypatch.setattr(unlisted, "GRACE_S", -1.0)
+    monkeypatch.setattr(unlisted, "ASK_TIMEOUT_S", 0.05)
     h, standby, replica = await _with_a_standby(tmp_path, make_harness)
     promoted: list[tuple[int, int, str]] = []
     h.coordinator.membership.standbys.promoted.append(lambda *told: promoted.append(told))
@@ -139,10 +141,12 @@ async def test_a_replica_unlisted_but_answering_keeps_its_stage(
     await until(lambda: h.swarm[standby].step == 2, "the standby at the open step")
     kept = h.swarm[replica]
     h.swarm.stages[1].remove(kept)  # unlisted, alive
+    if case == "stopped":
+        kept.hold("info")  # never opened: it answers no more, nor fails
     await h.coordinator.lease("t", 8)  # no member of stage 1: the coordinator looks, at once
     await until(lambda: not h.coordinator._rollback.running, "the look over")
     assert h.rollbacks.empty()
-    if grace_s < 0:
+    if case != "answers":
         assert promoted == [(2, 1, standby)]
         return
     assert promoted == []
