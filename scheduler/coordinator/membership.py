@@ -186,7 +186,8 @@ class Membership:
         rollback epoch is older than the last rollback's missed its LoadState: what it holds is
         of the training before it; it is not re-admitted (the rollback loads it instead). A
         stage a former member no longer listed holds at `step` is not lost (`unlisted`): it
-        waits for it, and its standby is not promoted. Returns whether no stage is lost."""
+        waits for it, and its standby is not promoted, nor where a former replica is
+        re-admitted. Returns whether no stage is lost."""
         members, current = self.members(), self.replicas()
         candidates = [
             (k, r)
@@ -194,6 +195,9 @@ class Membership:
             for r in stage
             if r.peer not in self.synced and (not current[k] or r.peer in self._left)
         ]
+        # A former replica back at the step keeps its stage: its standby stands by on (looked
+        # at last, and passed over where one was re-admitted).
+        candidates.sort(key=lambda c: self.standbys.of(c[1].peer) is not None)
         held, infos = await asyncio.gather(
             self.unlisted.held(members, current, step, self._holds),
             asyncio.gather(
@@ -209,7 +213,7 @@ class Membership:
             if (info.job, info.stage, info.step) != (self.job_id, stage, step):
                 continue  # restarted empty, or serving something else: it does not hold it
             if stage in held and self.standbys.of(r.peer) is not None:
-                continue  # its replica holds the stage, unlisted: the standby stands by on
+                continue  # its replica holds the stage: the standby stands by on
             if info.epoch < self.rolled_back:
                 log.warning(
                     "stage %d: %s answers at step %d but missed the last rollback: not re-admitted",
@@ -233,6 +237,7 @@ class Membership:
             self.synced.add(r.peer)
             self._left.discard(r.peer)
             self._failed.pop(r.peer, None)
+            held.add(stage)
             for told in self.admitted:
                 told(step, stage, r.peer, "")
         lost = [k for k, replicas in enumerate(self.replicas()) if not replicas and k not in held]
