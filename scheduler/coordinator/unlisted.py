@@ -114,9 +114,10 @@ class Unlisted:
             return False
         if since == now:
             log.warning(
-                "stage %d: %s is not listed (its announcement went with its link to the broker, "
-                "or the broker's restart) but answers at step %d at %s: it holds the stage, "
-                "which is not lost; waiting up to %.0f s for it to be listed again",
+                "stage %d: %s is not listed (its announcement withdrawn, by its last-will as its "
+                "link or the broker dropped, or by a move, or its load reports silent) but "
+                "answers at step %d at %s: it holds the stage, which is not lost; waiting up "
+                "to %.0f s for it to be listed again",
                 stage,
                 peer,
                 step,
