@@ -10,7 +10,7 @@ Not new, and never held back: a peer the job knows (`known`: a member before, by
 store's record across restarts), one moved from another stage, one re-admitted after an
 outage, and one that already passed (its join retried). Honest growth is a few machines a stage
 at a time: 8 at once and 4 a minute more take a job's scale-up as it comes (the replicas
-present at a job's start are members without joining: `Membership.reconcile`); a larger wave
+present at a job's start are members without joining: `coordinator.reconcile`); a larger wave
 joins over minutes, in order of arrival at the step boundaries, each held one said in `swarm
 status` (`waits`) and the log. What a token holder can still do with it: spend a stage's
 entries with fresh ids, delaying (never refusing) honest newcomers there."""

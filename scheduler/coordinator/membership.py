@@ -22,11 +22,11 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.replicas import GONE, ReplicaClients
 from scheduler.coordinator.standbys import Standbys
+from scheduler.coordinator.unlisted import Unlisted
 from swarm.clock import Clock
 from swarm.errors import SwarmError
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff, Backoffs
-from swarm.proto import stage_pb2 as pb
 from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
@@ -98,6 +98,7 @@ class Membership:
         self.admitted: list[Callable[[int, int, str, str], None]] = []
         self._rated = RatedLog(log, every_s=JOIN_LOG_EVERY_S, clock=clock.now)
         self.standbys = Standbys()  # none unless the job asks (its coordinator's owner sets it)
+        self.unlisted = Unlisted(clock.now)  # members the bus lost sight of, maybe alive
 
     def waits(self) -> dict[str, str]:
         """What each replica that serves its stage but is not a member yet waits for before it
@@ -150,6 +151,7 @@ class Membership:
                     for ledger in self.ledgers():  # what it held there is replayed
                         self.metrics.replays.inc(len(ledger.lose(r.peer, before)))
                 self._stage_of[r.peer] = stage
+        self.unlisted.listed(members, self.synced)
         return [[r for r in stage if r.peer in self.synced] for stage in members]
 
     def drop(self, peer: str) -> None:
@@ -158,6 +160,7 @@ class Membership:
             log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
             self.synced.discard(peer)
             self._left.add(peer)
+            self.unlisted.forget(peer)
             self._failed[peer] = ("it stopped answering calls", self.clock.now())
             self.metrics.dropped.inc()
             for ledger in self.ledgers():
@@ -181,8 +184,10 @@ class Membership:
         former member elsewhere: a home outage leaves out a stage's only replica and one of
         another's, and the second must not be made to download the state it holds. One whose
         rollback epoch is older than the last rollback's missed its LoadState: what it holds is
-        of the training before it; it is not re-admitted (the rollback loads it instead).
-        Returns whether every stage has a member now."""
+        of the training before it; it is not re-admitted (the rollback loads it instead). A
+        stage a former member no longer listed holds at `step` is not lost (`unlisted`): it
+        waits for it, and its standby is not promoted, nor where a former replica is
+        re-admitted. Returns whether no stage is lost."""
         members, current = self.members(), self.replicas()
         candidates = [
             (k, r)
@@ -190,8 +195,14 @@ class Membership:
             for r in stage
             if r.peer not in self.synced and (not current[k] or r.peer in self._left)
         ]
-        infos = await asyncio.gather(
-            *(self.clients.get(k, r).info() for k, r in candidates), return_exceptions=True
+        # A former replica back at the step keeps its stage: its standby stands by on (looked
+        # at last, and passed over where one was re-admitted).
+        candidates.sort(key=lambda c: self.standbys.of(c[1].peer) is not None)
+        held, infos = await asyncio.gather(
+            self.unlisted.held(members, current, step, self._holds),
+            asyncio.gather(
+                *(self.clients.get(k, r).info() for k, r in candidates), return_exceptions=True
+            ),
         )
         seen: dict[str, int] = {}  # the step each answered at: why a standby was not promoted
         for (stage, r), info in zip(candidates, infos, strict=True):
@@ -201,6 +212,8 @@ class Membership:
             seen[r.peer] = info.step if (info.job, info.stage) == (self.job_id, stage) else -1
             if (info.job, info.stage, info.step) != (self.job_id, stage, step):
                 continue  # restarted empty, or serving something else: it does not hold it
+            if stage in held and self.standbys.of(r.peer) is not None:
+                continue  # its replica holds the stage: the standby stands by on
             if info.epoch < self.rolled_back:
                 log.warning(
                     "stage %d: %s answers at step %d but missed the last rollback: not re-admitted",
@@ -224,11 +237,22 @@ class Membership:
             self.synced.add(r.peer)
             self._left.discard(r.peer)
             self._failed.pop(r.peer, None)
+            held.add(stage)
             for told in self.admitted:
                 told(step, stage, r.peer, "")
-        lost = [k for k, replicas in enumerate(self.replicas()) if not replicas]
+        lost = [k for k, replicas in enumerate(self.replicas()) if not replicas and k not in held]
         self.standbys.explain(lost, step, seen)
         return not lost
+
+    async def _holds(self, stage: int, replica: Replica, step: int) -> bool:
+        """Whether `replica` answers holding `stage`'s state at `step`, of the last rollback's
+        epoch."""
+        try:
+            info = await self.clients.get(stage, replica).info()
+        except SwarmError:
+            return False
+        at = (info.job, info.stage, info.step) == (self.job_id, stage, step)
+        return at and info.epoch >= self.rolled_back
 
     async def sync(self, step: int) -> None:
         """At a step boundary: every replica not yet a member starts copying a member of its
@@ -401,50 +425,3 @@ class Membership:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def reconcile(self) -> int:
-        """Bring every replica to the newest step, and return it. A coordinator that died while
-        applying a step leaves some replicas a step behind with the step prepared: applying it
-        is exact. Other laggards (new replicas, restarted ones) copy a member at that step. One
-        that does not answer is left out (it rejoins at a boundary), not a reason to fail the
-        start. Stages left with no member are the caller's to recover."""
-        pairs = [(k, r) for k, stage in enumerate(self.members()) for r in stage]
-        answers = await asyncio.gather(
-            *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
-        )
-        infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
-        unanswered: dict[int, list[str]] = {}
-        self.unanswered = unanswered
-        for (stage, r), info in zip(pairs, answers, strict=True):
-            if isinstance(info, SwarmError):
-                log.warning("stage %d: %s does not answer: left out (%s)", stage, r.peer, info)
-                unanswered.setdefault(stage, []).append(f"{r.peer} at {r.address}: {brief(info)}")
-                continue
-            if isinstance(info, BaseException):
-                raise info  # a bug, not a replica's state
-            if info.job != self.job_id or info.stage != stage:
-                raise SwarmError(
-                    f"{r.address} serves job {info.job!r} stage {info.stage}; "
-                    f"expected job {self.job_id!r} stage {stage} "
-                    f"(same job file on both sides?)"
-                )
-            infos.append((stage, r, info))
-        target = max((info.step for _, _, info in infos), default=0)
-        # The clipping coefficient of the step being finished, from a replica that applied it.
-        scales = {i.applied_scale for _, _, i in infos if i.applied_step == target - 1}
-        scale = scales.pop() if len(scales) == 1 else None if self.grad_clip > 0 else 1.0
-        at_target = set()
-        for stage, r, info in infos:
-            if info.step == target - 1 and scale is not None:  # else: it copies a member
-                try:
-                    await self.clients.get(stage, r).apply(info.step, scale)
-                except SwarmError as e:
-                    log.warning("%s (stage %d) is a step behind: %s", r.peer, stage, e)
-                    continue
-                log.warning("finished applying step %d on %s (stage %d)", info.step, r.peer, stage)
-                at_target.add(r.peer)
-            elif info.step == target:
-                at_target.add(r.peer)
-        self.synced = at_target
-        await self.sync(target)
-        return target

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from scheduler.coordinator.live_steps import LiveSteps
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.coordinator.reconcile import reconcile
 from scheduler.coordinator.recovery import Recovery
 from scheduler.coordinator.round_strategy import Rounds
 from swarm.clock import Clock
@@ -190,7 +191,7 @@ class Rollback:
     async def reconcile(self) -> int:
         """At a start: the step every replica is brought to (finishing a half-applied commit),
         rolling every stage back first where that step cannot be trained from."""
-        target = await self.membership.reconcile()
+        target = await reconcile(self.membership)
         missing = [k for k, replicas in enumerate(self.membership.replicas()) if not replicas]
         saved = self.recovery.latest()
         if (missing or saved > target) and all(self.members()):

@@ -309,6 +309,9 @@ class FakeSwarm:
     def remove(self, peer: str) -> None:
         """The peer left: the registry no longer lists it (it answers no more)."""
         for stage in self.stages:
+            for r in stage:
+                if r.peer == peer:
+                    r.dead = True  # the coordinator may still call it where it was
             stage[:] = [r for r in stage if r.peer != peer]
 
     def members(self) -> list[list[Replica]]:

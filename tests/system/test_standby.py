@@ -6,6 +6,7 @@ standby killed first, the stage's loss rolls back as before, and the rollback sa
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import pytest
 
 from client.sdk import ClientError
 from swarm.local.procs import LocalSwarm, SwarmProcess, start_local_swarm
+from tests.support.broker_link import BrokerLink
+from tests.support.brokers import Mosquitto
 from tests.support.cli import swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.exported import exported_state
@@ -170,3 +173,72 @@ def test_a_stage_lost_after_its_standby_rolls_back_and_says_why(tmp_path: Path) 
     assert f"stage {stage} had no standby" in said[1], said[1]
     assert "promoted" not in history, history
     assert_equal_to_local(job, state, tol=1e-9)
+
+
+def test_a_broker_restart_promotes_no_standby(tmp_path: Path) -> None:
+    # The broker (Mosquitto, as deployed) is restarted under a job whose one stage has a replica
+    # and a standby. Mosquitto sends every client's last-will as it stops, and the peers announce
+    # themselves again as each reconnects: here the replica's own link stays down a while after
+    # the broker is back (`BrokerLink`), so the scheduler lists the standby alone, as it did for
+    # a moment in the soak whenever the standby reconnected first. The replica never died and
+    # answers at the job's step on the data plane: the stage is not lost, no standby is
+    # promoted, nothing rolls back, and the replica serves on once it is listed again. (Before,
+    # the coordinator read the stage as lost and promoted the standby.)
+    job = write_job(
+        tmp_path,
+        training={"stages": 1, "steps": 8, "target_batch_size": 16, "checkpoint_every": 4},
+        runtime={"standby": 1},
+    )
+    broker = Mosquitto(tmp_path / "mosquitto")
+    broker.start()
+    link = BrokerLink(broker.port)
+    sw, _ = start_local_swarm([], log_dir=tmp_path, broker=broker.url)
+    try:
+        sw.env["SWARM_HOST_ID"] = "machine-0"
+        # peer0, the replica, on the bus through its own link (the last --broker is the one)
+        sw.add_peer(20.0, extra=["--broker", link.url])
+        job_id = swarm("submit", str(job), "--scheduler", sw.address).stdout.split()[0]
+        _wait_step(sw, job_id, 1)
+        sw.env["SWARM_HOST_ID"] = "machine-1"
+        sw.add_peer(20.0)  # peer1 joins the running job: the joiner stands by
+        _standby(sw, job_id, "peer1")
+        link.cut()
+        broker.stop()
+        time.sleep(1.0)  # the outage: every bus link retries meanwhile
+        broker.start()  # the same port: the scheduler and the standby reconnect by themselves
+
+        def judged() -> bool:
+            said = sw.scheduler.log()
+            return "promoted from standby" in said or HOLDS.search(said) is not None
+
+        wait_until_blocking(judged, "the coordinator's verdict on stage 0", timeout_s=120)
+        link.mend()
+        _wait_step(sw, job_id, 8)
+        state = exported_state(sw.address, job_id, tmp_path / "swarm.pt")
+        history = "\n".join(e["text"] for e in job_status(sw.address, job_id)["events"])
+        rollbacks = _rollbacks(sw, job_id)
+    finally:
+        sw.stop()
+        link.close()
+        broker.stop()
+    assert "promoted" not in history, history
+    assert "rolled back" not in history, history
+    assert rollbacks in ("0", "0.0"), rollbacks
+    assert_equal_to_local(job, state, tol=1e-9)
+
+
+HOLDS = re.compile(r"stage 0: peer0 is not listed .* but answers at step \d+")
+
+
+def _standby(sw: LocalSwarm, job_id: str, peer: str) -> None:
+    """Return once status shows `peer` as its stage's standby."""
+
+    def standing() -> bool:
+        status: dict[str, Any] = job_status(sw.address, job_id)
+        return any(
+            r["peer"] == peer and r["state"] == "PEER_STATE_STANDBY"
+            for stage in status["stages"]
+            for r in stage.get("replicas", [])
+        )
+
+    wait_until_blocking(standing, f"{peer} standing by", timeout_s=180)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler.coordinator import unlisted
 from scheduler.coordinator.standbys import LAG_BOUND, LAG_STEPS
 from swarm.job.fingerprint import fingerprint
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
@@ -119,3 +120,46 @@ async def test_a_standby_that_falls_behind_is_replaced_and_serves_once_it_caught
     await h.step()
     await until(lambda: standby in h.coordinator.membership.synced, "the replaced standby admitted")
     assert h.coordinator.membership.standbys.peers() == set()  # no other peer may stand by
+
+
+@pytest.mark.parametrize("case", ["answers", "across a boundary", "past the grace", "stopped"])
+async def test_a_replica_unlisted_but_answering_keeps_its_stage(
+    tmp_path: Path, make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    # The registry no longer lists stage 1's replica (its last-will fired as the broker
+    # restarted), but it answers at the step on the data plane: the stage is not lost, so its
+    # standby is not promoted and nothing rolls back; listed again, the replica serves on. One
+    # unlisted past the grace (here at once) serves nobody, and one that does not answer in
+    # time (SIGSTOPped) holds nothing up: the standby is promoted then. Across a step boundary
+    # (the soak's: another stage's opened meanwhile) the replica is no member when listed again,
+    # but it is re-admitted at the step, and its standby still stands by.
+    if case == "past the grace":
+        monkeypatch.setattr(unlisted, "GRACE_S", -1.0)
+    monkeypatch.setattr(unlisted, "ASK_TIMEOUT_S", 0.05)
+    h, standby, replica = await _with_a_standby(tmp_path, make_harness)
+    promoted: list[tuple[int, int, str]] = []
+    h.coordinator.membership.standbys.promoted.append(lambda *told: promoted.append(told))
+    await h.step()
+    await until(lambda: h.swarm[standby].step == 2, "the standby at the open step")
+    kept = h.swarm[replica]
+    h.swarm.stages[1].remove(kept)  # unlisted, alive
+    if case == "stopped":
+        kept.hold("info")  # never opened: it answers no more, nor fails
+    await h.coordinator.lease("t", 8)  # no member of stage 1: the coordinator looks, at once
+    await until(lambda: not h.coordinator._rollback.running, "the look over")
+    assert h.rollbacks.empty()
+    if case in ("past the grace", "stopped"):
+        assert promoted == [(2, 1, standby)]
+        return
+    assert promoted == []
+    if case == "across a boundary":
+        await h.coordinator.membership.sync(2)  # it left the members there
+        h.clock.advance(1.0)  # past the last look's backoff: the coordinator looks again
+    h.swarm.stages[1].append(kept)  # listed again: its bus reconnected
+    tasks = await h.lease()
+    assert {t.step for t in tasks} == {2}
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], [replica]]
+    for task in tasks:
+        await h.run(task)
+    assert (await asyncio.wait_for(h.steps.get(), 10)).step == 2  # training goes on
+    assert h.rollbacks.empty() and promoted == []
