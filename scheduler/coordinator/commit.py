@@ -28,12 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.listed import while_listed
 from scheduler.coordinator.replicas import GONE
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
@@ -207,7 +208,7 @@ class TwoPhaseCommit:
     ) -> list[tuple[int, str, float]] | None:
         """PREPARE everywhere: each member's squared gradient norm, as (stage, peer, norm) in
         stage order, or None when the round failed."""
-        total, calls = ledger.samples(), []
+        total, calls = ledger.samples(), list[tuple[int, Replica, Awaitable[float | None]]]()
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         taken: dict[int, dict[int, int]] = {}  # stage -> contributor -> its microbatches held
@@ -228,19 +229,19 @@ class TwoPhaseCommit:
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
                     taken.setdefault(stage, {})[index] = len(holdings.get(r.peer, []))
-                calls.append(
-                    self.clients.get(stage, r).prepare(
-                        ledger.step,
-                        holdings.get(r.peer, []),
-                        samples,
-                        pool,
-                        at,
-                        round_id,
-                        parts=round_group.parts,
-                        checks=check,
-                    )
+                prepare = self.clients.get(stage, r).prepare(
+                    ledger.step,
+                    holdings.get(r.peer, []),
+                    samples,
+                    pool,
+                    at,
+                    round_id,
+                    parts=round_group.parts,
+                    checks=check,
                 )
-        results = await asyncio.gather(*calls, return_exceptions=True)
+                calls.append((stage, r, prepare))
+        # A replica the registry leaves out meanwhile (hung) is not waited for: `listed`.
+        results = await while_listed(self.membership.members, calls, "PREPARE")
         failed = [
             (stage, r, e)
             for (stage, r), e in zip(where, results, strict=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from scheduler.coordinator.failures import CommitStalled, NonFiniteStep, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.listed import while_listed
 from scheduler.coordinator.replicas import StageReplica
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.trust.sent_words import judged as sums_judged
@@ -394,7 +395,7 @@ class PoolRounds:
     ) -> str | None:
         """`call` (a PREPARE) on every one of `members`; None when every one averaged, else
         why not (the members that failed it are dropped by then)."""
-        where, calls = [], []
+        where, calls = [], list[tuple[int, Replica, Awaitable[object]]]()
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         for stage, replicas in enumerate(members):
@@ -405,8 +406,9 @@ class PoolRounds:
                 where.append((stage, r))
                 if (check := checked(group, seed)) is not None:
                     checks.setdefault(stage, {})[index] = check
-                calls.append(call(stage, r, total, group, index, round_id, check))
-        results = await asyncio.gather(*calls, return_exceptions=True)
+                calls.append((stage, r, call(stage, r, total, group, index, round_id, check)))
+        # A replica the registry leaves out meanwhile (hung) is not waited for: `listed`.
+        results = await while_listed(self.membership.members, calls, "round's PREPARE")
         failed = [
             (k, r, e)
             for (k, r), e in zip(where, results, strict=True)

@@ -284,13 +284,13 @@ def test_a_hung_replica_is_left_out_when_its_load_reports_stop(tmp_path: Path) -
     # (embedded) broker's last-will says it is gone; its silence on the load topic does.
     # 24 steps: it is left out 2 s after it stops, long before the job ends (until then its
     # stage's microbatches to it time out, so the job hardly moves on). A pool round it was
-    # already in waits `averaging_timeout_s` for it: 5 s, not the default minute; a PREPARE the
-    # coordinator had sent it as it stopped waits `commit_timeout_s`: 15 s, not the default 2
-    # minutes (the registry leaving it out does not end that call).
+    # already in waits `averaging_timeout_s` for it: 5 s, not the default minute. A PREPARE the
+    # coordinator had sent it as it stopped ends when the registry leaves it out
+    # (`scheduler.coordinator.listed`), not after `commit_timeout_s` (the default 2 minutes).
     job = write_job(
         tmp_path,
         training={"steps": 24, "target_batch_size": 16},
-        runtime={"rpc_timeout_s": 3.0, "averaging_timeout_s": 5.0, "commit_timeout_s": 15.0},
+        runtime={"rpc_timeout_s": 3.0, "averaging_timeout_s": 5.0},
     )
     sw, _ = start_local_swarm(
         [3.0] * 5, log_dir=tmp_path, extra_scheduler=["--load-silence-s", "2"]

@@ -1,0 +1,99 @@
+"""Calls to replicas that last only while the peer registry lists their replica: `while_listed`.
+
+A PREPARE waits up to `runtime.commit_timeout_s` (2 minutes by default) for a replica that is
+averaging. A replica that hangs with the call in flight (SIGSTOPped, its host frozen) keeps its
+connections open, so the call neither fails nor answers: it waits out that whole deadline, and
+so does the step, although the registry left the replica out seconds after its load reports
+stopped. Had it been left out before the call, the attempt would have gone on without it; so it
+does once it is left out during the call: the call is cancelled and counts as the replica gone
+(`PeerUnavailable`: the attempt drops it and its microbatches are replayed on the others).
+
+The registry is pure state, asked and never telling (`scheduler.registry`: a peer's silence is
+judged when its members are asked), so the calls' replicas are looked for in it every
+`LISTED_EVERY_S` while any call is in flight: one registry look per quarter second of a commit,
+none for a commit that ends sooner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from swarm.errors import PeerUnavailable
+from swarm.rpc.lease import Replica
+
+__all__ = ["LISTED_EVERY_S", "while_listed"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How often the registry is asked, while calls are in flight, whether it still lists their
+#: replicas: a hung replica is waited for at most this long after the registry leaves it out.
+LISTED_EVERY_S = 0.25
+
+
+async def while_listed(
+    members: Callable[[], list[list[Replica]]],
+    calls: Sequence[tuple[int, Replica, Awaitable[T]]],
+    what: str,
+    every_s: float = LISTED_EVERY_S,
+) -> list[T | BaseException]:
+    """Each of `calls` ((stage, replica, call)) at once, their outcomes in order as
+    `asyncio.gather(..., return_exceptions=True)` gives them; but a call whose replica
+    `members()` (the registry's, per stage) no longer lists at its stage is cancelled and its
+    outcome is `PeerUnavailable`, saying why (`what`: the call, in words, for the log). A
+    cancellation of the caller cancels every call, as gather's does."""
+    tasks = [asyncio.ensure_future(call) for _, _, call in calls]
+    left: dict[int, PeerUnavailable] = {}  # index -> why its call was not waited for
+    try:
+        pending: set[asyncio.Future[T]] = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=every_s)
+            if not pending:
+                break
+            listed = members()
+            for index, (stage, replica, _) in enumerate(calls):
+                task = tasks[index]
+                if index in left or task.done() or _listed(listed, stage, replica):
+                    continue
+                left[index] = _left_out(stage, replica, what)
+                log.warning("%s", left[index])
+                task.cancel()
+                task.add_done_callback(_retrieve)  # nobody awaits it: its ending is not news
+                pending.discard(task)
+    finally:
+        for task in tasks:
+            task.cancel()  # the caller was cancelled: so are its calls (a no-op once done)
+    outcomes: list[T | BaseException] = []  # as gather's with return_exceptions
+    for index, task in enumerate(tasks):
+        if index in left:
+            outcomes.append(left[index])
+        elif task.cancelled():
+            outcomes.append(asyncio.CancelledError())
+        elif (error := task.exception()) is not None:
+            outcomes.append(error)
+        else:
+            outcomes.append(task.result())
+    return outcomes
+
+
+def _listed(members: list[list[Replica]], stage: int, replica: Replica) -> bool:
+    """Whether the registry lists `replica`'s peer at `stage` (by peer: a relay's address may
+    change under a call that still reaches the peer)."""
+    return stage < len(members) and any(r.peer == replica.peer for r in members[stage])
+
+
+def _left_out(stage: int, replica: Replica, what: str) -> PeerUnavailable:
+    return PeerUnavailable(
+        f"stage {stage}: {replica.peer} was left out by the peer registry while its {what} was "
+        "in flight (its load reports stopped: hung or cut off; or it went offline, moved or "
+        "was banned): the call is not waited for, and the others go on without it"
+    )
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a call that ended otherwise than cancelled, after it was given up
