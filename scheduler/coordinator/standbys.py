@@ -290,27 +290,29 @@ class Standbys:
         holding none counted too; replaced when either stays out of its bound."""
         self._judged[peer] = step
         lag = self.lag(peer, step)
-        if lag is None:
-            self._behind.pop(peer, None)
-            self._none[peer] = none = self._none.get(peer, 0) + 1
-            if none >= COPY_STEPS:
-                self._replace(
-                    peer,
-                    f"it held no copy of the stage's state as {none} steps in a row opened "
-                    f"(to step {step}): its copy does not finish, or it does not answer",
-                )
-            return
-        self._none.pop(peer, None)
-        if lag > LAG_BOUND:
-            self._behind[peer] = behind = self._behind.get(peer, 0) + 1
-            if behind >= LAG_STEPS:
-                self._replace(
-                    peer,
-                    f"it was more than {LAG_BOUND} steps behind as {behind} steps in a row "
-                    f"opened ({lag} at step {step}): its link does not keep up with the updates",
-                )
-        else:
-            self._behind.pop(peer, None)
+        none = self._in_a_row(self._none, peer, lag is None)
+        behind = self._in_a_row(self._behind, peer, lag is not None and lag > LAG_BOUND)
+        if none >= COPY_STEPS:
+            self._replace(
+                peer,
+                f"it held no copy of the stage's state as {none} steps in a row opened "
+                f"(to step {step}): its copy does not finish, or it does not answer",
+            )
+        elif behind >= LAG_STEPS:
+            self._replace(
+                peer,
+                f"it was more than {LAG_BOUND} steps behind as {behind} steps in a row "
+                f"opened ({lag} at step {step}): its link does not keep up with the updates",
+            )
+
+    @staticmethod
+    def _in_a_row(counts: dict[str, int], peer: str, now: bool) -> int:
+        """`peer`'s steps in a row in `counts`: one more if `now`, else none (forgotten)."""
+        if not now:
+            counts.pop(peer, None)
+            return 0
+        counts[peer] = counts.get(peer, 0) + 1
+        return counts[peer]
 
     async def _ask(self, peer: str, join: Coroutine[Any, Any, int]) -> None:
         try:
