@@ -72,7 +72,8 @@ what the view shows (docs/deployment.md, "Watch it", says more):
     STATE      serving (it counts), joining (not yet: with what it waits for), draining (it
                stops or moves), offline; standby for stage K, N steps behind: it follows the
                stage's updates, serves nothing, and takes the stage over if every replica is
-               lost (runtime.standby)
+               lost (runtime.standby); "holds no copy yet as N steps opened" until its first
+               copy loads (replaced if it still holds none after 20)
   boundaries  per boundary K|K+1 between two stages, the bytes per token that crossed it as
             encoded on the wire, each way (the replicas' own counts, summed over them):
     FORWARD B/TOKEN   stage K's outputs, sent on to stage K+1 (a Push, or a Forward's reply)

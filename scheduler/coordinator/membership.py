@@ -415,6 +415,9 @@ class Membership:
             # a standby's (or one replaced for falling behind): the pool never waits for it
             if not self.standbys.nudge(joiner, call, step):
                 asked.append((k, joiner, call))
+        # Every standby judged as the step opens, one whose Join never answered (so not among
+        # the copies asked here) too: holding no copy is behind as well (`Standbys.opened`).
+        self.standbys.opened(step)
         answers = await asyncio.gather(*(call for _, _, call in asked), return_exceptions=True)
         for (stage, joiner, _), at in zip(asked, answers, strict=True):
             if isinstance(at, int):

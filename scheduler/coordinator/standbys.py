@@ -22,11 +22,16 @@ needs; within each, a joiner (which serves nothing yet) before a replica, standb
 spread over hosts, the slowest first. Under `only_spares` a standby the job has come to need
 (its stage became the bottleneck: a replica left) serves again (`released`).
 
-A standby that falls behind (more than `LAG_BOUND` steps behind as `LAG_STEPS` steps in a row
-open, or `FAILED_ASKS` asks in a row failed) is replaced: it becomes an ordinary peer of its
-stage (it joins when it catches up, as any joiner), is not chosen again, and another candidate
-stands by from the next boundary. It never slows the pool meanwhile: its asks run in the
-background (`nudge`). The job's history says each of these with its cause (`said`).
+A standby is judged by the step its copy of the stage is at, from the step it is chosen, as each
+step opens (`opened`), whether its asks answer or not. One that falls behind (more than
+`LAG_BOUND` steps behind as `LAG_STEPS` steps in a row open, or `FAILED_ASKS` asks in a row
+failed), or that holds no copy as `COPY_STEPS` steps in a row open (its first copy does not
+finish, or it does not answer at all: the soak's standby stopped and resumed at an old step,
+whose copy never loaded, was kept until its stage was lost), is replaced: it becomes an
+ordinary peer of its stage (it joins when it catches up, as any joiner), is not chosen again,
+and another candidate stands by from the next boundary. It never slows the pool meanwhile:
+its asks run in the background (`nudge`). The job's history says each of these with its
+cause (`said`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from swarm.policy.spares import bottleneck, spare
 from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
-__all__ = ["FAILED_ASKS", "LAG_BOUND", "LAG_STEPS", "Standbys"]
+__all__ = ["COPY_STEPS", "FAILED_ASKS", "LAG_BOUND", "LAG_STEPS", "Standbys"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,12 @@ LAG_BOUND = 2
 LAG_STEPS = 3
 #: A standby whose asks (its Join as a step opens) failed this many times in a row is replaced.
 FAILED_ASKS = 3
+#: A standby that holds no copy of its stage's state (its first copy, or a peer that never
+#: answers its Join) as this many steps in a row open is replaced. A copy is about three
+#: steps' updates (the parameters and the optimizer's moments), so a link that keeps up with
+#: the updates copies within a few steps; the rest is room for a source busy serving others
+#: (`--max-state-downloads`). Not unbounded: a standby holding nothing saves no stage.
+COPY_STEPS = 20
 #: A standby lost stands by again only this long after (seconds): a peer restarted after a
 #: crash may hold the state again, but one flipping its announcement stands by once, not on
 #: every flip (N9).
@@ -96,6 +107,8 @@ class Standbys:
         self._asks: dict[str, asyncio.Task[None]] = {}  # standby -> its Join asked as a step opened
         self._behind: dict[str, int] = {}  # standby -> steps in a row it opened > LAG_BOUND behind
         self._failed: dict[str, int] = {}  # standby -> its asks in a row that failed
+        self._none: dict[str, int] = {}  # standby -> steps in a row it opened holding no copy
+        self._judged: dict[str, int] = {}  # standby -> the last step it was judged at
         # Peers replaced for falling behind, with why: never chosen again while on their stage.
         self.passed_over: dict[str, str] = {}
         # Standbys lost (gone from their stage's list) -> when: none stands by again within
@@ -224,6 +237,8 @@ class Standbys:
         self._at.pop(peer, None)
         self._behind.pop(peer, None)
         self._failed.pop(peer, None)
+        self._none.pop(peer, None)
+        self._judged.pop(peer, None)
 
     def _say(self, stage: int, peer: str, text: str) -> None:
         log.warning("%s", text)
@@ -254,23 +269,50 @@ class Standbys:
         open is replaced. False (`join` left to the caller) for any other peer."""
         if peer.peer not in self._stage and peer.peer not in self.passed_over:
             return False
-        lag = self.lag(peer.peer, step) if peer.peer in self._stage else None
-        if lag is not None and lag > LAG_BOUND:
-            self._behind[peer.peer] = behind = self._behind.get(peer.peer, 0) + 1
-            if behind >= LAG_STEPS:
-                self._replace(
-                    peer.peer,
-                    f"it was more than {LAG_BOUND} steps behind as {behind} steps in a row "
-                    f"opened ({lag} at step {step}): its link does not keep up with the updates",
-                )
-        elif lag is not None:
-            self._behind.pop(peer.peer, None)
+        if peer.peer in self._stage and self._judged.get(peer.peer) != step:
+            self._judge(peer.peer, step)
         asking = self._asks.get(peer.peer)
         if asking is not None and not asking.done():
             join.close()  # the one before is still on its way: this one is not sent
             return True
         self._asks[peer.peer] = asyncio.ensure_future(self._ask(peer.peer, join))
         return True
+
+    def opened(self, step: int) -> None:
+        """As `step` opens, after the asks (`nudge`): judge every standby not judged at it, one
+        whose Join does not answer (not asked as a copy, its own loop backing off) as well."""
+        for peer in list(self._stage):
+            if self._judged.get(peer) != step:
+                self._judge(peer, step)
+
+    def _judge(self, peer: str, step: int) -> None:
+        """`peer`'s standing as `step` opens, once a step: by the step its copy is at (`lag`),
+        holding none counted too; replaced when either stays out of its bound."""
+        self._judged[peer] = step
+        lag = self.lag(peer, step)
+        none = self._in_a_row(self._none, peer, lag is None)
+        behind = self._in_a_row(self._behind, peer, lag is not None and lag > LAG_BOUND)
+        if none >= COPY_STEPS:
+            self._replace(
+                peer,
+                f"it held no copy of the stage's state as {none} steps in a row opened "
+                f"(to step {step}): its copy does not finish, or it does not answer",
+            )
+        elif behind >= LAG_STEPS:
+            self._replace(
+                peer,
+                f"it was more than {LAG_BOUND} steps behind as {behind} steps in a row "
+                f"opened ({lag} at step {step}): its link does not keep up with the updates",
+            )
+
+    @staticmethod
+    def _in_a_row(counts: dict[str, int], peer: str, now: bool) -> int:
+        """`peer`'s steps in a row in `counts`: one more if `now`, else none (forgotten)."""
+        if not now:
+            counts.pop(peer, None)
+            return 0
+        counts[peer] = counts.get(peer, 0) + 1
+        return counts[peer]
 
     async def _ask(self, peer: str, join: Coroutine[Any, Any, int]) -> None:
         try:
@@ -316,7 +358,14 @@ class Standbys:
             return ""
         lag, stage = self.lag(peer, step), self._stage.get(peer)
         if lag is None:
-            return f"standby for stage {stage}: copying the state of {source or 'a member'}"
+            none = self._none.get(peer, 0)
+            if not none:  # chosen at this boundary: no step judged it yet
+                return f"standby for stage {stage}: copying the state of {source or 'a member'}"
+            steps = "step" if none == 1 else "steps"
+            return (
+                f"standby for stage {stage}: holds no copy yet as {none} {steps} opened "
+                f"(copying the state of {source or 'a member'}; replaced at {COPY_STEPS})"
+            )
         steps = "step" if lag == 1 else "steps"
         return f"standby for stage {stage}, {lag} {steps} behind (following {source or 'a member'})"
 

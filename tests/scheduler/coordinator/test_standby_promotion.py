@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.coordinator import unlisted
-from scheduler.coordinator.standbys import LAG_BOUND, LAG_STEPS
+from scheduler.coordinator.standbys import COPY_STEPS, LAG_BOUND, LAG_STEPS
 from swarm.job.fingerprint import fingerprint
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeSwarm
@@ -120,6 +120,41 @@ async def test_a_standby_that_falls_behind_is_replaced_and_serves_once_it_caught
     await h.step()
     await until(lambda: standby in h.coordinator.membership.synced, "the replaced standby admitted")
     assert h.coordinator.membership.standbys.peers() == set()  # no other peer may stand by
+
+
+async def test_a_standby_that_never_holds_a_copy_is_replaced(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # The soak's peer6: stopped as a member, it came back holding an old step and was chosen
+    # standby, but its copy never loaded (its Join answered -1 every time). Never having held
+    # a copy, it had no lag, so it was kept until its stage was killed, and the job rolled
+    # back (it was at step 61, not 344). Holding none is behind too: bounded, then replaced.
+    job = job_of(tmp_path, steps=COPY_STEPS + 8)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a")
+    swarm.add(1, "b")
+    swarm.add(1, "c")
+    for peer in ("b", "c"):  # whichever stands by copies for ever (a member is never asked)
+        swarm[peer].copying = 1_000_000
+    h = make_harness(job, swarm)
+    h.coordinator.membership.standbys.wanted = 1
+    said: list[str] = []
+    h.coordinator.membership.standbys.said.append(lambda stage, peer, text: said.append(text))
+    await h.coordinator.start()
+    await h.step()
+    (standby,) = h.coordinator.membership.standbys.peers()
+    await h.step()
+    waits = h.coordinator.membership.waits()  # status: it holds nothing yet, not "0 behind"
+    assert waits[standby].startswith("standby for stage 1: holds no copy yet as "), waits
+    for _ in range(COPY_STEPS):
+        await h.step()  # the pool never waits for it
+    assert h.coordinator.membership.standbys.of(standby) is None, "kept, holding no copy"
+    assert said and said[0].startswith(
+        f"standby {standby} of stage 1 replaced: it held no copy of the stage's state as "
+        f"{COPY_STEPS} steps in a row opened"
+    ), said
+    waits = h.coordinator.membership.waits()
+    assert waits[standby].startswith("replaced as standby (it held no copy "), waits
 
 
 @pytest.mark.parametrize("case", ["answers", "across a boundary", "past the grace", "stopped"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from scheduler.coordinator.standbys import (
+    COPY_STEPS,
     FAILED_ASKS,
     LAG_BOUND,
     LAG_STEPS,
@@ -273,3 +274,42 @@ def test_a_peer_behind_a_router_none_of_the_replicas_is_behind_stands_by_first()
     assert blind.choose(members, {"a", "b", "c"}) == ["b"]
     standbys = Standbys(1, lambda peer: HOSTS[peer], router=lambda peer: routers[peer])
     assert standbys.choose(members, {"a", "b", "c"}) == ["c"]
+
+
+def test_a_standby_holding_no_copy_is_judged_as_steps_open_even_never_asked() -> None:
+    # Chosen, then never asked as a copy (its Join does not answer: its own loop backs off),
+    # or answering -1 for ever: holding no copy is behind too, bounded by COPY_STEPS.
+    standbys, said = _standbys(), []
+    standbys.said.append(lambda stage, peer, text: said.append(text))
+    assert standbys.choose([[Replica("a", "x:1"), Replica("b", "x:2")]], {"a", "b"}) == ["a"]
+    for step in range(1, COPY_STEPS):
+        standbys.opened(step)
+        standbys.opened(step)  # once a step, however often asked
+    assert standbys.of("a") == 0
+    assert standbys.words("a", COPY_STEPS - 1, "b") == (
+        f"standby for stage 0: holds no copy yet as {COPY_STEPS - 1} steps opened (copying the "
+        f"state of b; replaced at {COPY_STEPS})"
+    )
+    standbys.opened(COPY_STEPS)
+    assert standbys.of("a") is None and "a" in standbys.passed_over
+    assert said == [
+        f"standby a of stage 0 replaced: it held no copy of the stage's state as {COPY_STEPS} "
+        f"steps in a row opened (to step {COPY_STEPS}): its copy does not finish, or it does not "
+        "answer; another peer of the stage stands by from the next step, if one may"
+    ]
+
+
+def test_a_copy_held_resets_the_count_and_a_stale_one_is_behind_from_its_step() -> None:
+    standbys = _standbys()
+    standbys.choose([[Replica("a", "x:1"), Replica("b", "x:2")]], {"a", "b"})
+    for step in range(1, COPY_STEPS):
+        standbys.opened(step)
+    standbys.answered("a", COPY_STEPS - 1)  # its copy loaded just in time
+    standbys.opened(COPY_STEPS)
+    assert standbys.of("a") == 0
+    # Its follow failed (it copies anew, -1): behind from the step it held, then replaced.
+    standbys.answered("a", -1)
+    for step in range(COPY_STEPS + 1, COPY_STEPS + LAG_BOUND + LAG_STEPS):
+        standbys.opened(step)
+    assert standbys.of("a") is None
+    assert standbys.passed_over["a"].startswith(f"it was more than {LAG_BOUND} steps behind")
