@@ -178,6 +178,10 @@ class Committer:
             sums = await self._part(
                 c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
             )
+            # another replica's work of `step` may be audited here late (an aggregator in the
+            # group holds no model: it computes nothing to audit)
+            if (c.parts.contributors or len(c.group)) > 1:
+                rt.copies.pooled(step)
             sent = self._sent[1] if self._sent[0] == c.round else ()
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples, sent)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)

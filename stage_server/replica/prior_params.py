@@ -48,6 +48,9 @@ class PriorParams:
         self.copies, self.module = copies, copies.module
         # kept nowhere the parameters have copies of their own (see the module's docstring)
         self.enabled = not rule_of(job).delays and job.training.precision != "bf16-mixed"
+        # whether the job audits at all (no fraction, or local steps' rounds: no record is kept,
+        # `stage_server.replica.push`), for `pooled`
+        self._audits = bool(job.trust.audit_fraction) and not rule_of(job).rounds
         self._copy: torch.nn.Module | None = None  # made once, then copied into in place
         self.step = -1  # the step `_copy` holds the parameters of (-1: none)
         self._recorded: int | None = None  # the newest step a push of which was recorded here
@@ -102,6 +105,14 @@ class PriorParams:
     def recorded(self, step: int) -> None:
         """A push of `step` was recorded here: an audit of it may come, even after its update."""
         self._recorded = step if self._recorded is None else max(self._recorded, step)
+
+    def pooled(self, step: int) -> None:
+        """`step` was averaged with a second replica of the stage: that replica's microbatches
+        of it may be audited here after the update, though no push of `step` was recorded here
+        (the routes sent this replica none of them: a step's first, or one after a state was
+        loaded, where no earlier record stands in). As `recorded`, where the job audits."""
+        if self._audits:
+            self.recorded(step)
 
     def keep(self, step: int, params: Sequence[torch.Tensor]) -> None:
         """Step `step`'s update is about to apply to `params` (the module's): keep them first
