@@ -100,7 +100,8 @@ class PriorParams:
         return StepSums()
 
     def recorded(self, step: int) -> None:
-        """A push of `step` was recorded here: an audit of it may come, even after its update."""
+        """A push of `step` was recorded here, or its PREPARE named others' contributions this
+        replica audits (`Committer.commit`): an audit of it may come, even after its update."""
         self._recorded = step if self._recorded is None else max(self._recorded, step)
 
     def keep(self, step: int, params: Sequence[torch.Tensor]) -> None:
