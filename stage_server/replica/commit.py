@@ -173,11 +173,9 @@ class Committer:
         if c.prepare:
             if step < rt.step:
                 return Committed(rt.step, already=True)
+            # An auditor of the step's contributions keeps its parameters for their late
+            # re-executions, which it would refuse as stale otherwise (`prior_params`).
             if c.audit_seeds:
-                # It audits others' contributions to this step, whose re-executions may come
-                # after its update though no push of the step was recorded here: keep the
-                # step's parameters for them (`prior_params`), or they are refused as stale and
-                # the contributions go unjudged.
                 rt.copies.recorded(step)
             self._prepared = None
             checks = _checks(c)
