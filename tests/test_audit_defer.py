@@ -27,9 +27,9 @@ from stage_server.replica.answering import Answering
 from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
 from swarm.rpc.stage_client import StageClient
+from tests.support.audited_push import audited_push_swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
-from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,15 +39,7 @@ OUTCOMES = ("agreed", "caught", "undecided", "skipped", "cut")
 async def test_a_step_commits_while_its_last_audits_are_still_out(
     tmp_path: Path, make_swarm: list[Swarm], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = make_job(
-        tmp_path,
-        training={"stages": 3, "steps": 3, "target_batch_size": 16},
-        runtime={"data_plane": "push"},
-        trust={"audit_fraction": 1.0},
-    )
-    swarm = Swarm(job)
-    make_swarm.append(swarm)
-    await swarm.add_replicas(3)
+    job, swarm = await audited_push_swarm(tmp_path, make_swarm)
     committed = asyncio.Event()  # step 0 applied: its audits' Record calls may go on
     out_at_commit: list[tuple[int, int]] = []  # the audits still running when step 0 committed
     waiting: list[tuple[int, int, str]] = []  # the contributions' judgements waiting then

@@ -267,6 +267,10 @@ OVERSIZE: dict[str, str] = {
     "stage_server.aggregator.main": (
         "the aggregator process's orchestrator: its jobs followed, its pools served, announced"
     ),
+    "stage_server.replica.commit": (
+        "one replica's commit of a step: PREPARE (receipts checked, sums averaged, checksums, "
+        "the audits it takes part in) and APPLY, read together as the step's one commit"
+    ),
     "stage_server.averaging.butterfly": (
         "one concept, a butterfly round: sending each part, taking its sum back, and every way "
         "the round fails, which must be read together"

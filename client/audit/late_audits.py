@@ -17,7 +17,10 @@ N's work away just as a verdict before N's commit rolls the earlier steps' away.
 - **Bounded.** An audit of step N not ended once this trainer is given work of step N + 2 (so
   step N + 1 has committed) is cut: cancelled, counted (`outcome="cut"`) and logged with its
   microbatch. At most one step late, so the rollback a late verdict costs reaches at most one
-  step further than a verdict before the commit.
+  step further than a verdict before the commit. The plane reports no microbatch of step
+  N + 1 before the audits of the steps before it ended (`client.data_plane.push`), so on time
+  none is cut: a cut one was a contribution judged without its digests, a liar let go by a slow
+  machine.
 - **In turn at its auditors.** Its re-executions say they are late (`swarm.rpc.late_audit`), and
   queue in turn with the pushes there (`stage_server.replica.answering`): with a step to end in,
   it need not hold up the step being trained. An audit that gates its microbatch's report (the

@@ -232,6 +232,12 @@ class PushPlane:
                         task, run, chain, holders, ids, labels, result.loss_sum
                     ),
                 )
+                # But not past this step's commit: the steps before's audits end before this
+                # one is reported, so none outlives its bound (step + 1's commit) to be cut,
+                # nor a contribution it digests judged without it there. A liar whose lies'
+                # audits lagged on a slow machine was never judged (docs/decisions.md, "A
+                # late audit ends before the next step commits").
+                await self.trust.settled(step)
                 return done
             # Audited before it is reported: the job's last step has no next to bound it.
             verdicts, runs, digests = await self.trust.audited(

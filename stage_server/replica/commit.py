@@ -173,15 +173,18 @@ class Committer:
         if c.prepare:
             if step < rt.step:
                 return Committed(rt.step, already=True)
+            # Another replica's work of `step` may be audited here after the update, though the
+            # routes sent this replica none of it: as an auditor of the step's contributions
+            # (`audit_seeds`), or of answers, wherever the group holds a second replica (an
+            # aggregator in it holds no model). Its parameters are kept for those late
+            # re-executions, which it would refuse as stale otherwise (`prior_params`).
+            if c.audit_seeds or (c.parts.contributors or len(c.group)) > 1:
+                rt.copies.pooled(step)
             self._prepared = None
             checks = _checks(c)
             sums = await self._part(
                 c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
             )
-            # another replica's work of `step` may be audited here late (an aggregator in the
-            # group holds no model: it computes nothing to audit)
-            if (c.parts.contributors or len(c.group)) > 1:
-                rt.copies.pooled(step)
             sent = self._sent[1] if self._sent[0] == c.round else ()
             await self._worker.run(rt.set_prepared, step, sums, c.total_samples, sent)
             sq_norm = await self._worker.run(rt.prepared_sq_norm, step)

@@ -107,8 +107,9 @@ class PriorParams:
         self._recorded = step if self._recorded is None else max(self._recorded, step)
 
     def pooled(self, step: int) -> None:
-        """`step` was averaged with a second replica of the stage: that replica's microbatches
-        of it may be audited here after the update, though no push of `step` was recorded here
+        """`step`'s PREPARE named a second replica of the stage, or contributions this replica
+        audits (`Committer.commit`): others' microbatches of it may be audited here after the
+        update, though no push of `step` was recorded here
         (the routes sent this replica none of them: a step's first, or one after a state was
         loaded, where no earlier record stands in). As `recorded`, where the job audits."""
         if self._audits:

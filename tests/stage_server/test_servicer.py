@@ -427,3 +427,25 @@ async def test_a_data_plane_call_leaves_no_chunk_of_its_request_held(
         await client.close()
         await running.stop()
     assert held < 2 * chunk, f"{held} bytes held after 8 calls"
+
+
+async def test_a_prepare_that_names_audits_keeps_its_steps_parameters_for_them(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    """A replica that recorded no push of step 0 (routing left it out) but whose PREPARE names
+    audits of others' contributions to it (`audit_seeds`: it is one of their auditors) keeps
+    step 0's parameters past the update: those audits' re-executions may come after it
+    (`stage_server.replica.prior_params`). Before, it kept none and refused them as stale, and
+    every contribution it audited went unjudged (docs/decisions.md, "A late audit ends before
+    the next step commits")."""
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    try:
+        out = as_tensor(await client.forward(0, 0, Crossing(_hidden())))
+        await client.backward(0, 0, None, torch.ones_like(out))  # no push: nothing recorded
+        phase = pb.COMMIT_PHASE_PREPARE
+        await client.commit(0, [0], 4, phase=phase, check_seed=3, audit_seeds=[5])
+        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY)
+        assert server.runtime.step == 1
+        assert server.runtime.copies.step == 0  # kept for step 0's late re-executions
+    finally:
+        await client.close()
