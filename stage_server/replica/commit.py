@@ -178,7 +178,9 @@ class Committer:
             # (`audit_seeds`), or of answers, wherever the group holds a second replica (an
             # aggregator in it holds no model). Its parameters are kept for those late
             # re-executions, which it would refuse as stale otherwise (`prior_params`).
-            if c.audit_seeds or (c.parts.contributors or len(c.group)) > 1:
+            if c.audit_seeds:  # the coordinator drew audits here: whatever the job says
+                rt.copies.recorded(step)
+            elif (c.parts.contributors or len(c.group)) > 1:  # where the job audits
                 rt.copies.pooled(step)
             self._prepared = None
             checks = _checks(c)

@@ -107,11 +107,11 @@ class PriorParams:
         self._recorded = step if self._recorded is None else max(self._recorded, step)
 
     def pooled(self, step: int) -> None:
-        """`step`'s PREPARE named a second replica of the stage, or contributions this replica
-        audits (`Committer.commit`): others' microbatches of it may be audited here after the
-        update, though no push of `step` was recorded here
-        (the routes sent this replica none of them: a step's first, or one after a state was
-        loaded, where no earlier record stands in). As `recorded`, where the job audits."""
+        """`step`'s PREPARE named a second replica of the stage (`Committer.commit`): others'
+        microbatches of it may be audited here after the update, though no push of `step` was
+        recorded here (the routes sent this replica none of them: a step's first, or one after
+        a state was loaded, where no earlier record stands in). As `recorded`, where the job
+        audits."""
         if self._audits:
             self.recorded(step)
 
