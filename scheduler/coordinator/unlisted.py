@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from swarm.deadline import within
 from swarm.rpc.lease import Replica
 
 __all__ = ["ASK_TIMEOUT_S", "GRACE_S", "Unlisted"]
@@ -72,7 +73,7 @@ class Unlisted:
         listed = {r.peer for stage in members for r in stage}
         asked = [(k, r) for p, (k, r) in self._last.items() if k in empty and p not in listed]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(holds(k, r, step), ASK_TIMEOUT_S) for k, r in asked),
+            *(within(holds(k, r, step), ASK_TIMEOUT_S) for k, r in asked),
             return_exceptions=True,
         )
         held = set()
