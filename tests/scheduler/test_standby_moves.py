@@ -63,19 +63,22 @@ def _mover(
     return mover, assignments, moves
 
 
+# (peer, stage, host): stage 0 has a spare beyond its standby e; stage 1's two peers share h3
+SPARE_ON_STAGE_0 = [
+    ("a", 0, "h1"),
+    ("b", 0, "h2"),
+    ("e", 0, "h5"),
+    ("c", 1, "h3"),
+    ("d", 1, "h3"),
+    ("f", 2, "h6"),
+]
+
+
 def test_a_spare_of_another_stage_moves_to_stand_by_where_none_of_its_own_may() -> None:
     # Stage 2 (10 samples/s) is the bottleneck. Stage 1's two peers share host h3: neither may
     # stand by for the other. Stage 0 has a spare beyond its standby e: a (h1) moves to stage 1,
     # where the job still loses nothing without it.
-    placed = [
-        ("a", 0, "h1"),
-        ("b", 0, "h2"),
-        ("e", 0, "h5"),
-        ("c", 1, "h3"),
-        ("d", 1, "h3"),
-        ("f", 2, "h6"),
-    ]
-    mover, assignments, moves = _mover(placed, 3, {"e"}, [1])
+    mover, assignments, moves = _mover(SPARE_ON_STAGE_0, 3, {"e"}, [1])
     asyncio.run(mover.stand_by(0.0))
     assert assignments.on_the_way("j", 3) == [[], ["a"], []]
     assert moves.labels(job="j")._value.get() == 1.0
@@ -87,15 +90,7 @@ def test_with_rebalancing_off_no_replica_moves_to_stand_by() -> None:
     # `[rebalance] enabled = false` forbids moving replicas between stages: a standby's move is
     # one (it drains, its work is replayed, it copies the new stage), as an emptied stage's
     # refill is. The stage's own spares and joiners still stand by (the coordinator's choice).
-    placed = [
-        ("a", 0, "h1"),
-        ("b", 0, "h2"),
-        ("e", 0, "h5"),
-        ("c", 1, "h3"),
-        ("d", 1, "h3"),
-        ("f", 2, "h6"),
-    ]
-    mover, assignments, moves = _mover(placed, 3, {"e"}, [1], rebalancing=False)
+    mover, assignments, moves = _mover(SPARE_ON_STAGE_0, 3, {"e"}, [1], rebalancing=False)
     asyncio.run(mover.stand_by(0.0))
     assert assignments.on_the_way("j", 3) == [[], [], []]
     assert moves.labels(job="j")._value.get() == 0.0
