@@ -252,8 +252,7 @@ class Scheduler:
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         final = final_path(self.opts.checkpoint_dir, job_id)
         if final.exists():
-            saved = await asyncio.to_thread(torch.load, final, weights_only=True)
-            return int(saved["step"]), saved["state"]
+            return await _load_final(final)
         coordinator = self._coordinators.get(job_id)
         if coordinator is None or any(not stage for stage in coordinator.replicas()):
             saved = checkpoint.latest(self.opts.checkpoint_dir / job_id)
@@ -264,7 +263,14 @@ class Scheduler:
             raise FailedPrecondition(
                 f"job {job_id} has no live replica of every stage and no saved model yet"
             )
-        return await gather_model(coordinator)
+        try:
+            return await gather_model(coordinator)
+        except SwarmError:
+            # The job's end overtook the download: its final model is saved before its
+            # coordinator is closed and its stage servers let go, so it is there to answer with.
+            if final.exists():
+                return await _load_final(final)
+            raise
 
     # -- peers ----------------------------------------------------------------------------------
     async def _watch_peers(self) -> None:
@@ -456,3 +462,9 @@ def _remove(directory: Path) -> None:
     """Remove `directory` and all it holds, if it exists (a job without a checkpoint has none)."""
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(directory)
+
+
+async def _load_final(final: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """A finished job's saved model, and its step (off the event loop: it may be large)."""
+    saved = await asyncio.to_thread(torch.load, final, weights_only=True)
+    return int(saved["step"]), saved["state"]
