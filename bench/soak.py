@@ -39,7 +39,9 @@ and descriptors until then, which is not a leak), the mean of its last
 window (`--window` of the run) over the mean of its first; the worst instance of each role is
 printed. The threads judged are those not of a pool that grows to a bound as its process gets
 busier (`own_threads`: the event loop's default executor, which every `swarm` process names
-at the OS, `swarm.ops.threads`, and gRPC's event engine); the raw count is printed beside it.
+at the OS, `swarm.ops.threads`, and gRPC's event engine), nor a replica's spill file's idle
+timer (one at most, present for part of each step once it averages with another replica:
+`stage_server.averaging.spill.IDLE_TIMER`); the raw count is printed beside it.
 A peer's stretches standing by and serving are judged apart, each from its own start
 (`span_growth`): a standby serves nothing, so what a replica makes as it first averages comes
 with its promotion.
@@ -86,6 +88,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from client.sdk import SchedulerClient  # noqa: E402
+from stage_server.averaging.spill import IDLE_TIMER  # noqa: E402
 from swarm.job.config import JobConfig, load_job  # noqa: E402
 from swarm.job.states import job_state_name  # noqa: E402
 from swarm.local.procs import SwarmProcess  # noqa: E402
@@ -278,11 +281,15 @@ class Instance:
         self.samples.append((t, rss, fds, threads, held, own_threads(self.pid, threads)))
 
 
-POOLED = (POOL, "event_engine")
+POOLED = (POOL, "event_engine", IDLE_TIMER)
 """The OS names of the threads of pools that grow to a bound as a process gets busier, and keep
 what they grew to: the event loop's default executor (`swarm.ops.threads`: up to min(32, CPUs +
 4) workers, named so by every `swarm` process) and gRPC's event engine (its work-stealing pool
-adds a thread while its work waits, and lets one go once idle)."""
+adds a thread while its work waits, and lets one go once idle); and a replica's spill file's
+idle timer (one at most, made as each step gives the file back and ended as the next lends it,
+so there for part of each step once the replica averages with another: the 6-minute soak's
+peer2 read 8 -> 8.9 threads when a second replica joined its stage; tests/stage_server/averaging
+/test_spill.py bounds it)."""
 
 
 def own_threads(pid: int, threads: int) -> int:

@@ -1,13 +1,21 @@
 """bench/soak.py's growth judgment on canned samples (`span_growth`): threads are judged less
 the bounded pools' (the event loop's default executor, gRPC's), which grow as a process gets
-busier; a peer's stretch standing by and its stretch serving are judged apart; and growth of any
-other thread, within either stretch, still fails the soak."""
+busier, and a spill file's idle timer (`own_threads`, read in this process); a peer's stretch
+standing by and its stretch serving are judged apart; and growth of any other thread, within
+either stretch, still fails the soak."""
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from stage_server.averaging.spill import Spill, SpillFile
+from tests.support.waiting import wait_until_blocking
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -97,3 +105,26 @@ def test_spans_of_a_peer_follow_its_roles_and_other_processes_their_life() -> No
     assert standby.spans() == [(5.0, math.inf)]  # a standby's following is judged too
     trainer = soak.Instance("trainer", "t", proc=None, started=2.0)  # type: ignore[arg-type]
     assert trainer.spans() == [(2.0, math.inf)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="threads are read in /proc")
+def test_a_spill_files_idle_timer_is_not_judged_a_processs_own(tmp_path: Path) -> None:
+    # The 6-minute soak's peer2: a second replica joined its stage, so it began averaging and
+    # its spill file's idle timer came for part of each step, 8 -> 8.9 threads (1.115): no leak.
+    pid = os.getpid()
+
+    def pooled() -> int:
+        threads = len(list(Path(f"/proc/{pid}/task").iterdir()))
+        return threads - soak.own_threads(pid, threads)
+
+    before = pooled()
+    file = SpillFile(idle_s=3600.0)
+    spill = Spill(torch.randn(64), tmp_path, file)
+    spill.keep(slice(0, 64))
+    spill.close()  # the file given back: its idle timer runs
+    try:
+        wait_until_blocking(
+            lambda: pooled() == before + 1, "the idle timer counted as pooled", timeout_s=30.0
+        )
+    finally:
+        file.close()

@@ -182,18 +182,23 @@ class Membership:
         deadline, or a standby (`standbys`: promoted). Its gradients of `step` are discarded
         (and replayed) first. Every replica of a stage with no member is looked at, and every
         former member elsewhere: a home outage leaves out a stage's only replica and one of
-        another's, and the second must not be made to download the state it holds. One whose
+        another's, and the second must not be made to download the state it holds (a standby
+        elsewhere is not: one is promoted only where its stage has no member). One whose
         rollback epoch is older than the last rollback's missed its LoadState: what it holds is
         of the training before it; it is not re-admitted (the rollback loads it instead). A
         stage a former member no longer listed holds at `step` is not lost (`unlisted`): it
         waits for it, and its standby is not promoted, nor where a former replica is
         re-admitted. Returns whether no stage is lost."""
         members, current = self.members(), self.replicas()
+        # A former member of a stage that still has one is looked at, but never a standby
+        # there, though it may have been a member before it stood by (the soak's peer3: killed
+        # with its stage, back as its standby, and promoted when another stage was looked at).
         candidates = [
             (k, r)
             for k, stage in enumerate(members)
             for r in stage
-            if r.peer not in self.synced and (not current[k] or r.peer in self._left)
+            if r.peer not in self.synced
+            and (not current[k] or (r.peer in self._left and self.standbys.of(r.peer) is None))
         ]
         # A former replica back at the step keeps its stage: its standby stands by on (looked
         # at last, and passed over where one was re-admitted).

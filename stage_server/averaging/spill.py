@@ -40,13 +40,29 @@ from pathlib import Path
 import torch
 
 from swarm.ops.private import private_dir
+from swarm.ops.threads import name_this_thread
 from swarm.wire.chunking import tensor_bytes
 
-__all__ = ["OFF", "Spill", "SpillFile", "dirty_expiry_s", "in_memory_fs", "spill_directory"]
+__all__ = [
+    "IDLE_TIMER",
+    "OFF",
+    "Spill",
+    "SpillFile",
+    "dirty_expiry_s",
+    "in_memory_fs",
+    "spill_directory",
+]
 
 log = logging.getLogger(__name__)
 
 OFF = "off"  # the spill directory that keeps the sums in memory
+
+IDLE_TIMER = "spill-idle"
+"""The OS name of a spill file's idle timer (`/proc/PID/task/*/comm`): a thread made as each
+step gives the file back and ended as the next lends it, so present for part of every step once
+a replica averages with another, one at most per file. Named, bench/soak.py tells it from a
+leak (unnamed it read as "python", and a replica that began averaging late in a run, a second
+replica joining its stage, grew by one thread)."""
 
 
 class SpillFile:
@@ -87,7 +103,7 @@ class SpillFile:
                 self._free, fd = (directory, fd), -1
                 # A weak reference: a pending timer does not keep the file open past its
                 # holder's life.
-                self._timer = threading.Timer(self.idle_s, _expire, (weakref.ref(self),))
+                self._timer = _IdleTimer(self.idle_s, _expire, (weakref.ref(self),))
                 self._timer.daemon = True
                 self._timer.start()
         if fd >= 0:
@@ -116,6 +132,15 @@ class SpillFile:
             timer.cancel()
         if free is not None:
             os.close(free[1])
+
+
+class _IdleTimer(threading.Timer):
+    """A `threading.Timer` named `IDLE_TIMER` at the OS from its start (a thread's name there is
+    its creator's until it names itself)."""
+
+    def run(self) -> None:
+        name_this_thread(IDLE_TIMER)
+        super().run()
 
 
 def _expire(file: weakref.ref[SpillFile]) -> None:

@@ -198,3 +198,46 @@ async def test_a_replica_unlisted_but_answering_keeps_its_stage(
         await h.run(task)
     assert (await asyncio.wait_for(h.steps.get(), 10)).step == 2  # training goes on
     assert h.rollbacks.empty() and promoted == []
+
+
+async def test_a_standby_that_was_a_member_is_not_promoted_while_its_stage_has_one(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # The 6-minute soak's second broker restart: stage 1's only replica (peer4) was unlisted,
+    # which had the coordinator look for a stage's loss, and stage 0's standby (peer3) was
+    # promoted in the same look though stage 0 still had a member (peer6). peer3 had been a
+    # member of stage 0 before the stage kill: it left, came back and stood by, and a former
+    # member left out is looked at on every stage, its own stage's members or not. A standby
+    # is promoted only where its stage has no member.
+    job = job_of(tmp_path, steps=10)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a")
+    swarm.add(0, "d")
+    swarm.add(1, "b")
+    swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    membership = h.coordinator.membership
+    await h.coordinator.start()
+    await h.step()
+    left = h.swarm["b"]
+    h.swarm.stages[1].remove(left)  # it leaves stage 1 (alive: a moment off its bus)
+    await h.step()
+    assert "b" not in membership.synced
+    h.swarm.stages[1].append(left)  # back: a joiner, so it stands by first
+    membership.standbys.wanted = 1
+    await h.step()
+    assert membership.standbys.of("b") == 1
+    (ours,) = [p for p in membership.standbys.peers() if membership.standbys.of(p) == 0]
+    replica = "d" if ours == "a" else "a"
+    promoted: list[tuple[int, int, str]] = []
+    membership.standbys.promoted.append(lambda *told: promoted.append(told))
+    await h.step()
+    step = next(ledger.step for ledger in membership.ledgers())
+    await until(lambda: h.swarm["b"].step == step, "stage 1's standby at the open step")
+    await until(lambda: h.swarm[ours].step == step, "stage 0's standby at the open step")
+    h.swarm.remove(replica)  # stage 0 is lost whole: its standby is promoted
+    tasks = await h.lease()
+    assert {t.step for t in tasks} == {step} and h.rollbacks.empty()
+    assert promoted == [(step, 0, ours)], "a standby promoted on a stage that has a member"
+    assert membership.standbys.of("b") == 1
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [[ours], ["c"]]
