@@ -16,7 +16,7 @@ ends: past the budget the call is Busy too, and goes to another replica."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +42,7 @@ from swarm.device.compute_clock import clock_for
 from swarm.device.host_copies import HostCopies
 from swarm.errors import Busy, NotFound
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
+from swarm.net.refused_streams import RefusedStreams
 from swarm.ops.faults import Point, maybe_die
 from swarm.ops.poison import Poison
 from swarm.ops.rated import RatedLog
@@ -63,6 +64,11 @@ __all__ = ["StageServicer"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+#: Longest a refused LoadState is read before its refusal (seconds): its client, which has the
+#: swarm token, writes the whole state, then reads; and how many are read at once.
+REFUSED_READ_S = 10.0
+REFUSED_AT_ONCE = 2
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -87,6 +93,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # whose owner coordinates it (`swarm trainer --stage-servers`): the token alone.
         self.commit_auth: CommitVerifier | None = None
         self._refusals = RatedLog(log)
+        # A refused LoadState is read to its client's half-close before the refusal is sent.
+        self._refused_streams = RefusedStreams(
+            total_s=REFUSED_READ_S, idle_s=None, at_once=REFUSED_AT_ONCE
+        )
         self._runtime: StageRuntime | None = None
         self._compute: Compute | None = None  # the runtime's, or a liar's wrapper of it
         self.token = token
@@ -346,11 +356,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     # -- commit ---------------------------------------------------------------------------------
     async def _scheduler_only(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext
+        self,
+        method: str,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        unread: AsyncIterable[Any] | None = None,
     ) -> None:
         """Refuse (UNAUTHENTICATED, PERMISSION_DENIED) a commit-protocol call that the scheduler
-        did not sign for this replica (`swarm.net.commit_auth`), before anything is read or
-        done."""
+        did not sign for this replica (`swarm.net.commit_auth`), before anything is used or
+        done. A streamed call's `unread` requests are read and dropped first, so that its
+        client is told the refusal, not INTERNAL (`swarm.net.refused_streams`)."""
         if self.commit_auth is None:
             return
         try:
@@ -358,6 +373,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         except CommitRefused as e:
             self._refusals.warning((method, e.code), "%s: refused %s: %s", self.peer, method, e)
             self.metrics.observe(method, e.code.name, 0.0)
+            if unread is not None:
+                await self._refused_streams.drain(unread)
             await context.abort(e.code, str(e))
 
     async def Commit(
@@ -421,7 +438,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         signed_digest = None  # the state's digest the scheduler signed: the state loaded is it
         if self._runtime is not None:  # else refused unread (NOT_FOUND), as before
             signed = pb.StageLoadStateRequest(job=self.job_id, stage=self._runtime.stage)
-            await self._scheduler_only("LoadState", signed, context)  # as the scheduler signs
+            # as the scheduler signs
+            await self._scheduler_only("LoadState", signed, context, request_iterator)
             if self.commit_auth is not None:
                 metadata = context.invocation_metadata() or ()
                 signed_digest = next((v for k, v in metadata if k == STATE_DIGEST_KEY), b"")

@@ -21,7 +21,7 @@ import grpc
 from swarm.net import paths, tls
 from swarm.net.tokens import TOKEN_KEY
 
-__all__ = ["channel"]
+__all__ = ["CONNECT_ATTEMPT_MS", "channel"]
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,20 @@ class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._with_token(details), requests)
 
 
+#: The least time a connection attempt is given to be answered (its TCP connect, TLS handshake
+#: and the server's HTTP/2 SETTINGS), in ms: gRPC's own default. A call's deadline bounds it.
+CONNECT_ATTEMPT_MS = 20_000
+
 # A peer that restarts at the same address is reached again within seconds: gRPC's own pauses
 # between reconnects grow to two minutes, far longer than a stage server takes to come back.
+# gRPC reads `grpc.min_reconnect_backoff_ms` not as a pause but as the least time an attempt
+# is given (its "min connect timeout"): at 250 ms, a server slower to answer a new connection
+# (a loaded machine, TLS across an ocean, a relayed path) was taken for unreachable, and every
+# call waiting on the channel failed UNAVAILABLE ("connection attempt timed out before
+# receiving SETTINGS frame").
 _RECONNECT = (
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_MS),
     ("grpc.max_reconnect_backoff_ms", 5000),
 )
 

@@ -14,21 +14,20 @@ and ports are secure and the token travels encrypted beside the certificates.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import ipaddress
 import os
-from collections.abc import AsyncIterable, Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from swarm.deadline import within
 from swarm.errors import ConfigError, SwarmError
 from swarm.net import tls
 from swarm.net.ports import Listener, bind_error, raise_if_taken
+from swarm.net.refused_streams import RefusedStreams
 from swarm.net.tls_mismatch import grpc_host_port
 
 __all__ = [
@@ -128,7 +127,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             registry=registry,
         )
         self._log = refusals
-        self._draining = 0  # refused streaming calls being read before their answer
+        # Refused streams are read before their answer (`swarm.net.refused_streams`). Briefly:
+        # a stranger's flood of them holds neither the server's call slots nor its memory; a
+        # client waiting for a reply mid-stream gets its answer after the idle pause.
+        self._refused_streams = RefusedStreams(
+            total_s=_DRAIN_S, idle_s=_DRAIN_IDLE_S, at_once=_MAX_DRAINING
+        )
 
     async def intercept_service(
         self,
@@ -158,12 +162,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
         async def refuse(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             self._log.warning(problem, "refused %s from %s: %s", method, context.peer(), problem)
-            if drain and self._draining < _MAX_DRAINING:
-                self._draining += 1
-                try:
-                    await _drain(requests)
-                finally:
-                    self._draining -= 1
+            if drain:
+                await self._refused_streams.drain(requests)
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED, f"{problem}; this swarm needs its token"
             )
@@ -175,24 +175,6 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         )
         # No request deserializer: a refused caller's bytes are never parsed.
         return make(refuse, response_serializer=handler.response_serializer)
-
-
-async def _drain(requests: AsyncIterable[Any]) -> None:
-    """Read what a refused client is still sending, briefly, before answering. grpc-aio clients
-    report a write that loses the race with the server's early close as INTERNAL ("Internal
-    error from Core"), hiding UNAUTHENTICATED; a client that writes all, then reads (the data
-    plane) thus gets the real reason. Bounded in time, and to `_MAX_DRAINING` calls at once (each
-    may hold a message): past it a refused call is answered at once, so a flood of them holds
-    neither the server's call slots nor its memory."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + _DRAIN_S
-    it = requests.__aiter__()
-    while (left := deadline - loop.time()) > 0:
-        try:
-            # A client waiting for a reply mid-stream gets its answer after the idle time.
-            await within(it.__anext__(), min(_DRAIN_IDLE_S, left))
-        except (StopAsyncIteration, TimeoutError):
-            return
 
 
 def server_interceptors(

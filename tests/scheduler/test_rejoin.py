@@ -16,6 +16,7 @@ import stage_server.agent
 from scheduler.job_training import NEWS_SAID_STEPS
 from stage_server.replica.runtime import StageRuntime
 from swarm.proto import control_pb2 as cpb
+from tests.support.jobs import BASE, render
 from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, scheduled_swarm
 from tests.support.waiting import wait_until
 
@@ -27,6 +28,16 @@ pytestmark = [
 
 # Samples/s per stage each peer measures, by its throttle: the figures placement decides on.
 FIGURES = {1.0: {0: 1.0, 1: 1.0}, 2.0: {0: 1.0, 1: 2.0}, 3.0: {0: 2.0, 1: 1.0}}
+
+NO_STANDBY_SPEC = render(
+    {**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}}
+    | {"runtime": {"standby": 0}}
+)
+"""LONG_SPEC with no standbys. The job needs no second replica of stage 1, so under the default
+("auto") the coordinator makes v a standby (issue 67), picked at a step boundary, and v counts as
+a replica only once it is replaced as one, for lagging; or at once where its first process was
+picked before its kill (a standby lost stands by again only after a cooldown). Which, the load
+decides: under a loaded suite v kept up, stood by, and never counted within the wait."""
 
 
 def _slow_build(*args: Any) -> StageRuntime:
@@ -42,7 +53,7 @@ async def test_a_rejoining_server_keeps_its_stage_and_does_not_flap(
     )
     monkeypatch.setattr(stage_server.agent, "StageRuntime", _slow_build)
     async with scheduled_swarm(tmp_path, placement_grace_s=0.0) as swarm:
-        job = await swarm.start_job(LONG_SPEC, tmp_path)
+        job = await swarm.start_job(NO_STANDBY_SPEC, tmp_path)
         # v is fastest on stage 1 and goes there (both stages have one replica).
         await swarm.add("v", throttle=2.0)
         registry = swarm.scheduler.peer_registry
