@@ -13,8 +13,9 @@ Where bytecode is not to be written (`PYTHONDONTWRITEBYTECODE`, as on this proje
 every forked process compiled each module torch's import had not brought, the project's and
 grpc's, from source again: half of a stage server's start. Forked processes keep their bytecode
 in a cache of their own outside the tree instead (`tests.support.bytecode.PYCACHE`,
-`sys.pycache_prefix`), which the
-first to import a module fills and the others read; the tree stays as clean as the flag asks.
+`sys.pycache_prefix`), which the first to import a module fills and the others read; the tree
+stays as clean as the flag asks. (The test process and every interpreter it starts keep theirs
+there too: `tests.support.bytecode.keep`.)
 """
 
 from __future__ import annotations
