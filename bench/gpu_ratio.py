@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import process_groups, spy, timeline_report  # noqa: E402
 from bench.gpu_check import BF16_PEAK_TFLOPS  # noqa: E402
-from bench.llama_1b import JOB, TINY, set_keys  # noqa: E402
+from bench.llama_job import JOB, TINY, set_keys  # noqa: E402
 from bench.mps import MpsUnavailable, mps_daemon, mps_unavailable  # noqa: E402
 from bench.stall import READY_LINE, STEP_LINE, Stall, last_errors  # noqa: E402
 from swarm.ops import timeline  # noqa: E402
@@ -347,6 +347,7 @@ def phase_main(args: argparse.Namespace) -> None:
             out = run_swarm(args, job_path, work, phase == "swarm-compiled")
         else:
             out = run_torch(args, job_path, "compiled" in phase, phase.startswith("pass"))
+        out["flops_per_sequence"] = flops_per_sequence(job_path)  # torch is imported here
     except Exception as e:  # an out-of-memory one-pass run is a figure, not a failure
         if "out of memory" not in str(e).lower():
             raise
@@ -358,6 +359,8 @@ def phase_main(args: argparse.Namespace) -> None:
 
 
 def flops_per_sequence(job_path: Path) -> float:
+    """A sequence's model FLOPs, said by each run (`summarize` reads it): the process that
+    starts the runs imports no torch, a second import of it on each of the check's CPU runs."""
     from swarm.job.config import load_job
     from swarm.model.transformer import layer_costs
 
@@ -387,7 +390,7 @@ def summarize(r: dict, args: argparse.Namespace, job_path: Path, peak: float) ->
     timed = r["seconds"][args.warmup :]
     tokens = job.training.target_batch_size * job.model.seq_len
     rate = tokens * len(timed) / sum(timed)
-    flops = flops_per_sequence(job_path) * job.training.target_batch_size * len(timed) / sum(timed)
+    flops = r["flops_per_sequence"] * job.training.target_batch_size * len(timed) / sum(timed)
     out = {
         **r,
         "tokens_per_s": rate,

@@ -24,7 +24,6 @@ import _thread
 import argparse
 import asyncio
 import json
-import re
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from bench import forked_servers  # noqa: E402
 from bench.bulk import GiB, peak_rss  # noqa: E402
 from bench.gpu_train_check import device_peak  # noqa: E402
+from bench.llama_job import JOB, TINY, set_keys  # noqa: E402
 from client.standalone import train_standalone  # noqa: E402
 from swarm.job.config import load_job  # noqa: E402
 from swarm.local.procs import SwarmProcess, start_process, stop_all  # noqa: E402
@@ -46,7 +46,6 @@ from swarm.model.transformer import stage_layout  # noqa: E402
 from swarm.ops.progress import StepRecord  # noqa: E402
 from swarm.rpc.lease import Replica  # noqa: E402
 
-JOB = ROOT / "examples" / "llama-1b.toml"
 READY_TIMEOUT_S = 900.0
 
 
@@ -216,9 +215,6 @@ def main() -> None:
     )
 
 
-TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden": 128, "seq_len": 32}
-
-
 def _override(text: str, args: argparse.Namespace) -> str:
     """The example's job text with the flags' keys in place of its own."""
     keys: dict[str, object] = dict(TINY) if args.tiny else {}
@@ -232,15 +228,6 @@ def _override(text: str, args: argparse.Namespace) -> str:
         if value is not None:
             keys[key] = value
     return set_keys(text, keys)
-
-
-def set_keys(text: str, keys: dict[str, object]) -> str:
-    """The example's job text with `keys` (each one line `key = value` in it) set."""
-    for key, value in keys.items():
-        text, n = re.subn(rf"(?m)^{key} = [^#\n]*", f"{key} = {value} ", text)
-        if n != 1:
-            raise SystemExit(f"examples/llama-1b.toml has no single {key} to override")
-    return text
 
 
 if __name__ == "__main__":

@@ -12,7 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import forked
+from tests.support import bytecode
+
+# Before the suite's modules are imported, and before xdist starts its workers: bytecode kept
+# outside the tree where the environment forbids it beside the sources (`tests.support.bytecode`).
+bytecode.keep()
+from tests.support import forked  # noqa: E402
 
 # Every scheduler the suite starts dials peers on loopback, or in namespaces on private and
 # documentation ranges: it runs with `--dial-private` (as `swarm.local.procs` and
@@ -21,11 +26,11 @@ os.environ.setdefault("SWARM_DIAL_PRIVATE", "1")
 # As a stage server on a GPU starts (`swarm.device.kernels`): cuBLAS repeatable before CUDA is
 # touched, for the tests that build stages of an audited job (the default) on CUDA.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-from tests.support.api import api  # noqa: F401
-from tests.support.coordinator import make_harness  # noqa: F401
-from tests.support.inprocess import make_swarm  # noqa: F401
-from tests.support.reaper import kill_leftovers  # noqa: F401
-from tests.support.tls import pki  # noqa: F401
+from tests.support.api import api  # noqa: E402, F401
+from tests.support.coordinator import make_harness  # noqa: E402, F401
+from tests.support.inprocess import make_swarm  # noqa: E402, F401
+from tests.support.reaper import kill_leftovers  # noqa: E402, F401
+from tests.support.tls import pki  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)

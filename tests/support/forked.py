@@ -12,8 +12,10 @@ child enters it first, in a session of its own, as `ip netns exec` put a fresh o
 Where bytecode is not to be written (`PYTHONDONTWRITEBYTECODE`, as on this project's machines),
 every forked process compiled each module torch's import had not brought, the project's and
 grpc's, from source again: half of a stage server's start. Forked processes keep their bytecode
-in a cache of their own outside the tree instead (`PYCACHE`, `sys.pycache_prefix`), which the
-first to import a module fills and the others read; the tree stays as clean as the flag asks.
+in a cache of their own outside the tree instead (`tests.support.bytecode.PYCACHE`,
+`sys.pycache_prefix`), which the first to import a module fills and the others read; the tree
+stays as clean as the flag asks. (The test process and every interpreter it starts keep theirs
+there too: `tests.support.bytecode.keep`.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import BinaryIO
 
 from swarm.local import netns
 from swarm.local.procs import Child
+from tests.support.bytecode import PYCACHE
 
 PRELOAD = [
     "torch",
@@ -45,11 +48,6 @@ PRELOAD = [
 ]
 CLONE_NEWNET = 0x40000000  # <sched.h>
 SESSION_S = 30.0  # a forked child is in its own session within this (a busy machine)
-PYCACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "swarm-tests-pycache"
-"""The forked processes' bytecode, where the tree is not to get any: in this user's own cache
-(a shared /tmp would let another user plant bytecode), each file checked against its source
-(modification time and size) as in `__pycache__`. Where it cannot be written, Python compiles
-as before."""
 _context: ForkServerContext | None = None
 
 
