@@ -2,6 +2,13 @@
 its event loop, the rest: gRPC's) against torch pipelining's ranks, in CPU seconds a step.
 
     python bench/cpu_split.py [--steps N] [--tiny]
+    python bench/cpu_split.py --against BASE [--pairs N] [--steps N]
+
+With `--against`, no torch run: the swarm half alone, of checkout BASE and of this one,
+alternated (BASE, this, this, BASE, ...; each run imports its checkout's code), and for each
+the stage servers' event loops, everything but their compute threads, and the total, with
+each pair's ratio (this over BASE) and the medians: what a change to the per-hop machinery
+moves, which the total's noise hides on a loaded machine.
 
 Issue 69's swarm/torch target is met on a 2-core host only if the swarm's five processes spend
 no more CPU a step than torch's four ranks: both keep the two cores busy, so a step takes their
@@ -17,13 +24,16 @@ Torch's figure is each rank's process CPU over its timed steps (bench/torch_pipe
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -106,11 +116,72 @@ def swarm_split(job: Path, steps: int, work: Path) -> dict[str, Split]:
     return {n: split(before[n], after[n], pid, last - first) for n, pid in pids.items()}
 
 
+_CHILD = """
+import json, sys, tempfile
+from pathlib import Path
+from bench.cpu_split import JOB, swarm_split, tiny
+steps, small = int(sys.argv[1]), sys.argv[2] == "tiny"
+with tempfile.TemporaryDirectory(prefix="swarm-cpu-") as tmp:
+    job = Path(tmp) / "job.toml"
+    job.write_text(tiny(JOB.format(steps=steps)) if small else JOB.format(steps=steps))
+    split = swarm_split(job, steps, Path(tmp))
+print(json.dumps({name: [s.compute, s.loop, s.other] for name, s in split.items()}))
+"""
+
+FIGURES = ("loops", "rest", "total")
+
+
+def figures(split: dict[str, list[float]]) -> dict[str, float]:
+    """A run's (process -> [compute, loop, other]) as its stage servers' event loops, everything
+    but their compute threads ("rest": the per-hop machinery and the trainer), and the total."""
+    total = sum(sum(s) for s in split.values())
+    compute = sum(s[0] for name, s in split.items() if name != "trainer")
+    loops = sum(s[1] for name, s in split.items() if name != "trainer")
+    return {"loops": loops, "rest": total - compute, "total": total}
+
+
+def compared(base: list[dict[str, float]], new: list[dict[str, float]]) -> dict[str, Any]:
+    """Each figure's pairs' ratios (new over base, in run order) and medians."""
+    out: dict[str, Any] = {}
+    for name in FIGURES:
+        b, n = [r[name] for r in base], [r[name] for r in new]
+        out[name] = {
+            "base": statistics.median(b),
+            "new": statistics.median(n),
+            "pairs": [y / x for x, y in zip(b, n, strict=True)],
+        }
+    return out
+
+
+def alternated(base: Path, pairs: int, steps: int, small: bool) -> None:
+    """The swarm half of checkout `base` and of this one, alternated, printed as it goes."""
+    runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
+    for i in range(pairs):
+        for name in ("base", "new") if i % 2 == 0 else ("new", "base"):
+            tree = base if name == "base" else ROOT
+            env = {**os.environ, "PYTHONPATH": first_on_path(tree)}
+            argv = [sys.executable, "-c", _CHILD, str(steps), "tiny" if small else "full"]
+            out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"{name} run failed: {out.stderr[-2000:]}")
+            run = figures(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[name].append(run)
+            print(name, " ".join(f"{k} {v:.4f}" for k, v in run.items()), flush=True)
+    for name, c in compared(runs["base"], runs["new"]).items():
+        ratios = ", ".join(f"{r:.3f}" for r in c["pairs"])
+        print(f"{name}: base {c['base']:.4f}, new {c['new']:.4f}; pairs {ratios}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="steps a run (4 or more)")
     parser.add_argument("--tiny", action="store_true", help="a d64 model: a smoke run")
+    parser.add_argument("--against", type=Path, help="a checkout: its swarm half against this")
+    parser.add_argument("--pairs", type=int, default=3, help="with --against: pairs of runs")
     args = parser.parse_args()
+    if args.against is not None:
+        alternated(args.against, args.pairs, max(args.steps, 4), args.tiny)
+        return
     with tempfile.TemporaryDirectory(prefix="swarm-cpu-") as tmp:
         job = Path(tmp) / "job.toml"
         text = JOB.format(steps=args.steps)

@@ -32,3 +32,23 @@ def test_the_main_thread_is_the_loop_and_the_busiest_other_the_compute() -> None
 def test_a_process_of_one_thread_has_no_compute_thread() -> None:
     s = cpu_split.split({7: 1.0}, {7: 3.0}, pid=7, steps=2)
     assert (s.compute, s.loop, s.other) == (0.0, 1.0, 0.0)
+
+
+def test_a_run_is_read_as_its_loops_its_rest_and_its_total() -> None:
+    split = {
+        "stage 0": [1.0, 0.04, 0.01],
+        "stage 1": [1.2, 0.05, 0.02],
+        "trainer": [0.003, 0.02, 0.001],  # the trainer's compute is rest: it holds no stage
+    }
+    got = cpu_split.figures(split)
+    assert got == pytest.approx({"loops": 0.09, "rest": 0.144, "total": 2.344})
+
+
+def test_alternated_runs_are_compared_pair_by_pair() -> None:
+    base = [{"loops": 0.2, "rest": 0.4, "total": 4.0}, {"loops": 0.1, "rest": 0.2, "total": 2.0}]
+    new = [{"loops": 0.1, "rest": 0.4, "total": 3.0}, {"loops": 0.1, "rest": 0.1, "total": 4.0}]
+    got = cpu_split.compared(base, new)
+    assert got["loops"]["pairs"] == pytest.approx([0.5, 1.0])
+    assert got["rest"]["pairs"] == pytest.approx([1.0, 0.5])
+    assert got["total"]["pairs"] == pytest.approx([0.75, 2.0])
+    assert (got["total"]["base"], got["total"]["new"]) == pytest.approx((3.0, 3.5))  # medians

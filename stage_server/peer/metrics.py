@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from stage_server.peer.boundary_traffic import BoundaryTally
@@ -24,7 +26,11 @@ and the relay it is reached through ("" for none; `stage_server/peer/reachabilit
 
 class StageMetrics:
     """A stage server's series. The job and stage labels change when the peer is assigned a
-    stage (`bind`); the series of earlier assignments stay, as counters should."""
+    stage (`bind`); the series of earlier assignments stay, as counters should.
+
+    Each series is looked up once for the labels of the moment (`_series`), not at every count:
+    prometheus_client's `labels` checks and builds its key on each call, and the push plane
+    counts a dozen times a microbatch on the event loop that relays the next (issue 69)."""
 
     def __init__(self, peer: str, registry: CollectorRegistry | None = None) -> None:
         reg = self.registry = registry or CollectorRegistry()
@@ -139,6 +145,27 @@ class StageMetrics:
             "Gradient bytes received from the pool while averaging",
         )
 
+    @property
+    def values(self) -> dict[str, str]:
+        """The job, stage and peer labels of the series counted from now on."""
+        return self._labelled[0]
+
+    @values.setter
+    def values(self, values: dict[str, str]) -> None:
+        # The labels and their series, as one: a count on another thread (the worker's) that
+        # read the old labels keeps the series it looks up with them, not with the new ones.
+        self._labelled: tuple[dict[str, str], dict[tuple[Any, ...], Any]] = (values, {})
+
+    def _of(self, metric: MetricWrapperBase, *extra: str) -> Any:
+        """`metric`'s series for `values` and its own labels `extra` (in its label names'
+        order after `LABELS`), as `metric.labels` gives it, kept for the next count."""
+        values, series = self._labelled
+        key = (metric, *extra)
+        found = series.get(key)
+        if found is None:
+            found = series[key] = metric.labels(*(values[k] for k in LABELS), *extra)
+        return found
+
     def identify(self, peer: str) -> None:
         """The peer id is `peer` (known once the server listens: it may default to its address)."""
         self.values = {**self.values, "peer": peer}
@@ -167,60 +194,60 @@ class StageMetrics:
         }
 
     def observe(self, method: str, code: str, seconds: float) -> None:
-        self._requests.labels(**self.values, method=method, code=code).inc()
-        self._latency.labels(**self.values, method=method).observe(seconds)
+        self._of(self._requests, method, code).inc()
+        self._of(self._latency, method).observe(seconds)
 
     def received(self, wire_bytes: int, raw_bytes: int) -> None:
-        self._wire_in.labels(**self.values).inc(wire_bytes)
-        self._raw_in.labels(**self.values).inc(raw_bytes)
+        self._of(self._wire_in).inc(wire_bytes)
+        self._of(self._raw_in).inc(raw_bytes)
 
     def handed(self, way: str) -> None:
         """A tensor handed over (`stage_server.replica.handing`): "offered", "filled", "taken";
         "refused": a replica pushed to could not take it, and got the bytes instead."""
-        self._handovers.labels(**self.values, way=way).inc()
+        self._of(self._handovers, way).inc()
 
     def sent(self, wire_bytes: int, raw_bytes: int, direction: Way, tokens: int) -> None:
         """A boundary tensor sent `direction` (`stage_server.peer.boundary_traffic`): its
         `wire_bytes` as encoded, `raw_bytes` before, the `tokens` it carries."""
-        self._wire_out.labels(**self.values).inc(wire_bytes)
-        self._raw_out.labels(**self.values).inc(raw_bytes)
-        self._boundary_bytes.labels(**self.values, direction=direction).inc(wire_bytes)
-        self._boundary_tokens.labels(**self.values, direction=direction).inc(tokens)
+        self._of(self._wire_out).inc(wire_bytes)
+        self._of(self._raw_out).inc(raw_bytes)
+        self._of(self._boundary_bytes, direction).inc(wire_bytes)
+        self._of(self._boundary_tokens, direction).inc(tokens)
         self.boundary.add(direction, wire_bytes, tokens)
 
     def passed_on(self, wire_bytes: int, raw_bytes: int) -> None:
         """A tensor sent beside a boundary tensor, not one (the targets and token ids a push
         passes on): its bytes, and no boundary's; the boundary's figure stays its tensor's."""
-        self._wire_out.labels(**self.values).inc(wire_bytes)
-        self._raw_out.labels(**self.values).inc(raw_bytes)
+        self._of(self._wire_out).inc(wire_bytes)
+        self._of(self._raw_out).inc(raw_bytes)
 
     def recorded(self) -> None:
         """A push record kept (`stage_server.replica.push_records`)."""
-        self._records.labels(**self.values).inc()
+        self._of(self._records).inc()
 
     def records_kept(self) -> float:
         """The push records kept since the last `bind`'s labels: the tests read it."""
-        return float(self._records.labels(**self.values)._value.get())
+        return float(self._of(self._records)._value.get())
 
     def accumulated(self, samples: int, pending: int) -> None:
-        self._samples.labels(**self.values).inc(samples)
-        self._pending.labels(**self.values).set(pending)
+        self._of(self._samples).inc(samples)
+        self._of(self._pending).set(pending)
 
     def committed(self, step: int, applied: bool) -> None:
         if applied:
-            self._steps.labels(**self.values).inc()
-        self._step.labels(**self.values).set(step)
-        self._pending.labels(**self.values).set(0)
+            self._of(self._steps).inc()
+        self._of(self._step).set(step)
+        self._of(self._pending).set(0)
 
     def nonfinite(self) -> None:
-        self._nonfinite.labels(**self.values).inc()
+        self._of(self._nonfinite).inc()
 
     def averaged(self, sent: int, received: int) -> None:
-        self._avg_sent.labels(**self.values).inc(sent)
-        self._avg_received.labels(**self.values).inc(received)
+        self._of(self._avg_sent).inc(sent)
+        self._of(self._avg_received).inc(received)
 
     def averaging_seconds(self, seconds: float) -> None:
-        self._avg_seconds.labels(**self.values).observe(seconds)
+        self._of(self._avg_seconds).observe(seconds)
         self.link.settle(0.0)  # the round's streams are over: their burst is a sample now
 
     def moved(self, direction: Direction, nbytes: int, seconds: float) -> None:
@@ -228,7 +255,7 @@ class StageMetrics:
         self.link.transferred(direction, nbytes, seconds)
 
     def queue(self, delta: int) -> None:
-        self._queue.labels(**self.values).inc(delta)
+        self._of(self._queue).inc(delta)
 
 
 class _PeerInfo(Collector):

@@ -184,12 +184,14 @@ class Committer:
                 rt.copies.pooled(step)
             self._prepared = None
             checks = _checks(c)
-            sums = await self._part(
-                c, rt.prepare, step, c.microbatches, c.total_samples, spilled=step, checks=checks
-            )
-            sent = self._sent[1] if self._sent[0] == c.round else ()
-            await self._worker.run(rt.set_prepared, step, sums, c.total_samples, sent)
-            sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
+            if len(c.group) <= 1:  # alone: nothing to average, the whole PREPARE in one call
+                sq_norm = await self._prepare_alone(c, rt)
+            else:
+                held = (step, c.microbatches, c.total_samples)
+                sums = await self._part(c, rt.prepare, *held, spilled=step, checks=checks)
+                sent = self._sent[1] if self._sent[0] == c.round else ()
+                await self._worker.run(rt.set_prepared, step, sums, c.total_samples, sent)
+                sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
             self._prepared = (c.job, c.stage, step, sq_norm)
             if not math.isfinite(sq_norm):
                 self.metrics.nonfinite()
@@ -212,6 +214,26 @@ class Committer:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
         return Committed(rt.step, already, sq_norm, *_report(checks, c))
+
+    async def _prepare_alone(self, c: Commit, rt: StageRuntime) -> float:
+        """PREPARE of a replica alone in its round (a pool of one: nothing to average): its
+        sums prepared as they are, their squared norm. One call on the worker, not four
+        (`_part`'s two, the keeping and the norm): each is a hand-off from the event loop to the
+        worker and back, and the commit is the part of a step where every stage waits (issue
+        69). A stale or short ledger tells the averager at once, as `_part` does."""
+        sent = self._sent[1] if self._sent[0] == c.round else ()  # no round averaged: as before
+
+        def prepare() -> float:
+            allocator.give_back(sum(p.nbytes for p in rt.params))  # as `_part`: before the peak
+            sums = rt.prepare(c.step, c.microbatches, c.total_samples)
+            rt.set_prepared(c.step, sums, c.total_samples, sent)
+            return rt.prepared_sq_norm(c.step)
+
+        try:
+            return await self._worker.run(prepare)
+        except WireError as e:
+            self.averager.abort((c.job, c.stage, c.round), str(e))
+            raise
 
     async def _round_end(self, c: Commit) -> Committed:
         """pool.mode = "local": PREPARE averages the pool's pseudo-gradients, weighted by each

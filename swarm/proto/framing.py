@@ -22,7 +22,11 @@ than MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values (fields and pac
 nested ones included) is refused from a walk of its encoding that builds nothing: the deserializer
 returns a `HeaderRefused` in its place (gRPC's client swallows a deserializer's exception, its
 stream yielding None; a value keeps the reason), which `swarm.wire.chunking` raises as the
-sender's InvalidArgument.
+sender's InvalidArgument. A header of no more bytes than MAX_HEADER_VALUES, of a type nested no
+deeper than the walk allows, can break neither of those bounds (every value takes a byte of its
+encoding at least): its walk counts its tensors alone, without descending into its nested
+messages, which is all it could refuse it for (issue 69: every push's header is walked on the
+event loop that relays the next).
 
 protogen.py makes every generated stub and servicer use `serialize` and `deserializer(cls)`.
 """
@@ -30,6 +34,7 @@ protogen.py makes every generated stub and servicer use `serialize` and `deseria
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -224,9 +229,10 @@ class _Header:
     """The walk of one header's encoding: counts its values and tensors, refuses past the caps.
     What is malformed is left to protobuf, which refuses it no later than the walk stopped."""
 
-    def __init__(self, data: bytes, tensors_field: int) -> None:
+    def __init__(self, data: bytes, tensors_field: int, shallow: bool = False) -> None:
         self.data, self.tensors_field = data, tensors_field
         self.values = self.tensors = 0
+        self.shallow = shallow  # nested messages not walked: they can refuse nothing
 
     def walk(self, start: int, end: int, desc: Any, depth: int) -> None:
         if depth > _MAX_DEPTH:
@@ -277,13 +283,32 @@ class _Header:
             self.tensors += 1
             if self.tensors > MAX_TENSORS_PER_MESSAGE:
                 return 1  # refused once counted (the refusal says how many): not walked
-        self.walk(start, end, field.message_type, depth + 1)
+        if not self.shallow:
+            self.walk(start, end, field.message_type, depth + 1)
         return 1
 
 
 def _check_header(data: bytes, descriptor: Any, tensors_field: int) -> None:
     """HeaderRefused when the message `data` encodes (of type `descriptor`) names more than
     MAX_TENSORS_PER_MESSAGE tensors or MAX_HEADER_VALUES values."""
-    header = _Header(data, tensors_field)
+    # Each value the walk counts takes at least one byte of `data`, and it descends no deeper
+    # than the type's nesting: where neither bound can be passed, its tensors are all it counts.
+    shallow = len(data) <= MAX_HEADER_VALUES and _nesting(descriptor) <= _MAX_DEPTH
+    header = _Header(data, tensors_field, shallow)
     header.walk(0, len(data), descriptor, 0)
     header.refuse_tensors()
+
+
+@functools.cache
+def _nesting(descriptor: Any) -> float:
+    """How deep the walk can descend into a message of type `descriptor` (through the fields
+    it knows): infinite where the type holds itself, at any depth."""
+    return _nested(descriptor, frozenset())
+
+
+def _nested(descriptor: Any, within: frozenset[str]) -> float:
+    if descriptor.full_name in within:
+        return math.inf
+    within = within | {descriptor.full_name}
+    inner = [f.message_type for f in descriptor.fields if f.message_type is not None]
+    return max((1 + _nested(d, within) for d in inner), default=0)

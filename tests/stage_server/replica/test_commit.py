@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -113,3 +114,36 @@ async def test_an_eager_operation_out_of_place_is_refused(
     with pytest.raises(SwarmError, match=re.escape(refusal)):
         await client.commit(2, [], 8, phase=phase, round_end=round_end, eager=eager)
     assert server.runtime.step == 0
+
+
+async def test_a_replica_alone_prepares_in_one_call_on_its_worker(
+    server: RunningStageServer, client: StageClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool of one (the coordinator's PREPARE names no group) averages nothing: its PREPARE
+    is one hand-off to the worker, not four (issue 69), and refuses a short ledger as before,
+    with the averager told and nothing prepared."""
+    out = as_tensor(
+        await client.forward(0, 0, Crossing(torch.randn(4, 16, 32, dtype=torch.float64)))
+    )
+    await client.backward(0, 0, None, torch.ones_like(out))
+    worker, calls = server.servicer.worker, []
+    run = worker._run
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1])
+        return await run(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "_run", counted)
+    with pytest.raises(SwarmError, match=r"receipts missing for microbatches \[1\]"):
+        await client.commit(0, [0, 1], 8, phase=pb.COMMIT_PHASE_PREPARE)
+    with pytest.raises(SwarmError, match="step 0 was not prepared"):
+        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=1.0)
+    calls.clear()
+    prepared = await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
+    assert len(calls) == 1  # the sums kept and their norm taken in the same call
+    rt = server.runtime
+    assert prepared.grad_sq_norm == rt.prepared_sq_norm(0) > 0.0
+    before = [p.clone() for p in rt.params]
+    await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=1.0)
+    assert rt.step == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, rt.params, strict=True))

@@ -4,12 +4,15 @@ after protobuf has built millions of objects of it."""
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import InvalidArgument
@@ -146,3 +149,55 @@ def test_the_tensor_entry_is_a_tensor() -> None:
     # The hand-made encodings above are what protobuf reads as tensors.
     msg = _parse(_empty_tensors(2) + _many_dims(3))
     assert list(msg.tensors) == [tensor_pb2.Tensor()] * 2 + [tensor_pb2.Tensor(shape=[1, 1, 1])]
+
+
+def _judged(data: bytes, cls: Any, shallow: bool) -> str | None:
+    """The walk's refusal of `data` as a `cls` header (None: it passes), walked in full or
+    shallow (its nested messages not descended into)."""
+    tensors = cls.DESCRIPTOR.fields_by_name["tensors"].number
+    header = framing._Header(data, tensors, shallow)
+    try:
+        header.walk(0, len(data), cls.DESCRIPTOR, 0)
+        header.refuse_tensors()
+    except HeaderRefused as refused:
+        return str(refused)
+    return None
+
+
+def _push_header(rng: random.Random) -> bytes:
+    msg = stage_pb2.StagePushRequest(job="j" * rng.randrange(40), stage=rng.randrange(9))
+    msg.microbatch.step, msg.microbatch.index = rng.randrange(1 << 20), rng.randrange(64)
+    for i in range(rng.choice([0, 1, 3, MAX_TENSORS_PER_MESSAGE, MAX_TENSORS_PER_MESSAGE + 1])):
+        shape = [rng.randrange(1, 300) for _ in range(rng.randrange(5))]
+        msg.tensors.add(name=f"t{i}", dtype="float32", shape=shape)
+    for _ in range(rng.randrange(4)):
+        msg.route.add().peers.extend(f"10.0.0.{k}:5000" for k in range(rng.randrange(4)))
+    msg.accumulate.extend(range(rng.randrange(5)))
+    return msg.SerializeToString()
+
+
+def test_a_small_header_is_judged_by_its_tensors_alone() -> None:
+    """A header of no more bytes than MAX_HEADER_VALUES (every push's) is walked without its
+    nested messages (issue 69): it is refused, or not, exactly as the whole walk would, whether
+    it is honest, names too many tensors, is cut short or is garbage."""
+    rng = random.Random(69)
+    cases = [_push_header(rng) for _ in range(200)]
+    cases += [c[: rng.randrange(len(c) + 1)] for c in cases[:100]]  # cut anywhere
+    cases += [rng.randbytes(rng.randrange(1, 400)) for _ in range(200)]
+    cases += [_empty_tensors(MAX_TENSORS_PER_MESSAGE + 1), _many_dims(MAX_HEADER_VALUES - 8)]
+    refused = 0
+    for data in cases:
+        assert len(data) <= MAX_HEADER_VALUES
+        for cls in (stage_pb2.StagePushRequest, stage_pb2.StagePushResponse, FORWARD):
+            judged = _judged(data, cls, shallow=True)
+            assert judged == _judged(data, cls, shallow=False), data
+            refused += judged is not None
+    assert refused > 0  # some were refused (too many tensors), as the whole walk refuses them
+
+
+def test_only_a_type_nested_within_the_walks_bound_is_walked_shallow() -> None:
+    for cls in (stage_pb2.StagePushRequest, stage_pb2.StagePushResponse, FORWARD):
+        assert framing._nesting(cls.DESCRIPTOR) <= framing._MAX_DEPTH
+    # A type that holds itself (Struct -> Value -> ListValue -> Value ...) can nest without
+    # end: its headers are walked whole, so the depth bound still refuses them.
+    assert framing._nesting(struct_pb2.Struct.DESCRIPTOR) == math.inf
