@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(240)
 
 KiB = 1 << 10
 CALLS = 300
-"""Refused Forwards: on the old servicer some were INTERNAL (a `RemoteError`)."""
+"""Refused calls a test: on the old servicer 257 of 300 Forwards and every LoadState were
+INTERNAL (a `RemoteError`)."""
 CAUSE = "bytes for received bodies are in use (--receive-budget-bytes)"
 NOT_OURS = "has no parameter 'param/nothing'"
 
