@@ -40,7 +40,7 @@ from stage_server.replica.state_transfer import StateTransfer
 from stage_server.replica.worker import Worker
 from swarm.device.compute_clock import clock_for
 from swarm.device.host_copies import HostCopies
-from swarm.errors import Busy, NotFound
+from swarm.errors import Busy, NotFound, SwarmError
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.net.refused_streams import RefusedStreams
 from swarm.ops.faults import Point, maybe_die
@@ -69,6 +69,11 @@ log = logging.getLogger(__name__)
 #: swarm token, writes the whole state, then reads; and how many are read at once.
 REFUSED_READ_S = 10.0
 REFUSED_AT_ONCE = 2
+#: Longest a data-plane call refused Busy is read before its refusal (seconds), and how many at
+#: once: its client writes one microbatch, then half-closes; the read drops each message as it
+#: comes (one at most held a stream, within the message limit) and holds none of the budget.
+BUSY_READ_S = 2.0
+BUSY_AT_ONCE = 4
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -97,6 +102,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._refused_streams = RefusedStreams(
             total_s=REFUSED_READ_S, idle_s=None, at_once=REFUSED_AT_ONCE
         )
+        # So is a data-plane call refused Busy from its header or mid-body (`_receive`).
+        self._busy_streams = RefusedStreams(total_s=BUSY_READ_S, idle_s=None, at_once=BUSY_AT_ONCE)
         self._runtime: StageRuntime | None = None
         self._compute: Compute | None = None  # the runtime's, or a liar's wrapper of it
         self.token = token
@@ -241,7 +248,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # The most one microbatch's two tensors take, with what each is charged beyond its bytes.
         # (three under a subspace boundary: the token ids travel beside them)
         most = self.runtime.checks.max_request_bytes() + 3 * TENSOR_OVERHEAD_BYTES
-        received = await self._messages.receive(body, most, self._route, held, admit, handed)
+        try:
+            received = await self._messages.receive(body, most, self._route, held, admit, handed)
+        except Busy as busy:
+            # Its client is still writing the body: read to its half-close before the refusal,
+            # or grpc-aio may tell it INTERNAL in its place (`swarm.net.refused_streams`).
+            held.release()  # nothing of the budget held meanwhile; what is read is dropped
+            await self._busy_streams.after(busy, body)
+            raise
         # A caller closes its side before it waits for the answer: its end is here already,
         # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
         await read_to_end(body, "the request's")
@@ -436,7 +450,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def LoadState(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         signed_digest = None  # the state's digest the scheduler signed: the state loaded is it
-        if self._runtime is not None:  # else refused unread (NOT_FOUND), as before
+        if self._runtime is not None:  # else unsigned: `load` refuses it (NOT_FOUND)
             signed = pb.StageLoadStateRequest(job=self.job_id, stage=self._runtime.stage)
             # as the scheduler signs
             await self._scheduler_only("LoadState", signed, context, request_iterator)
@@ -445,9 +459,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 signed_digest = next((v for k, v in metadata if k == STATE_DIGEST_KEY), b"")
 
         async def body() -> pb.StageLoadStateResponse:
-            step = await self._transfer.load(
-                request_iterator, self._route, self.limits, signed_digest
-            )
+            try:
+                step = await self._transfer.load(
+                    request_iterator, self._route, self.limits, signed_digest
+                )
+            except SwarmError as refused:
+                # Refused mid-stream (a tensor not the stage's, past a bound, another job's):
+                # its client still writes the rest, so it is read first, as a refusal from the
+                # header is (a stream read to its end already ends this at once).
+                await self._refused_streams.after(refused, request_iterator)
+                raise
             return pb.StageLoadStateResponse(step=step)
 
         return await self._serving.run("LoadState", context, body)

@@ -9,11 +9,13 @@ client's half-close before it answers leaves no write to lose that race.
 
 Reading costs the server a call slot and a message at a time, so it is bounded: in time, to
 `at_once` calls at once (past it a refused call is answered unread), and, for a client that
-waits for a reply mid-stream, by an idle pause (`idle_s`) that ends the read early."""
+waits for a reply mid-stream, by an idle pause (`idle_s`) that ends the read early. A stream
+refused part-way (`after`) lets go of what was read before its refusal first."""
 
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import AsyncIterable
 from typing import Any
 
@@ -40,6 +42,13 @@ class RefusedStreams:
             await self._read(requests)
         finally:
             self._reading -= 1
+
+    async def after(self, refusal: BaseException, requests: AsyncIterable[Any]) -> None:
+        """`drain`, for a stream refused part-way by `refusal`: the locals of the frames it was
+        raised through (the messages read before it: a body's chunks, a state's tensors) are
+        let go first, not held while the rest is read. Its traceback's lines stay."""
+        traceback.clear_frames(refusal.__traceback__)  # all done but the one that caught it
+        await self.drain(requests)
 
     async def _read(self, requests: AsyncIterable[Any]) -> None:
         loop = asyncio.get_running_loop()
