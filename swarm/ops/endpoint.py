@@ -134,8 +134,9 @@ class Endpoint:
     def _victim(self, newcomer: str) -> asyncio.StreamWriter:
         """The connection a new one from `newcomer` replaces: of the host that holds the most
         (counting the new one, so a tie is the newcomer's), the oldest that sent nothing yet,
-        else the oldest waiting for its request without a valid token, else the oldest waiting
-        for its request, else the oldest. At most `connections` are looked at."""
+        else the oldest waiting for its request without a valid token and with no bytes unread,
+        else the oldest waiting without a valid token, else the oldest waiting for its request,
+        else the oldest. At most `connections` are looked at."""
         held = Counter(host for host, _ in self._open.values())
         held[newcomer] += 1
         busiest = max(held, key=lambda h: (held[h], h == newcomer))
@@ -144,10 +145,14 @@ class Endpoint:
             theirs = list(self._open)
         waiting = [w for w in theirs if w not in self._answering]
         unvouched = [w for w in waiting if not self._open[w][1].vouched]
-        # Its bytes may have come and wait in the kernel, not yet read: a scrape accepted in the
-        # same breath as a flood's connections is not silent for that.
-        silent = (w for w in unvouched if not self._open[w][1].spoke and not _unread(w))
-        return next(silent, None) or (unvouched or waiting or theirs)[0]
+        # Its bytes may have come and wait in the kernel, not yet read (a scrape accepted in the
+        # same breath as a flood's connections, or this thread starved on a loaded machine):
+        # they may hold its token, so it is neither silent nor dropped before every unvouched
+        # connection whose bytes are all read.
+        unread = {w for w in unvouched if _unread(w)}
+        silent = (w for w in unvouched if not self._open[w][1].spoke and w not in unread)
+        read = [w for w in unvouched if w not in unread]
+        return next(silent, None) or (read or unvouched or waiting or theirs)[0]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Admitted, and TLS started, before the first await: the client's first bytes reach
