@@ -60,3 +60,5 @@ class RefusedStreams:
                 await within(it.__anext__(), pause)
             except (StopAsyncIteration, TimeoutError):
                 return
+            except Exception:  # the stream broke (its client gone): nothing more to read, and
+                return  # the refusal, not the read's failure, is what the call ends with

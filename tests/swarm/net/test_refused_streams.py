@@ -34,3 +34,13 @@ async def test_what_was_read_before_a_refusal_is_let_go_before_the_rest_is_read(
         await RefusedStreams(total_s=5.0, idle_s=None, at_once=1).after(refused, rest())
         assert refused.__traceback__ is not None  # its lines stay, for the log
     assert alive_while_read == [False]
+
+
+async def test_a_stream_that_breaks_while_read_ends_the_read_not_the_refusal() -> None:
+    # A client gone mid-read: the refused call still ends with its refusal, not the read's error.
+    async def broken() -> AsyncIterator[int]:
+        yield 1
+        raise ConnectionResetError("the client went away")
+
+    refusal = InvalidArgument("refused")
+    await RefusedStreams(total_s=5.0, idle_s=None, at_once=1).after(refusal, broken())
