@@ -43,6 +43,7 @@ from swarm.device.host_copies import HostCopies
 from swarm.errors import Busy, NotFound, SwarmError
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
 from swarm.net.refused_streams import RefusedStreams
+from swarm.net.told_ahead import refuse
 from swarm.ops.faults import Point, maybe_die
 from swarm.ops.poison import Poison
 from swarm.ops.rated import RatedLog
@@ -103,7 +104,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             total_s=REFUSED_READ_S, idle_s=None, at_once=REFUSED_AT_ONCE
         )
         # So is a data-plane call refused Busy from its header or mid-body (`_receive`).
-        self._busy_streams = RefusedStreams(total_s=BUSY_READ_S, idle_s=None, at_once=BUSY_AT_ONCE)
+        self.busy_streams = RefusedStreams(total_s=BUSY_READ_S, idle_s=None, at_once=BUSY_AT_ONCE)
         self._runtime: StageRuntime | None = None
         self._compute: Compute | None = None  # the runtime's, or a liar's wrapper of it
         self.token = token
@@ -254,7 +255,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Its client is still writing the body: read to its half-close before the refusal,
             # or grpc-aio may tell it INTERNAL in its place (`swarm.net.refused_streams`).
             held.release()  # nothing of the budget held meanwhile; what is read is dropped
-            await self._busy_streams.after(busy, body)
+            await self.busy_streams.after(busy, body)
             raise
         # A caller closes its side before it waits for the answer: its end is here already,
         # and read, gRPC lets go of the request's last chunk now (`read_to_end`).
@@ -389,7 +390,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.metrics.observe(method, e.code.name, 0.0)
             if unread is not None:
                 await self._refused_streams.drain(unread)
-            await context.abort(e.code, str(e))
+            await refuse(context, e.code, str(e))  # told ahead too (`swarm.net.told_ahead`)
 
     async def Commit(
         self, request: pb.StageCommitRequest, context: grpc.aio.ServicerContext

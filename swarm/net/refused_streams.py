@@ -8,9 +8,10 @@ calls on an idle machine and more often under load. A server that reads the stre
 client's half-close before it answers leaves no write to lose that race.
 
 Reading costs the server a call slot and a message at a time, so it is bounded: in time, to
-`at_once` calls at once (past it a refused call is answered unread), and, for a client that
-waits for a reply mid-stream, by an idle pause (`idle_s`) that ends the read early. A stream
-refused part-way (`after`) lets go of what was read before its refusal first."""
+`at_once` calls at once (past it a refused call is answered unread: its client reads the
+refusal told ahead, `swarm.net.told_ahead`), and, for a client that waits for a reply
+mid-stream, by an idle pause (`idle_s`) that ends the read early. A stream refused part-way
+(`after`) lets go of what was read before its refusal first."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class RefusedStreams:
     def __init__(self, *, total_s: float, idle_s: float | None, at_once: int) -> None:
         self.total_s, self.idle_s, self.at_once = total_s, idle_s, at_once
         self._reading = 0  # refused streams being read now
+
+    @property
+    def reading(self) -> int:
+        """Refused streams being read now (at most `at_once`)."""
+        return self._reading
 
     async def drain(self, requests: AsyncIterable[Any]) -> None:
         """Read and drop what the refused client still sends, until it half-closes, pauses for

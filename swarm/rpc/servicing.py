@@ -18,6 +18,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from swarm.errors import WireError
+from swarm.net.told_ahead import refuse
 from swarm.rpc.status import error_metadata, status_code
 
 __all__ = ["Observe", "Servicing"]
@@ -82,9 +83,9 @@ class Servicing:
         code, details = self._refusal(method, error)
         self._done(method, code, start)
         # The metadata names the exact class: a client tells ActivationsNotCached from other
-        # FAILED_PRECONDITIONs without matching the details.
-        await context.abort(code, details, trailing_metadata=error_metadata(error))
-        raise AssertionError("context.abort returned")  # it raises; this satisfies NoReturn
+        # FAILED_PRECONDITIONs without matching the details. Told ahead too: a client still
+        # writing its request reads it there (`swarm.net.told_ahead`).
+        await refuse(context, code, details, error_metadata(error))
 
     def _done(self, method: str, code: grpc.StatusCode, start: float) -> None:
         if self._observe is not None:

@@ -31,6 +31,7 @@ from swarm.errors import (
     Unauthenticated,
 )
 from swarm.net import tls
+from swarm.net.told_ahead import told
 
 __all__ = [
     "ERROR_KEY",
@@ -112,7 +113,10 @@ def _missing(value: str | bytes | None) -> tuple[int, ...]:
 
 
 def from_rpc_error(error: grpc.RpcError) -> SwarmError:
-    """The swarm error a failed call means; raise it `from` the gRPC error."""
+    """The swarm error a failed call means; raise it `from` the gRPC error. A refusal whose
+    status a grpc-aio write overwrote is read from what the server told ahead
+    (`swarm.net.told_ahead`)."""
+    error = told(error)
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     details = error.details() or code.name  # type: ignore[attr-defined]
     trailing = error.trailing_metadata() or ()  # type: ignore[attr-defined]

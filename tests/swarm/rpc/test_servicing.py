@@ -17,6 +17,7 @@ import torch
 from stage_server.server import StageServerOptions, start_stage_server
 from swarm.errors import ActivationsNotCached, InvalidArgument, NotFound, WireError
 from swarm.job.fingerprint import fingerprint
+from swarm.net.told_ahead import TOLD_CODE_KEY, TOLD_DETAILS_KEY
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.servicing import Servicing
@@ -32,6 +33,12 @@ class Aborted(Exception):
 class FakeContext:
     def __init__(self) -> None:
         self.aborted: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
+        self.initial: tuple[tuple[str, str | bytes], ...] | None = None
+
+    async def send_initial_metadata(self, metadata: Sequence[Any]) -> None:
+        if self.initial is not None:
+            raise grpc.aio.UsageError("Send initial metadata failed: already sent")
+        self.initial = tuple(metadata)
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Sequence[Any] = ()
@@ -60,6 +67,12 @@ async def test_a_swarm_error_is_refused_with_its_status_and_class() -> None:
         ((ERROR_KEY, "NotFound"),),
     )
     assert seen == [("GetJob", "NOT_FOUND")]
+    # told ahead too, for a client whose write raced the end (`swarm.net.told_ahead`)
+    assert context.initial == (
+        (TOLD_CODE_KEY, "NOT_FOUND"),
+        (TOLD_DETAILS_KEY, b"unknown job 'x'"),
+        (ERROR_KEY, "NotFound"),
+    )
 
 
 async def test_a_wire_error_of_no_kind_is_invalid_argument() -> None:
@@ -112,6 +125,7 @@ async def test_a_stream_that_fails_midway_ends_with_the_status() -> None:
     with pytest.raises(Aborted):
         async for x in serving.stream("ExportModel", context, body()):  # type: ignore[arg-type]
             got.append(x)
+            context.initial = ()  # the first message sent the initial metadata
     assert got == [1]
     assert context.aborted is not None and context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert seen == [("ExportModel", "INVALID_ARGUMENT")]
