@@ -25,7 +25,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.errors import ConfigError, SwarmError
-from swarm.net import tls
+from swarm.net import tls, told_ahead
 from swarm.net.ports import Listener, bind_error, raise_if_taken
 from swarm.net.refused_streams import RefusedStreams
 from swarm.net.tls_mismatch import grpc_host_port
@@ -164,8 +164,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             self._log.warning(problem, "refused %s from %s: %s", method, context.peer(), problem)
             if drain:
                 await self._refused_streams.drain(requests)
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, f"{problem}; this swarm needs its token"
+            # Told ahead too: a stream past the reads is answered unread (`told_ahead`).
+            await told_ahead.refuse(
+                context, grpc.StatusCode.UNAUTHENTICATED, f"{problem}; this swarm needs its token"
             )
 
         make: Any = (
