@@ -22,7 +22,15 @@ from typing import Any, NoReturn
 
 import grpc
 
-__all__ = ["RACE_DETAILS", "TOLD_CODE_KEY", "TOLD_DETAILS_KEY", "refuse", "told"]
+__all__ = [
+    "RACE_DETAILS",
+    "TOLD_CODE_KEY",
+    "TOLD_DETAILS_BYTES",
+    "TOLD_DETAILS_KEY",
+    "cut_details",
+    "refuse",
+    "told",
+]
 
 RACE_DETAILS = "Internal error from Core"
 """The details grpc-aio gives a write that lost the race with the call's end (in place of the
@@ -46,7 +54,7 @@ async def refuse(
 ) -> NoReturn:
     """End the call with `code`, `details` and `trailing` metadata, told in its initial metadata
     first where none was sent yet."""
-    ahead = [(TOLD_CODE_KEY, code.name), (TOLD_DETAILS_KEY, _cut(details))]
+    ahead = [(TOLD_CODE_KEY, code.name), (TOLD_DETAILS_KEY, cut_details(details))]
     # Sent already (a stream answered part-way): told by the status alone. Or the call is gone
     # (its batch failed): the abort ends it as it would have.
     with contextlib.suppress(grpc.aio.UsageError, grpc.aio.InternalError):
@@ -73,7 +81,7 @@ def told(error: grpc.RpcError) -> grpc.RpcError:
     return grpc.aio.AioRpcError(told_code, tuple(initial), rest, details)
 
 
-def _cut(details: str) -> bytes:
+def cut_details(details: str) -> bytes:
     """`details` as UTF-8, at most `TOLD_DETAILS_BYTES` (cut at a character's start)."""
     data = details.encode()
     if len(data) <= TOLD_DETAILS_BYTES:

@@ -11,7 +11,7 @@ from swarm.net.told_ahead import (
     TOLD_CODE_KEY,
     TOLD_DETAILS_BYTES,
     TOLD_DETAILS_KEY,
-    _cut,
+    cut_details,
 )
 from swarm.rpc.status import ERROR_KEY, MISSING_KEY, from_rpc_error
 
@@ -55,6 +55,6 @@ def test_only_the_race_is_read_from_what_came_ahead() -> None:
 
 
 def test_a_long_refusal_is_told_ahead_cut_at_a_character() -> None:
-    told = _cut("é" * TOLD_DETAILS_BYTES)
+    told = cut_details("é" * TOLD_DETAILS_BYTES)
     assert len(told) <= TOLD_DETAILS_BYTES and told.endswith(b"...")
     assert told.decode()  # whole characters only
