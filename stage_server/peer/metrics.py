@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from stage_server.peer.boundary_traffic import BoundaryTally
 from stage_server.peer.links import DIRECTIONS, Direction, LinkMeter
+from stage_server.peer.uplink import Uplink
 from swarm.ops.boundary_bytes import Way
 from swarm.ops.metrics import LABELS, LATENCY_BUCKETS
 
@@ -51,6 +52,9 @@ class StageMetrics:
         # pool's streams record theirs in it), or fixed by `--bandwidth`; announced with the
         # peer, read here at each scrape.
         self.link = LinkMeter()
+        # The boundary's claims on the uplink, which a standby's updates yield to
+        # (`stage_server.peer.uplink`): every boundary send is counted in `sent`, so claimed there.
+        self.uplink = Uplink(self.link)
         reg.register(_LinkRates(self))
 
     def _counter(self, name: str, doc: str, *extra: str) -> Counter:
@@ -214,6 +218,7 @@ class StageMetrics:
         self._of(self._boundary_bytes, direction).inc(wire_bytes)
         self._of(self._boundary_tokens, direction).inc(tokens)
         self.boundary.add(direction, wire_bytes, tokens)
+        self.uplink.claim(wire_bytes)
 
     def passed_on(self, wire_bytes: int, raw_bytes: int) -> None:
         """A tensor sent beside a boundary tensor, not one (the targets and token ids a push

@@ -195,9 +195,16 @@ class StateTransfer:
                 updates = await self._worker.run(log_.since, follower, from_step)
         finally:
             log_.unwatch(wake)
-        for part in updates_reply(updates, chunk_bytes):
+        # On the uplink's waiting lane: between the boundary's sends, which the step waits for
+        # (`stage_server.peer.uplink`), in parts small enough not to hold one up.
+        lane = self.metrics.uplink.waiting()
+        for part in updates_reply(updates, lane.part_bytes(chunk_bytes)):
+            await lane.before()
+            handed = loop.time()
             yield part
+            lane.sent(payload_bytes(part), loop.time() - handed)
             log_.touch(follower)  # still reading: not silent
+        lane.done()
 
     async def download(
         self, job_id: str, follower: str, ticket: bytes, include_optimizer: bool, chunk_bytes: int
