@@ -127,12 +127,14 @@ def sources(run: dict[str, Any], link: str) -> dict[int, str]:
 class CpuCost:
     """One pair's CPU seconds a step on one link (the module's docstring): each stage's
     standby's own; its source's with over its stage's replicas' without; the swarm's with over
-    without, and the same less the standbys ("serving")."""
+    without, and the same less the standbys ("serving"); the swarm's CPU seconds a step
+    without (what the ratios are of)."""
 
     standby: dict[int, float]
     source: dict[int, float]
     swarm: float
     serving: float
+    swarm_without: float
 
 
 def cpu_cost(with_: dict[str, Any], without: dict[str, Any], link: str) -> CpuCost | None:
@@ -154,6 +156,7 @@ def cpu_cost(with_: dict[str, Any], without: dict[str, Any], link: str) -> CpuCo
         source=source,
         swarm=sum(a.values()) / sum(b.values()),
         serving=(sum(a.values()) - standing) / sum(b.values()),
+        swarm_without=sum(b.values()),
     )
 
 
@@ -165,6 +168,7 @@ def cpu_medians(costs: Sequence[CpuCost]) -> dict[str, float]:
         "source": statistics.median(statistics.mean(c.source.values()) for c in costs),
         "swarm": statistics.median(c.swarm for c in costs),
         "serving": statistics.median(c.serving for c in costs),
+        "swarm_without": statistics.median(c.swarm_without for c in costs),
     }
 
 
@@ -269,7 +273,8 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
             print(
                 f"CPU a step, {link}, median of {len(cs)} pairs: swarm with/without "
                 f"{m['swarm']:.3f}, serving (less the standbys) {m['serving']:.3f}, each "
-                f"standby's source {m['source']:.3f}; a standby's own {m['standby']:.3f} s"
+                f"standby's source {m['source']:.3f}; a standby's own {m['standby']:.3f} s "
+                f"(the swarm's without: {m['swarm_without']:.2f} s)"
             )
     scored = score(pairs)
     verdict = "PASS" if scored.passed else "FAIL"

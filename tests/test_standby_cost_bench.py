@@ -130,6 +130,7 @@ def test_the_cpu_cost_is_the_standbys_own_its_sources_and_the_swarms() -> None:
     without = 4 * 1.0 + TRAINER_CPU
     assert cost.swarm == pytest.approx((4 * 1.4 + TRAINER_CPU) / without)
     assert cost.serving == pytest.approx((4 * 1.1 + TRAINER_CPU) / without)  # less the standbys
+    assert cost.swarm_without == pytest.approx(without)
     # an older wan.py's reports: no figures, no cost
     assert standby_cost.cpu_cost(report(1.0, 2.0, True), report(1.0, 2.0), "shaped") is None
 
@@ -170,7 +171,8 @@ def test_the_bench_prints_the_cpu_ratios_beside_the_walls(
     assert out[2].split()[5:9] == [f"{swarm:.3f}", f"{serving:.3f}", "1.100", "0.300"]
     assert (
         f"CPU a step, shaped, median of 3 pairs: swarm with/without {swarm:.3f}, serving (less "
-        f"the standbys) {serving:.3f}, each standby's source 1.100; a standby's own 0.300 s"
+        f"the standbys) {serving:.3f}, each standby's source 1.100; a standby's own 0.300 s "
+        "(the swarm's without: 4.50 s)"
     ) in out
     # without CPU figures (an older wan.py), dashes and no CPU line
     assert standby_cost.main([], Canned(report(1.0, 2.0, True), report(1.0, 2.0))) == 0
