@@ -33,7 +33,7 @@ from swarm.rpc.stage_client import StageClient
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(300)
 
 
 @contextmanager
