@@ -39,15 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import torch_pipeline  # noqa: E402
+from bench.proc_cpu import TICK as TICK  # noqa: E402
+from bench.proc_cpu import stat_seconds  # noqa: E402
 from bench.small_stages import JOB, first_on_path, tiny  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def stat_seconds(stat: str) -> float:
-    """utime + stime of a /proc/.../stat line, in seconds (the name may hold spaces and ')')."""
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def threads(pid: int) -> dict[int, float]:

@@ -15,8 +15,22 @@ It also prints what each stage's standby received a step (its host's link, as tb
 segment headers included), which is the pool's summed gradient in the codec of its averaging
 (`--averaging`, with `--replicas` 2 or more; a pool of one averages nothing, and its standby
 receives the float32 sum), and the machine's load average as each run started. Every process of
-a run needs a core of its own for the figure to say anything (d256: 9 with a standby at
-`--replicas 1`); on a machine shared with other work the ratios' spread shows how little it says.
+a run needs a core of its own for the seconds a step to say anything (d256: 9 with a standby at
+`--replicas 1`, 13 at 2); on a machine shared with other work, or with fewer cores, a standby's
+own compute takes cores from the replicas, and the wall ratio judges the machine, not the
+standby.
+
+So it prints beside them what holds on a shared host: CPU seconds a step (user + system, each
+process's over wan.py's timed window, `bench.proc_cpu`), medians of the pairs' ratios as the
+wall's are. "standby": each standby process's own CPU a step (what it takes of a host; on a
+host of its own, nothing of the pool's). "source": the CPU a step of each standby's source, the
+serving replica of its stage that sent most over the window (it sends the update on top of its
+share of the averaging; with `--replicas 1`, the stage's one replica), over that of its stage's
+replicas without a standby (their mean): the cost of serving the update. "swarm": every
+process's CPU a step with a standby over without, the standbys' included; "serving": the same
+less the standbys, what the pool and the trainer spend. With a core a process, the seconds a
+step follow the critical path, which a standby's source is on: its CPU ratio bounds what the
+update costs the step, where the wall ratio cannot be had. The verdict is still the wall's.
 `--tiny` runs wan.py's `tiny` workload instead: a smoke run.
 """
 
@@ -93,6 +107,80 @@ def standby_bytes(run: dict[str, Any], link: str) -> dict[int, tuple[str, float]
     return out
 
 
+def stage_hosts(run: dict[str, Any], link: str, stage: int) -> list[str]:
+    """The hosts of `stage`'s servers in a run: `stage<k>` with one a stage, else `s<k>r<j>`."""
+    hosts = run[link]["bytes_per_microbatch"]
+    return [h for h in hosts if h == f"stage{stage}" or h.startswith(f"s{stage}r")]
+
+
+def sources(run: dict[str, Any], link: str) -> dict[int, str]:
+    """Each stage's standby's source: of its serving hosts (its standby's left out), the one
+    that sent most on `link` (the update it sends its standby comes on top of the averaging)."""
+    per_mb, out = run[link]["bytes_per_microbatch"], {}
+    for k, (standby, _) in standby_bytes(run, link).items():
+        serving = [h for h in stage_hosts(run, link, k) if h != standby]
+        out[k] = max(serving, key=lambda h: per_mb[h]["sent"])
+    return out
+
+
+@dataclass(frozen=True)
+class CpuCost:
+    """One pair's CPU seconds a step on one link (the module's docstring): each stage's
+    standby's own; its source's with over its stage's replicas' without; the swarm's with over
+    without, and the same less the standbys ("serving"); the swarm's CPU seconds a step
+    without (what the ratios are of)."""
+
+    standby: dict[int, float]
+    source: dict[int, float]
+    swarm: float
+    serving: float
+    swarm_without: float
+
+
+def cpu_cost(with_: dict[str, Any], without: dict[str, Any], link: str) -> CpuCost | None:
+    """The pair's `CpuCost` on `link`; None when a report has no CPU figures (an older
+    wan.py's) or a run's CPU is not positive."""
+    a = with_[link].get("cpu_seconds_per_step")
+    b = without[link].get("cpu_seconds_per_step")
+    if not a or not b or sum(a.values()) <= 0 or sum(b.values()) <= 0:
+        return None
+    standbys = {k: host for k, (host, _) in standby_bytes(with_, link).items()}
+    source = {}
+    for k, host in sources(with_, link).items():
+        alone = [b[h] for h in stage_hosts(without, link, k) if h in b]
+        if alone and statistics.mean(alone) > 0:
+            source[k] = a[host] / statistics.mean(alone)
+    standing = sum(a[h] for h in standbys.values())
+    return CpuCost(
+        standby={k: a[h] for k, h in standbys.items()},
+        source=source,
+        swarm=sum(a.values()) / sum(b.values()),
+        serving=(sum(a.values()) - standing) / sum(b.values()),
+        swarm_without=sum(b.values()),
+    )
+
+
+def cpu_medians(costs: Sequence[CpuCost]) -> dict[str, float]:
+    """The pairs' medians of each `CpuCost` figure (a pair's standby and source: the mean of
+    its stages')."""
+    return {
+        "standby": statistics.median(statistics.mean(c.standby.values()) for c in costs),
+        "source": statistics.median(statistics.mean(c.source.values()) for c in costs),
+        "swarm": statistics.median(c.swarm for c in costs),
+        "serving": statistics.median(c.serving for c in costs),
+        "swarm_without": statistics.median(c.swarm_without for c in costs),
+    }
+
+
+def cpu_said(cost: CpuCost | None) -> str:
+    """A pair's CPU columns: swarm and serving ratios, the source's (stages' mean), and each
+    standby's CPU seconds a step (mean)."""
+    if cost is None or not cost.standby or not cost.source:
+        return f"{'-':>9} {'-':>8} {'-':>7} {'-':>9}"
+    source, standby = statistics.mean(cost.source.values()), statistics.mean(cost.standby.values())
+    return f"{cost.swarm:>9.3f} {cost.serving:>8.3f} {source:>7.3f} {standby:>9.3f}"
+
+
 class Runner(Protocol):
     """One wan.py run's report (`run`; the tests give canned ones)."""
 
@@ -150,10 +238,12 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     )
     print(
         f"{'pair':<5} {'link':<9} {'with s/step':>12} {'without':>9} {'ratio':>7}   "
+        f"{'CPU swarm':>9} {'serving':>8} {'source':>7} {'standby s':>9}   "
         "each standby's bytes a step",
         flush=True,
     )
     pairs = []
+    costs: dict[str, list[CpuCost]] = {link: [] for link in LINKS}
     try:
         for i in range(args.pairs):
             order = [True, False] if i % 2 == 0 else [False, True]
@@ -163,13 +253,29 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
                 a, b = seconds_a_step(got[True], link), seconds_a_step(got[False], link)
                 took = standby_bytes(got[True], link)
                 said = ", ".join(f"{k}: {mb(n)}" for k, (_, n) in sorted(took.items()))
-                print(f"{i:<5} {link:<9} {a:>12.3f} {b:>9.3f} {a / b:>7.3f}   {said}", flush=True)
+                cost = cpu_cost(got[True], got[False], link)
+                if cost is not None and cost.standby and cost.source:
+                    costs[link].append(cost)
+                cpu = cpu_said(cost)
+                print(
+                    f"{i:<5} {link:<9} {a:>12.3f} {b:>9.3f} {a / b:>7.3f}   {cpu}   {said}",
+                    flush=True,
+                )
     except CannotRun as e:
         print(f"bench/standby_cost.py: wan.py cannot run here: {e}", file=sys.stderr)
         return 2
     if wan.loads:
         loads = ", ".join(f"{x:.1f}" for x in wan.loads)
         print(f"load average (1 min) as each run started: {loads} ({os.cpu_count()} cores)")
+    for link, cs in costs.items():
+        if cs:
+            m = cpu_medians(cs)
+            print(
+                f"CPU a step, {link}, median of {len(cs)} pairs: swarm with/without "
+                f"{m['swarm']:.3f}, serving (less the standbys) {m['serving']:.3f}, each "
+                f"standby's source {m['source']:.3f}; a standby's own {m['standby']:.3f} s "
+                f"(the swarm's without: {m['swarm_without']:.2f} s)"
+            )
     scored = score(pairs)
     verdict = "PASS" if scored.passed else "FAIL"
     medians = ", ".join(f"{link} {m:.3f}" for link, m in scored.medians.items())

@@ -54,6 +54,12 @@ bytes/s over the largest of those figures (a host, in its busier direction) time
 microbatch: no schedule can run faster through that link. It is printed with the shaped run's
 ratio to it.
 
+CPU. Each process's CPU seconds (user + system, `bench.proc_cpu`) over the same window, a step:
+each stage server and the trainer by its host's name, a relay as `relay-<host>`. Unlike the
+seconds a step, they hold on a host shared with other work, or with fewer cores than processes
+(a process waiting for a core spends none): what a standby costs its source, and the swarm,
+is read from them (bench/standby_cost.py).
+
 Needs root, `ip` and `tc` (iproute2), and a kernel with namespaces, veth, bridge and tbf; says so
 and exits 2 without them.
 """
@@ -79,6 +85,7 @@ from typing import IO, Any, get_args, get_type_hints
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.proc_cpu import LiveStats, Stats, per_step, session_seconds  # noqa: E402
 from swarm.errors import ConfigError  # noqa: E402
 from swarm.job.config import CompressionConfig, RuntimeConfig, parse_job  # noqa: E402
 from swarm.local.netns import Network, Proc, remove_leftovers  # noqa: E402
@@ -101,6 +108,8 @@ def addresses(replicas: int) -> dict[str, str]:
     servers = [h for stage in stage_hosts(replicas) for h in stage]
     return {TRAINER: f"{SUBNET}.10", **{h: f"{SUBNET}.{11 + i}" for i, h in enumerate(servers)}}
 
+
+STATS: Stats = LiveStats()  # where each process's CPU seconds are read (`bench.proc_cpu`)
 
 PORT = 7000  # every stage server's (namespaces are separate, so the same port everywhere)
 READY_TIMEOUT_S = 300.0  # four servers importing torch at once on two cores
@@ -306,6 +315,9 @@ class Measured:
     trainer_samples_per_s: float  # what the trainer's log says for the same steps
     blocked_seconds_per_step: float  # the coordinator's, waiting on commits (the trainer's log)
     bytes_per_microbatch: dict[str, dict[str, float]]  # host -> sent/received
+    # process -> its CPU seconds a step over the same window (`bench.proc_cpu`): each host's
+    # stage server or trainer by the host's name, a delay's relay as `relay-<host>`
+    cpu_seconds_per_step: dict[str, float]
 
 
 def run_once(
@@ -325,6 +337,7 @@ def run_once(
     start_at = len(procs)
     hosts, address = stage_hosts(args.replicas), net.addresses
     servers = [(k, host) for k, stage in enumerate(hosts) for host in stage]
+    sessions: dict[str, int] = {}  # each process's session (its pid: a session of its own)
     try:
         for k, host in servers:
             listen = "127.0.0.1" if relayed else address[host]
@@ -332,6 +345,7 @@ def run_once(
             flags += " --insecure-no-token"  # a lab of namespaces on this machine alone
             argv = swarm_cmd("stage-server", "--job", str(job), *flags.split())
             procs.append(start(net, host, f"{label}-{host}", argv, work))
+            sessions[host] = procs[-1].popen.pid
         deadline = time.monotonic() + READY_TIMEOUT_S
         for proc in procs[start_at:]:
             proc.wait_ready(deadline)
@@ -340,6 +354,7 @@ def run_once(
                 relay = [sys.executable, str(Path(__file__).resolve()), "--relay"]
                 relay += [f"{address[host]}:{PORT}", f"127.0.0.1:{PORT}", str(args.delay_ms)]
                 procs.append(start(net, host, f"{label}-relay-{host}", relay, work))
+                sessions[f"relay-{host}"] = procs[-1].popen.pid
             deadline = time.monotonic() + 60
             for proc in procs[start_at + len(servers) :]:
                 proc.wait_ready(deadline)
@@ -352,15 +367,17 @@ def run_once(
             net, TRAINER, f"{label}-trainer", [*argv, "--stage-servers", stage_servers], work
         )
         procs.append(trainer)
+        sessions[TRAINER] = trainer.popen.pid
         total = args.steps + 1  # the job has one step more: see the module's docstring
         deadline = time.monotonic() + args.timeout
-        first: tuple[float, int, dict[str, tuple[int, int]]] | None = None
+        first: tuple[float, int, dict[str, tuple[int, int]], dict[str, float]] | None = None
         while True:
             done = count_lines(log)
             if first is None and done >= 1:
-                first = (time.monotonic(), done, net.counters())
+                first = (time.monotonic(), done, net.counters(), session_seconds(STATS, sessions))
             if done >= total:
                 end, done_end, end_counters = time.monotonic(), done, net.counters()
+                end_cpu = session_seconds(STATS, sessions)
                 break
             for proc in procs[start_at:]:
                 if proc.popen.poll() is not None:
@@ -379,7 +396,7 @@ def run_once(
             proc.kill()
         del procs[start_at:]
     assert first is not None
-    t0, done0, c0 = first
+    t0, done0, c0, cpu0 = first
     records = [json.loads(line) for line in log.read_text().splitlines()][done0:done_end]
     steps = done_end - done0
     microbatches = steps * p["microbatches"]
@@ -401,6 +418,7 @@ def run_once(
         / sum(r["seconds"] for r in records),
         blocked_seconds_per_step=sum(r.get("blocked_seconds", 0.0) for r in records) / len(records),
         bytes_per_microbatch=per_mb,
+        cpu_seconds_per_step=per_step(cpu0, end_cpu, steps),
     )
 
 
@@ -488,14 +506,17 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
     )
     print(
         f"{'host':<8} {'address':<11} {'sent':>12} {'received':>12}   "
-        f"{'unshaped sent':>13} {'received':>12}",
+        f"{'unshaped sent':>13} {'received':>12}   {'CPU s/step':>10} {'unshaped':>9}",
         file=out,
     )
+    cpu = {name: r[name].get("cpu_seconds_per_step", {}) for name in ("shaped", "unshaped")}
     for h in r["addresses"]:
         s, u = r["shaped"]["bytes_per_microbatch"][h], r["unshaped"]["bytes_per_microbatch"][h]
         print(
             f"{h:<8} {r['addresses'][h]:<11} {mb(s['sent']):>12} {mb(s['received']):>12}   "
-            f"{mb(u['sent']):>13} {mb(u['received']):>12}",
+            f"{mb(u['sent']):>13} {mb(u['received']):>12}   "
+            f"{cpu['shaped'].get(h, float('nan')):>10.3f} "
+            f"{cpu['unshaped'].get(h, float('nan')):>9.3f}",
             file=out,
         )
     b = r["bound"]

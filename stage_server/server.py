@@ -124,6 +124,7 @@ class RunningStageServer:
         await self.server.stop(self.grace_s)
         # Its handlers may outlive gRPC's stop: what reaches the worker now is refused cleanly.
         self.servicer.worker.close()
+        self.servicer.stopped()  # its spill file goes now, not at its idle timer
         await self.servicer.channels.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 

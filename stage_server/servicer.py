@@ -189,6 +189,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> None:
         """Start serving `runtime` as job `job_id` (called on the event loop between calls);
         `announced`: the job's announcement, by its scheduler (`trust`)."""
+        if self._runtime is not runtime:  # a move: the stage served until now goes
+            self._let_go()
         self._runtime, self.job_id = runtime, job_id
         self._compute = self._lies.compute(runtime)  # a liar's wrapper over it, once
         self.trust(announced)
@@ -211,10 +213,26 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""
+        self._let_go()
         self._runtime, self._compute, self.job_id = None, None, ""
         self.limits.release()  # its activation window's part of the device, for the others
         self._transfer.stop_copy()
         self._push.release()
+
+    def _let_go(self) -> None:
+        """The stage served until now is no longer (moved, released, its job ended): its spill
+        file closes now, not when its idle timer fires, and what its lossy averaging kept for
+        the next round goes, not at the next stage's `serve`. Its runtime goes with the last
+        reference: a call under way ends with it."""
+        if self._runtime is not None:
+            self._runtime.sums.close()
+        self._commits.serve()  # no residuals: those were of the stage let go
+
+    def stopped(self) -> None:
+        """The server stopped: the served stage's spill file closes now (its runtime stays, for
+        whoever reads its state after)."""
+        if self._runtime is not None:
+            self._runtime.sums.close()
 
     @property
     def runtime(self) -> StageRuntime:

@@ -70,7 +70,8 @@ class SpillFile:
     time): lent to a `Spill` at its first write, given back when it closes; closed, its pages
     dropped, once it is left free for `idle_s` (or with `close`, or when collected). What a
     spill reads back is only what it wrote itself: what an earlier one left in the file is
-    never read."""
+    never read. Once closed (its replica no longer served) none is kept: a spill still open
+    then (a commit under way) has its file closed as it gives it back."""
 
     def __init__(self, idle_s: float | None = None) -> None:
         self.idle_s = dirty_expiry_s() / 2 if idle_s is None else idle_s
@@ -78,6 +79,7 @@ class SpillFile:
         self._free: tuple[Path, int] | None = None  # (its directory, its descriptor) while free
         self._timer: threading.Timer | None = None  # closes the free file when left idle
         self.opened = 0  # files made so far
+        self.closed = False  # `close`d: a file given back is closed, not kept
 
     def lend(self, directory: Path) -> int:
         """The file, or a new one in `directory` when it is lent already or lies elsewhere."""
@@ -99,7 +101,7 @@ class SpillFile:
         """`fd` (from `lend`) free again: kept for the next spill for `idle_s`, else (or when
         one is kept already) closed."""
         with self._lock:
-            if self._free is None and self.idle_s > 0:
+            if self._free is None and self.idle_s > 0 and not self.closed:
                 self._free, fd = (directory, fd), -1
                 # A weak reference: a pending timer does not keep the file open past its
                 # holder's life.
@@ -118,7 +120,9 @@ class SpillFile:
             os.close(free[1])
 
     def close(self) -> None:
+        """The file goes now, and none is kept from now on (its replica is no longer served)."""
         with self._lock:
+            self.closed = True
             free, self._free = self._free, None
             if self._timer is not None:
                 self._timer.cancel()

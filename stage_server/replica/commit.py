@@ -153,9 +153,12 @@ class Committer:
         self._sent: tuple[str, Sent] = ("", ())
 
     def serve(self) -> None:
-        """A stage installed anew starts from no residuals."""
+        """A stage installed anew (or the one served let go) starts from no residuals, and
+        holds no sum of the last stage's round (its bytes in the codec, a quarter of the
+        gradient's in int8): round ids name a step, not a stage."""
         self.feedback = ErrorFeedback()
         self._prepared = None
+        self._sent = ("", ())
 
     async def commit(self, c: Commit) -> Committed:
         """Prepare and/or apply step `c.step` (or, `c.round_end`, the round ending before it)."""

@@ -197,6 +197,11 @@ class Sums:
     def clear(self) -> None:
         self._steps, self._prepared = {}, None
 
+    def close(self) -> None:
+        """The replica is no longer served: its spill file goes now, not when its idle timer
+        fires, whatever still holds these sums (a call under way ends with them)."""
+        self._spill_file.close()
+
     # -- the pool's sum, between PREPARE and APPLY ----------------------------------------------
     def set_prepared(
         self, step: int, grad_sums: list[torch.Tensor], total_samples: int, sent: Sent = ()

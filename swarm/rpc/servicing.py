@@ -5,7 +5,16 @@ A servicer method runs its body through `Servicing`: a swarm error with a status
 is refused with that status and trailing metadata naming its class, so the client rebuilds the very
 class (`from_rpc_error`) without reading the details; anything else is a bug: logged with its
 traceback and answered INTERNAL, and the server keeps serving. `observe(method, code, seconds)`
-sees every call (the stage server's request metrics)."""
+sees every call (the stage server's request metrics).
+
+A refused call lets go of its error's traceback (once logged) before it aborts. gRPC keeps the
+abort's exception on the call's state, which the call's context holds, and the context is held
+by the very frames the abort's traceback holds: a reference cycle, freed only when the garbage
+collector next looks at old objects, which in a busy stage server can be minutes away. Had the
+error kept its traceback, every frame it was raised through would sit in that cycle with all
+they hold: a Push whose next hop failed held the replica's `StageRuntime` (its gradient sums,
+its spill file) for as long, past the move that released it. The abort is also raised outside
+the `except` block, so the error is not its implicit context."""
 
 from __future__ import annotations
 
@@ -47,15 +56,18 @@ class Servicing:
             self._done(method, grpc.StatusCode.CANCELLED, start)
             raise
         except Exception as e:
-            await self._abort(method, context, e, start)
-        self._done(method, grpc.StatusCode.OK, start)
-        return result
+            failed = e
+        else:
+            self._done(method, grpc.StatusCode.OK, start)
+            return result
+        await self._abort(method, context, failed, start)  # outside `except`: the module says why
 
     async def stream(
         self, method: str, context: grpc.aio.ServicerContext, body: AsyncIterator[T]
     ) -> AsyncIterator[T]:
         """`body`'s messages; an error, even after some were sent, ends the call as in `run`."""
         start = time.perf_counter()
+        failed: Exception | None = None
         try:
             async for message in body:
                 yield message
@@ -63,7 +75,9 @@ class Servicing:
             self._done(method, grpc.StatusCode.CANCELLED, start)
             raise
         except Exception as e:
-            await self._abort(method, context, e, start)
+            failed = e
+        if failed is not None:
+            await self._abort(method, context, failed, start)  # outside `except`, as in `run`
         self._done(method, grpc.StatusCode.OK, start)
 
     def _refusal(self, method: str, error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -82,6 +96,7 @@ class Servicing:
     ) -> NoReturn:
         code, details = self._refusal(method, error)
         self._done(method, code, start)
+        _drop_tracebacks(error)  # logged: its frames go now, not with gRPC's cycle (the module)
         # The metadata names the exact class: a client tells ActivationsNotCached from other
         # FAILED_PRECONDITIONs without matching the details. Told ahead too: a client still
         # writing its request reads it there (`swarm.net.told_ahead`).
@@ -90,3 +105,16 @@ class Servicing:
     def _done(self, method: str, code: grpc.StatusCode, start: float) -> None:
         if self._observe is not None:
             self._observe(method, code.name, time.perf_counter() - start)
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    """`error`'s traceback and those of the errors it was raised from or during, let go."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]

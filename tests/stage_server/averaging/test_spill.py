@@ -159,6 +159,35 @@ def test_a_spill_file_left_idle_goes(tmp_path: Path) -> None:
     assert idle.opened == 2
 
 
+def test_a_closed_spill_file_keeps_none_and_a_spill_open_then_closes_its_own(
+    tmp_path: Path,
+) -> None:
+    """Its replica no longer served (`Sums.close`): the free file closes at once, its timer
+    with it, and a spill still open then (a commit under way) closes its file as it gives it
+    back, rather than keep it, with a timer, for a replica that is gone."""
+    flat = torch.randn(4096)
+    file = SpillFile(idle_s=3600.0)
+    kept = Spill(flat, tmp_path, file)
+    kept.keep(slice(0, 4096))
+    first = kept._file
+    kept.close()
+    under_way = Spill(flat, tmp_path, file)
+    under_way.keep(slice(0, 1024))  # lent the free file
+    assert under_way._file == first and file._timer is None
+    other = Spill(flat, tmp_path, file)
+    other.keep(slice(0, 1024))  # the file is lent: one of its own, kept when given back
+    second = other._file
+    assert second is not None and second != first
+    other.close()
+    assert file._free is not None and file._timer is not None
+    file.close()
+    assert file._free is None and file._timer is None
+    assert not os.path.exists(f"/proc/self/fd/{second}")
+    under_way.close()
+    assert not os.path.exists(f"/proc/self/fd/{first}")  # given back after: closed, not kept
+    assert file._free is None and file._timer is None
+
+
 def _idle_timers() -> list[threading.Thread]:
     """The threads of this process the operating system names as spill files' idle timers."""
     named = []

@@ -5,7 +5,9 @@ real stage server, a client rebuilds `ActivationsNotCached` exactly from the tra
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,63 @@ async def test_a_bug_is_internal_and_logged_with_its_traceback(
     assert context.aborted == (grpc.StatusCode.INTERNAL, "RuntimeError: boom", ())
     assert seen == [("Commit", "INTERNAL")]
     assert any(r.exc_info is not None for r in caplog.records)
+
+
+class Held:
+    """What a handler's frame holds (a stage's runtime, say)."""
+
+
+@pytest.mark.parametrize("kind", ["run", "stream"])
+async def test_a_refused_call_lets_go_of_the_frames_its_error_was_raised_through(
+    kind: str,
+) -> None:
+    """grpc.aio keeps the abort's exception on the call's state, which the frames in the abort's
+    traceback hold through the context: a cycle only the collector frees. The error is let go
+    of its traceback (and is not the abort's implicit context), so what its frames held goes at
+    once: a stage's runtime held by a Push refused after a move outlived the move (the soak).
+    The collector is off: on the old code the frame's `held` lived on."""
+    serving, _ = _servicing()
+    context = FakeContext()
+    raised: list[BaseException] = []
+    made: list[weakref.ref[Held]] = []
+
+    def hold() -> Held:
+        held = Held()
+        made.append(weakref.ref(held))
+        return held
+
+    async def refused(held: Held) -> None:
+        try:
+            raise OSError("the next hop's link")
+        except OSError as e:
+            error = NotFound(f"no replica took it ({held})")
+            raised.append(error)
+            raise error from e
+
+    async def body() -> None:
+        await refused(hold())
+
+    async def streamed() -> AsyncIterator[int]:
+        yield 1
+        await refused(hold())
+
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(Aborted) as aborted:
+            if kind == "run":
+                await serving.run("Push", context, body)  # type: ignore[arg-type]
+            else:
+                async for _ in serving.stream("Export", context, streamed()):  # type: ignore[arg-type]
+                    pass
+        assert aborted.value.__context__ is None
+        (error,) = raised
+        assert error.__traceback__ is None and error.__cause__ is not None
+        assert error.__cause__.__traceback__ is None
+        (held,) = made
+        assert held() is None, "a frame it was raised through still holds it"
+    finally:
+        gc.enable()
 
 
 async def test_success_is_observed_and_returned() -> None:
