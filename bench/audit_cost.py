@@ -184,15 +184,17 @@ def run(
     smoke: bool = False,
     profile: Path | None = None,
     code: Path | None = None,
+    ready_s: float = 120.0,
 ) -> Run:
     """One run in a process of its own (`smoke`: of the d64 model; `profile`: py-spy's stacks
-    into that folder; `code`: the servers and the trainer from that checkout)."""
+    into that folder; `code`: the servers and the trainer from that checkout; `ready_s`: how
+    long a server may take to serve)."""
     with tempfile.TemporaryDirectory(prefix="swarm-audit-cost-") as tmp:
         for copy in range(replicas):
             (Path(tmp) / str(copy)).mkdir()
         args = [sys.executable, __file__, "--child", tmp, "--steps", str(steps)]
         args += ["--fraction", str(fraction), "--replicas", str(replicas)]
-        args += ["--tiny"] if smoke else []
+        args += ["--ready-s", str(ready_s)] + (["--tiny"] if smoke else [])
         args += ["--profile", str(profile)] if profile is not None else []
         env = {**os.environ, "PYTHONPATH": first_on_path(code)} if code is not None else None
         # in the checkout: `python -m` puts the working directory first on a process's path
@@ -275,7 +277,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
         if args.profile is not None:  # each run's stacks in a folder of its own
             folder = args.profile / f"{next(runs)}-{'on' if fraction else 'off'}"
             folder.mkdir(parents=True, exist_ok=True)
-        return run(steps, fraction, replicas, args.tiny, folder, args.code)
+        return run(steps, fraction, replicas, args.tiny, folder, args.code, args.ready_s)
 
     timer: Runner = runner or timed
     print(f"{args.replicas} replicas a stage, push plane, audit_fraction {args.fraction} vs 0")
