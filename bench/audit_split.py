@@ -8,7 +8,8 @@ thread's share split by where py-spy found it running over the same window.
 - **digests**: `swarm.wire.digest` wherever it runs (a record's digester thread, the trainer's
   checks of what it fetched and sent);
 - **records kept**: a push's record made and filled (`push_records`, `push._record`), and the
-  parameters kept for a late re-execution (`prior_params`);
+  parameters kept for a late re-execution (`PriorParams.keep`; not its lookups, which every
+  step's work passes through);
 - **records fetched**: the servicer's `Record` (commitments and tensors), the trainer's asks
   (`push_audit._commitment`, `push_fetch.fetched_record`, the client's `record`);
 - **trainer's audits**: the rest of `client.audit` (drawing, comparing, reporting);
@@ -69,8 +70,10 @@ _RULES = (
     (
         "records kept",
         re.compile(
-            r"\([^)]*stage_server/replica/(push_records|prior_params)\.py"
+            r"\([^)]*stage_server/replica/push_records\.py"
             r"|(^|\.)_record \([^)]*stage_server/replica/push\.py"
+            # its copy of the parameters, not the lookups every step passes through
+            r"|(^|\.)(keep|pooled|recorded) \([^)]*stage_server/replica/prior_params\.py"
         ),
     ),
     ("trainer's audits", re.compile(r"\([^)]*client/audit/")),

@@ -60,6 +60,8 @@ def frames(*more: str, base: str = LOOP) -> list[str]:
         (frames("PushPlane._record (stage_server/replica/push.py:310)"), "records kept"),
         (frames("PushRecord.sent (stage_server/replica/push_records.py:200)"), "records kept"),
         (frames("PriorParams.keep (stage_server/replica/prior_params.py:80)"), "records kept"),
+        # a lookup every step's work passes through, audits or none
+        (frames("PriorParams.sums_of (stage_server/replica/prior_params.py:98)"), "rest"),
         (frames("PushAudits.audit (client/audit/push_audit.py:180)"), "trainer's audits"),
         # a push's own work, and the push's Forward of the worker (not the servicer's)
         (frames("StageServicer.Push (stage_server/servicer.py:352)"), "rest"),
