@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stage_server.replica.answering import Answered, Answering
-from stage_server.replica.handing import Outgoing, Outgoings, reply_header
+from stage_server.replica.handing import Handing, Outgoing, Outgoings, reply_header
 from stage_server.replica.lying import HONEST, Compute, Lies
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import Hop, NextHop, Pushed
@@ -132,7 +132,8 @@ class PushPlane:
             record = self._record(call, came)
             try:
                 reply = codec.codec_from_name(rt.job.compression.backward)
-                into = h.reply if h.HasField("reply") and _slot_kept(record, rt, reply) else None
+                slot = h.HasField("reply") and _slot_kept(record, self.messages.handing, reply)
+                into = h.reply if slot else None
                 here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate)
                 if rt.is_last:
                     answer = await self._last_stage(here, call, record, came)
@@ -269,7 +270,7 @@ class PushPlane:
             outgoing = made.keep(
                 self.messages.hand_on(out, "inputs", sent_as, "forward", near, far)
             )
-            record.sent("outputs", lambda: _kept(outgoing))
+            record.sent("outputs", lambda: _kept(outgoing, self.messages.handing))
             return outgoing
 
         try:
@@ -325,15 +326,17 @@ class _Here:
     accumulate: bool
 
 
-def _slot_kept(record: Recording, rt: StageRuntime, reply: int) -> bool:
+def _slot_kept(record: Recording, handing: Handing, reply: int) -> bool:
     """Whether a co-located caller's slot takes the gradient of a push with `record`: always
-    where none is kept. Where one is, on the host in no codec (issue 69: on the wire, the
-    gradient's bytes were the records' price on every co-located hop): both sides' records then
-    keep the same bytes (this one the payload written there, `_sent`; the caller the tensor it
-    decoded from it, which is that payload). Elsewhere the gradient goes in the message, as
-    a record keeps it: a device's payload would be copied to the host on the event loop, and
-    the caller would keep a lossy one decoded, widened, for the trainer to fetch."""
-    return not record.kept or (rt.device.type == "cpu" and reply == codec.CODEC_NONE)
+    where none is kept. Where one is, through shared memory in no codec (issue 69: on the wire,
+    the gradient's bytes were the records' price on every co-located hop): both sides' records
+    then keep the same bytes (this one the payload written there, `_sent`; the caller the tensor
+    it read from it, its own copy, which is that payload). Elsewhere the gradient goes in the
+    message, as a record keeps it: a device's payload would be copied to the host on the event
+    loop, the caller's read of a CUDA slot is the slot itself (a record would hold what a share
+    made), and the caller would keep a lossy one decoded, widened, for the trainer to fetch."""
+    shm = handing.handover is not None and handing.handover.kind == "shm"
+    return not record.kept or (shm and reply == codec.CODEC_NONE)
 
 
 def _sent(done: Answered) -> tensor_pb2.Tensor | Arrived | None:
@@ -341,20 +344,23 @@ def _sent(done: Answered) -> tensor_pb2.Tensor | Arrived | None:
     caller's slot, the payload written there (none asked for: nothing)."""
     if not done.grad:
         return None
-    if done.filled is not None:  # on the host (`_slot_kept`)
+    if done.filled is not None:  # on the host: shared memory's (`_slot_kept`)
         return Arrived.of(done.grad[0], done.filled)
     return done.grad[0]
 
 
-def _kept(outgoing: Outgoing) -> tensor_pb2.Tensor | Arrived:
+def _kept(outgoing: Outgoing, handing: Handing) -> tensor_pb2.Tensor | Arrived:
     """The outputs sent on as a record keeps them (on the worker thread): their message where
     one was made (a try went on the wire, or they are on a device: a record holds host bytes),
     else the payload handed over, on the host: no message made for the record alone (issue 69:
-    its copies were the records' price on every co-located hop)."""
-    wire = outgoing.made_wire
-    if wire is None and outgoing.payload.device.type == "cpu":
-        return Arrived.of(outgoing.header, outgoing.payload)
-    return outgoing.wire()
+    its copies were the records' price on every co-located hop). The payload itself where the
+    handover offered a copy of it (shared memory); a copy of it where the offer shares its own
+    memory (CUDA IPC's logic, on its CPU stand-in): a record never holds what a share made."""
+    wire, payload = outgoing.made_wire, outgoing.payload
+    if wire is not None or payload.device.type != "cpu":
+        return outgoing.wire()
+    copied = handing.handover is not None and handing.handover.kind == "shm"
+    return Arrived.of(outgoing.header, payload if copied else payload.clone())
 
 
 def _deadline(left: float | None, rt: StageRuntime) -> float:
