@@ -43,9 +43,9 @@ class Canned:
         self.seconds = {0.045: on, 0.0: off}
         self.asked: list[tuple[int, float, int]] = []
 
-    def __call__(self, steps: int, fraction: float, replicas: int) -> float:
+    def __call__(self, steps: int, fraction: float, replicas: int) -> audit_cost.Run:
         self.asked.append((steps, fraction, replicas))
-        return self.seconds[fraction]
+        return audit_cost.Run(self.seconds[fraction])
 
 
 def test_the_bench_exits_1_when_the_target_is_missed(capsys: pytest.CaptureFixture[str]) -> None:

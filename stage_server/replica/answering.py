@@ -37,6 +37,9 @@ class Answered:
     loss: float  # the loss sum of a forward_backward (0.0 for a backward)
     queued: float  # seconds the call waited for the worker
     digest: pb.SumCheck | None = None  # an audit's: its gradient's (`digest_seed`)
+    #: the input gradient's payload as written into the caller's slot (None: it is in `grad`'s
+    #: message): what the caller decodes, which a push's record keeps (`stage_server.push`)
+    filled: torch.Tensor | None = None
 
     def answer(self) -> dict[str, Any]:
         """The fields a Backward's or ForwardBackward's answer takes from it."""
@@ -124,11 +127,15 @@ class Answering:
         the calls queued where it is an audit's re-execution (`run`)."""
         step, index = h.microbatch.step, h.microbatch.index
 
-        def on_host(result: tuple[Any, ...]) -> tuple[list[float], list[Any], Receipt]:
+        def on_host(
+            result: tuple[Any, ...],
+        ) -> tuple[list[float], list[Any], Receipt, torch.Tensor | None]:
             # On the worker thread: the input gradient's copy to the host waits on the device.
             *loss, grad, done = result
-            encoded = self.messages.encode(grad, "grad_inputs", reply, "backward", into)
-            return loss, encoded, done
+            if grad is None:
+                return loss, [], done, None
+            msg, filled = self.messages.encode_one(grad, "grad_inputs", reply, "backward", into)
+            return loss, [msg], done, filled
 
         computed = self.computing(h, fn)
 
@@ -139,7 +146,7 @@ class Answering:
             self._runtime().sums.admit(h.microbatch.epoch, step, index)
             return computed(*args, **kwargs)
 
-        (loss, grad, done), queued = await self.run(h)(
+        (loss, grad, done, filled), queued = await self.run(h)(
             admitted,
             on_host,
             step,
@@ -161,4 +168,5 @@ class Answering:
             digest=None
             if digest is None
             else pb.SumCheck(dot=digest[0], magnitude=digest[1], norm=digest[2]),
+            filled=filled,
         )

@@ -172,6 +172,11 @@ class Outgoing:
     _released: bool = field(default=False)
     _taken: bool = field(default=False)  # a receiver may have mapped the bytes handed over
 
+    @property
+    def made_wire(self) -> tensor_pb2.Tensor | None:
+        """The message with its bytes, where `wire` made it already (None: not made)."""
+        return self._wire
+
     def wire(self) -> tensor_pb2.Tensor:
         """The message with its bytes (their copy to the host waits on the device)."""
         if self._wire is None:

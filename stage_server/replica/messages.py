@@ -276,14 +276,29 @@ class Messages:
         device's copy to the host: call it on the worker thread."""
         if tensor is None:
             return []
+        return [self.encode_one(tensor, name, reply_codec, direction, into)[0]]
+
+    def encode_one(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        reply_codec: int,
+        direction: Way,
+        into: tensor_pb2.Handover | None = None,
+    ) -> tuple[tensor_pb2.Tensor, torch.Tensor | None]:
+        """`encode`'s one message, and the payload written into the slot `into` where it was
+        (None: its bytes are in the message): what the caller decodes from the slot, for a
+        push's record to keep without the message's copies."""
         if into is None:
-            return [self.send_on(tensor, name, reply_codec, direction)]
+            return self.send_on(tensor, name, reply_codec, direction), None
         msg, payload = codec.encode_payload(tensor, name, reply_codec, self.limits.block_size)
+        filled: torch.Tensor | None = payload
         if not self.handing.fill(msg, payload, into):
+            filled = None
             with self.copies.to_host(payload) as on_host:
                 msg.data = on_host.numpy().tobytes()
         self._sent(msg, tensor, direction)
-        return [msg]
+        return msg, filled
 
     def hand_on(
         self,

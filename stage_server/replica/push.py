@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stage_server.replica.answering import Answered, Answering
-from stage_server.replica.handing import Outgoing, Outgoings, reply_header
+from stage_server.replica.handing import Handing, Outgoing, Outgoings, reply_header
 from stage_server.replica.lying import HONEST, Compute, Lies
 from stage_server.replica.messages import Messages
 from stage_server.replica.next_hop import Hop, NextHop, Pushed
@@ -131,11 +131,9 @@ class PushPlane:
         else:
             record = self._record(call, came)
             try:
-                # A co-located caller's slot for the gradient; not where this replica keeps a
-                # record: it commits to (and an audit re-reads) the gradient's bytes, which a
-                # slot's answer lacks.
-                into = h.reply if h.HasField("reply") and not record.kept else None
                 reply = codec.codec_from_name(rt.job.compression.backward)
+                slot = h.HasField("reply") and _slot_kept(record, self.messages.handing, reply)
+                into = h.reply if slot else None
                 here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate)
                 if rt.is_last:
                     answer = await self._last_stage(here, call, record, came)
@@ -155,7 +153,7 @@ class PushPlane:
         )
         record.received("grad_outputs", call.targets, came.get("targets"))
         record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
-        record.sent("grad_inputs", _first(done.grad))
+        record.sent("grad_inputs", lambda: _sent(done))
         return pb.StagePushResponse(
             tensors=done.grad,
             receipts=[done.receipt] if done.receipt is not None else [],
@@ -209,7 +207,7 @@ class PushPlane:
         done = await self._backward_here(
             here, self._compute().backward, call.crossing, grad_outputs
         )
-        record.sent("grad_inputs", _first(done.grad))
+        record.sent("grad_inputs", lambda: _sent(done))
         return done
 
     async def _backward_here(
@@ -272,7 +270,7 @@ class PushPlane:
             outgoing = made.keep(
                 self.messages.hand_on(out, "inputs", sent_as, "forward", near, far)
             )
-            record.sent("outputs", outgoing.wire)
+            record.sent("outputs", lambda: _kept(outgoing, self.messages.handing))
             return outgoing
 
         try:
@@ -328,9 +326,41 @@ class _Here:
     accumulate: bool
 
 
-def _first(grad: list[tensor_pb2.Tensor]) -> Callable[[], tensor_pb2.Tensor | None]:
-    """The input gradient sent back (none asked for: nothing)."""
-    return lambda: grad[0] if grad else None
+def _slot_kept(record: Recording, handing: Handing, reply: int) -> bool:
+    """Whether a co-located caller's slot takes the gradient of a push with `record`: always
+    where none is kept. Where one is, through shared memory in no codec (issue 69: on the wire,
+    the gradient's bytes were the records' price on every co-located hop): both sides' records
+    then keep the same bytes (this one the payload written there, `_sent`; the caller the tensor
+    it read from it, its own copy, which is that payload). Elsewhere the gradient goes in the
+    message, as a record keeps it: a device's payload would be copied to the host on the event
+    loop, the caller's read of a CUDA slot is the slot itself (a record would hold what a share
+    made), and the caller would keep a lossy one decoded, widened, for the trainer to fetch."""
+    shm = handing.handover is not None and handing.handover.kind == "shm"
+    return not record.kept or (shm and reply == codec.CODEC_NONE)
+
+
+def _sent(done: Answered) -> tensor_pb2.Tensor | Arrived | None:
+    """The input gradient sent back as a record keeps it: its message, or, written into the
+    caller's slot, the payload written there (none asked for: nothing)."""
+    if not done.grad:
+        return None
+    if done.filled is not None:  # on the host: shared memory's (`_slot_kept`)
+        return Arrived.of(done.grad[0], done.filled)
+    return done.grad[0]
+
+
+def _kept(outgoing: Outgoing, handing: Handing) -> tensor_pb2.Tensor | Arrived:
+    """The outputs sent on as a record keeps them (on the worker thread): their message where
+    one was made (a try went on the wire, or they are on a device: a record holds host bytes),
+    else the payload handed over, on the host: no message made for the record alone (issue 69:
+    its copies were the records' price on every co-located hop). The payload itself where the
+    handover offered a copy of it (shared memory); a copy of it where the offer shares its own
+    memory (CUDA IPC's logic, on its CPU stand-in): a record never holds what a share made."""
+    wire, payload = outgoing.made_wire, outgoing.payload
+    if wire is not None or payload.device.type != "cpu":
+        return outgoing.wire()
+    copied = handing.handover is not None and handing.handover.kind == "shm"
+    return Arrived.of(outgoing.header, payload if copied else payload.clone())
 
 
 def _deadline(left: float | None, rt: StageRuntime) -> float:

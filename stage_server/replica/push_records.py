@@ -55,10 +55,13 @@ Payload = bytes | memoryview | torch.Tensor  # as `swarm.wire.chunking.Received`
 
 @dataclass(frozen=True)
 class Arrived:
-    """A tensor as it came in: its message's header without the bytes (`meta`) and the bytes as
-    received (`payload`: a message's own, a chunked stream's buffer, or a handed-over tensor's
-    `swarm.device.handover` copy), in the encoding that crossed the boundary. Decoding is
-    deterministic: they decode to the very tensor the replica computed on and committed to."""
+    """A tensor as it crossed the boundary: its message's header without the bytes (`meta`) and
+    the bytes (`payload`), in the encoding that crossed it. One that came in: as received (a
+    message's own, a chunked stream's buffer, or a handed-over tensor's `swarm.device.handover`
+    copy). One that went out handed over (outputs offered, a gradient written into the caller's
+    slot): the payload handed over, on the host, so no message is made for the record alone
+    (issue 69: its copies were the record's price on every hop). Decoding is deterministic:
+    they decode to the very tensor the replica computed on, or its receiver decoded."""
 
     meta: tensor_pb2.Tensor
     payload: Payload
@@ -70,6 +73,10 @@ class Arrived:
             name=t.name, dtype=t.dtype, shape=t.shape, codec=t.codec, block_size=t.block_size
         )
         return cls(meta, payload)
+
+    def decoded(self) -> torch.Tensor:
+        """The tensor its receiver decodes (a payload on the host: no copy where no codec)."""
+        return codec.decode(self.meta, self.payload)
 
     def message(self) -> tensor_pb2.Tensor:
         """The message as it came (on the wire; a handed-over one's bytes put in it)."""
@@ -84,7 +91,7 @@ class Arrived:
 
 
 Kept = torch.Tensor | tensor_pb2.Tensor | Arrived
-Sent = tensor_pb2.Tensor | torch.Tensor | None  # a message sent, a loss, or nothing
+Sent = tensor_pb2.Tensor | Arrived | torch.Tensor | None  # a message, bytes handed over, a loss
 
 
 class Recording(Protocol):
@@ -92,8 +99,7 @@ class Recording(Protocol):
     (`PushRecord`), nothing where it is not (`NO_RECORD`). The plane tells it the same either
     way; what a record costs (digests, the tensors kept) is paid only by a record."""
 
-    #: a record is kept: a co-located caller's slot is not used for the gradient then (the
-    #: record commits to the gradient's bytes, which a slot's answer lacks)
+    #: a record is kept (what it commits to is digested, and its tensors kept)
     kept: bool
 
     def received(
@@ -193,6 +199,8 @@ class PushRecord:
             self.tensors[name] = msg
             if isinstance(msg, torch.Tensor):
                 self._commit(name, lambda: digest(msg))
+            elif isinstance(msg, Arrived):
+                self._commit(name, lambda: digest(msg.decoded()))
             else:
                 self._commit(name, lambda: sent_digest(msg))
 

@@ -102,3 +102,24 @@ def test_digests_taken_on_the_digester_are_the_same_commitment() -> None:
         )
     assert answer.commitment == at_once.commitment
     assert answer.commitment.outputs == digest(codec.decode(out)) == sent_digest(out)
+
+
+@pytest.mark.parametrize("name", ["none", "hadamard3"])
+def test_bytes_handed_over_are_kept_as_they_went_and_committed_to_as_the_message(
+    name: str,
+) -> None:
+    """Issue 69: outputs handed over (or a gradient written into a slot) are kept as their
+    payload, no message made for the record: committed to as the message of the same bytes
+    would be (the receiver's digest, or an older peer's, agrees), and answered as those bytes."""
+    x = torch.randn(4, 64)
+    header, payload = codec.encode_payload(x, "inputs", codec.codec_from_name(name))
+    wire = codec.encode(x, "inputs", codec.codec_from_name(name))
+    as_message = PushRecords("s1r0", lambda: 4).begin(1, 0, 0, run=3)
+    as_message.sent("outputs", lambda: wire)
+    handed = PushRecords("s1r0", lambda: 4).begin(1, 0, 0, run=3)
+    handed.sent("outputs", lambda: Arrived.of(header, payload))
+    assert handed.commitment == as_message.commitment
+    assert handed.commitment.outputs == digest(codec.decode(wire))
+    (msg,) = handed.messages()
+    assert msg.name == "outputs" and msg.data == wire.data and msg.nbytes == wire.nbytes
+    assert (msg.codec, msg.block_size, msg.shape) == (wire.codec, wire.block_size, wire.shape)
