@@ -502,13 +502,22 @@ def measured(window: Window, log: Path, p: dict[str, int], hosts: list[str]) -> 
 LINKS = ("unshaped", "shaped")
 
 
+def added_seconds(runs: dict[str, Measured]) -> float:
+    """Seconds a step the shaped run took over the unshaped one."""
+    return runs["shaped"].seconds / runs["shaped"].steps - (
+        runs["unshaped"].seconds / runs["unshaped"].steps
+    )
+
+
 def control_figures(
     swarm: dict[str, Measured], torch: dict[str, dict[str, Measured]]
 ) -> dict[str, Any]:
     """The torch control's figures beside the swarm's (`swarm` and each schedule's runs by
-    link): each schedule's runs and shaped/unshaped; on each link the faster schedule (as
-    bench/peer_workload.py holds a swarm against the faster), torch's shaped/unshaped by those,
-    and the swarm's samples/s over them."""
+    link): each schedule's runs, shaped/unshaped and the seconds a step the links add (a
+    pipeline's fill and drain, if that is what they cost, add the same whatever the compute's
+    speed, which moves the ratio); on each link the faster schedule (as bench/peer_workload.py
+    holds a swarm against the faster), torch's shaped/unshaped by those, and the swarm's
+    samples/s over them."""
     best = {
         link: max(
             ((s, runs[link].samples_per_s) for s, runs in torch.items()), key=lambda sr: sr[1]
@@ -521,9 +530,11 @@ def control_figures(
                 **{link: vars(runs[link]) for link in LINKS},
                 "shaped_over_unshaped": runs["shaped"].samples_per_s
                 / runs["unshaped"].samples_per_s,
+                "added_seconds_per_step": added_seconds(runs),
             }
             for s, runs in torch.items()
         },
+        "swarm_added_seconds_per_step": added_seconds(swarm),
         "best": {link: {"schedule": s, "samples_per_s": v} for link, (s, v) in best.items()},
         "shaped_over_unshaped": best["shaped"][1] / best["unshaped"][1],
         "swarm_over_torch": {link: swarm[link].samples_per_s / best[link][1] for link in LINKS},
@@ -682,6 +693,11 @@ def print_control(r: dict[str, Any], out: IO[str]) -> None:
         for link in LINKS
     )
     print(f"swarm/torch (torch's faster schedule on each link): {ratio}", file=out)
+    added = ", ".join(f"{s} {c['schedules'][s]['added_seconds_per_step']:+.2f}" for s in schedules)
+    print(
+        f"s/step the links add: swarm {c['swarm_added_seconds_per_step']:+.2f}; torch {added}",
+        file=out,
+    )
     print("bytes per microbatch on each host's shaped link", file=out)
     names = ["swarm", *(f"torch {s}" for s in schedules)]
     print(f"{'':<8}" + "".join(f" {n:>25}" for n in names), file=out)

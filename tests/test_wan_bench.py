@@ -112,6 +112,8 @@ def test_the_control_is_held_against_torchs_faster_schedule_on_each_link() -> No
     }
     assert got["shaped_over_unshaped"] == pytest.approx(0.7)
     assert got["swarm_over_torch"] == pytest.approx({"unshaped": 0.95, "shaped": 24 / 21})
+    assert got["swarm_added_seconds_per_step"] == pytest.approx(64 / 24 - 64 / 28.5)
+    assert got["schedules"]["gpipe"]["added_seconds_per_step"] == pytest.approx(64 / 21 - 64 / 28)
 
 
 def test_the_report_carries_the_control_and_prints_it_beside_the_swarm() -> None:
@@ -133,6 +135,7 @@ def test_the_report_carries_the_control_and_prints_it_beside_the_swarm() -> None
         "swarm/torch (torch's faster schedule on each link): unshaped 0.950 (1f1b), shaped "
         "1.143 (gpipe)" in lines
     )
+    assert "s/step the links add: swarm +0.42; torch gpipe +0.76, 1f1b +1.07" in lines
     bound = next(i for i, line in enumerate(lines) if line.startswith("shaped/bound"))
     stage1 = next(line for line in lines[bound:] if line.startswith("stage1 "))  # the control's
     assert stage1.split() == ["stage1", *["2.200", "MB"] * 2, *["2.300", "MB"] * 4]
