@@ -822,15 +822,10 @@ def swarm_curve(
 
 def check_root() -> str | None:
     """Why the shaped part cannot run here (wan.py's checks: root, iproute2), or None."""
-    probe = argparse.Namespace(
-        rate="none",
-        steps=1,
-        replicas=REPLICAS,
-        delay_ms=0.0,
-        workload="tiny",
-        codec="none",
-        data_plane="relay",
-        max_in_flight=8,
+    # wan.py's own defaults for every option not named (a Namespace built here lacked those
+    # wan.py added later: `standby`, `control`)
+    probe = wan.parse_args(
+        f"--rate none --steps 1 --replicas {REPLICAS} --small --data-plane relay".split()
     )
     problem = wan.check(probe)
     if problem is None and shutil.which("curl") is None:

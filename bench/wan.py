@@ -6,7 +6,8 @@ swarm unshaped, measured in the same run.
         [--codec none|fp16|bf16|int8_blockwise] [--averaging none|fp16|bf16|int8_blockwise]
         [--data-plane push|relay] [--steps 10]
         [--max-in-flight 8] [--workload d256|tiny | --small] [--replicas 1]
-        [--delayed-update] [--standby 0] [--json]
+        [--delayed-update] [--standby 0] [--control none|torch [--torch-schedule gpipe,1f1b]]
+        [--json]
 
 Pools. `--replicas R` serves each stage with R replicas, each a host of its own (`s<k>r<j>`), so
 every step ends with each pool averaging its gradients over the shaped links; the seconds per
@@ -60,6 +61,20 @@ seconds a step, they hold on a host shared with other work, or with fewer cores 
 (a process waiting for a core spends none): what a standby costs its source, and the swarm,
 is read from them (bench/standby_cost.py).
 
+Control. `--control torch` runs, after the swarm's two runs and over the same network, torch's
+own pipelining (bench/torch_pipeline.py: `torch.distributed.pipelining`, gloo, one thread a
+rank), each `--torch-schedule` unshaped then shaped: rank k on stage k's host (`stage<k>`, the
+trainer's host idle), started one rank at a time, rank 0's address and `TORCH_PORT` the
+rendezvous, gloo's links on each host's `eth0`. The same job file (its model, data, batch and
+microbatches; torch always sends float32, whatever `--codec`), the same steps, timed the same
+way from rank 0's step log. It prints each schedule's shaped/unshaped beside the swarm's, the
+swarm's samples/s over torch's faster schedule on each link, and the bytes a microbatch on
+each host's shaped link for both: the same boundaries cross the same links (a middle stage
+sends and receives two boundaries a microbatch, about 2.2 MB at d256). It tells whether a
+ratio below 1 is the swarm's or any synchronous pipeline's: a step's fill and drain put
+2 x (stages - 1) hop transfers on the critical path, with no slack to hide them in. It needs
+`--replicas 1` and `--delay-ms 0` (the delay is a relay in front of the swarm's servers).
+
 Needs root, `ip` and `tc` (iproute2), and a kernel with namespaces, veth, bridge and tbf; says so
 and exits 2 without them.
 """
@@ -85,6 +100,7 @@ from typing import IO, Any, get_args, get_type_hints
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import torch_pipeline  # noqa: E402
 from bench.proc_cpu import LiveStats, Stats, per_step, session_seconds  # noqa: E402
 from swarm.errors import ConfigError  # noqa: E402
 from swarm.job.config import CompressionConfig, RuntimeConfig, parse_job  # noqa: E402
@@ -112,6 +128,8 @@ def addresses(replicas: int) -> dict[str, str]:
 STATS: Stats = LiveStats()  # where each process's CPU seconds are read (`bench.proc_cpu`)
 
 PORT = 7000  # every stage server's (namespaces are separate, so the same port everywhere)
+TORCH_PORT = 29500  # the control's rendezvous, on rank 0's host
+TORCH_SCHEDULES = ["gpipe", "1f1b"]
 READY_TIMEOUT_S = 300.0  # four servers importing torch at once on two cores
 
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -368,46 +386,135 @@ def run_once(
         )
         procs.append(trainer)
         sessions[TRAINER] = trainer.popen.pid
-        total = args.steps + 1  # the job has one step more: see the module's docstring
-        deadline = time.monotonic() + args.timeout
-        first: tuple[float, int, dict[str, tuple[int, int]], dict[str, float]] | None = None
-        while True:
-            done = count_lines(log)
-            if first is None and done >= 1:
-                first = (time.monotonic(), done, net.counters(), session_seconds(STATS, sessions))
-            if done >= total:
-                end, done_end, end_counters = time.monotonic(), done, net.counters()
-                end_cpu = session_seconds(STATS, sessions)
-                break
-            for proc in procs[start_at:]:
-                if proc.popen.poll() is not None:
-                    raise RuntimeError(
-                        f"{proc.name} exited with {proc.popen.returncode} during the {label} "
-                        f"run:\n{proc.log()[-3000:]}"
-                    )
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the {label} run did not finish {total} steps in {args.timeout:.0f}s "
-                    f"({done} done); trainer log:\n{trainer.log()[-3000:]}"
-                )
-            time.sleep(0.01)
+        # the job has one step more: see the module's docstring
+        window = watch(
+            net, log, procs[start_at:], trainer, label, args.steps + 1, args.timeout, sessions
+        )
     finally:
         for proc in procs[start_at:]:
             proc.kill()
         del procs[start_at:]
-    assert first is not None
-    t0, done0, c0, cpu0 = first
+    return measured(window, log, p, list(net.addresses))
+
+
+def torch_argvs(job: Path, steps: int, schedule: str, log: Path) -> dict[str, list[str]]:
+    """The control's command lines by host: rank k of bench/torch_pipeline.py on stage k's
+    host (one thread, as each stage server), all meeting at rank 0's address; rank 0 logs the
+    steps to `log`."""
+    hosts, address = stage_hosts(1), addresses(1)
+    rank0 = address[hosts[0][0]]
+    return {
+        stage[0]: torch_pipeline.rank_argv(job, k, rank0, TORCH_PORT, steps, schedule, 1, log)
+        for k, stage in enumerate(hosts)
+    }
+
+
+def torch_env(work: Path) -> dict[str, str]:
+    """A rank's environment: gloo's links on the host's own device (a namespace's name resolves
+    to nothing usable), one OpenMP thread."""
+    return {**child_env(work), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+
+
+def run_torch(
+    net: Network,
+    job: Path,
+    work: Path,
+    label: str,
+    args: argparse.Namespace,
+    shaped: bool,
+    schedule: str,
+    procs: list[Proc],
+) -> Measured:
+    """The control: torch pipelining's ranks (bench/torch_pipeline.py), each on a stage
+    server's host, over the same links, timed as `run_once` times the swarm (the same job: one
+    warm-up step, the timed ones, one more while the counters are read). Every rank is killed
+    before this returns."""
+    net.shape(args.rate_bits if shaped else None)
+    start_at = len(procs)
+    log = work / f"{label}-steps.jsonl"
+    try:
+        for host, argv in torch_argvs(job, args.steps + 2, schedule, log).items():
+            procs.append(net.start(host, f"{label}-{host}", argv, work, torch_env(work), ROOT))
+        rank0 = procs[start_at]
+        ranks = {f"rank{k}": proc.popen.pid for k, proc in enumerate(procs[start_at:])}
+        window = watch(
+            net, log, procs[start_at:], rank0, label, args.steps + 1, args.timeout, ranks
+        )
+    finally:
+        for proc in procs[start_at:]:
+            proc.kill()
+        del procs[start_at:]
+    return measured(window, log, WORKLOADS[args.workload], list(net.addresses))
+
+
+@dataclass
+class Window:
+    """The timed steps: from the warm-up step's end (its log line seen) to the last one's, each
+    end's time, log lines and every host's link counters (sent, received)."""
+
+    start: float
+    end: float
+    lines: tuple[int, int]
+    counters: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]
+    cpu: tuple[dict[str, float], dict[str, float]]  # each watched session's CPU seconds so far
+
+
+def watch(
+    net: Network,
+    log: Path,
+    procs: list[Proc],
+    told: Proc,
+    label: str,
+    total: int,
+    timeout: float,
+    sessions: dict[str, int],
+) -> Window:
+    """Poll `log` (a line a step) until `total` steps are in it, the link counters and the CPU
+    of `sessions` (name -> session id) read as the first line and the `total`th appear; a
+    process of `procs` that exits, or `timeout` seconds passing, raises with its log's tail
+    (`told`'s on a timeout: the one writing `log`)."""
+    deadline = time.monotonic() + timeout
+    first: tuple[float, int, dict[str, tuple[int, int]], dict[str, float]] | None = None
+    while True:
+        done = count_lines(log)
+        if first is None and done >= 1:
+            first = (time.monotonic(), done, net.counters(), session_seconds(STATS, sessions))
+        if first is not None and done >= total:
+            end, counters = time.monotonic(), net.counters()
+            cpu = (first[3], session_seconds(STATS, sessions))
+            return Window(first[0], end, (first[1], done), (first[2], counters), cpu)
+        for proc in procs:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{proc.name} exited with {proc.popen.returncode} during the {label} "
+                    f"run:\n{proc.log()[-3000:]}"
+                )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the {label} run did not finish {total} steps in {timeout:.0f}s "
+                f"({done} done); {told.name}'s log:\n{told.log()[-3000:]}"
+            )
+        time.sleep(0.01)
+
+
+def measured(window: Window, log: Path, p: dict[str, int], hosts: list[str]) -> Measured:
+    """A run's figures over `window`: samples/s by the wall clock; by the log's own seconds
+    (its lines `samples`, `seconds`, `blocked_seconds` if any) over the same steps; and each
+    host's bytes each way per microbatch."""
+    done0, done_end = window.lines
+    c0, end_counters = window.counters
+    cpu0, end_cpu = window.cpu
     records = [json.loads(line) for line in log.read_text().splitlines()][done0:done_end]
     steps = done_end - done0
     microbatches = steps * p["microbatches"]
-    seconds = end - t0
+    seconds = window.end - window.start
     samples = steps * p["microbatch_size"] * p["microbatches"]
     per_mb = {
         h: {
             "sent": (end_counters[h][0] - c0[h][0]) / microbatches,
             "received": (end_counters[h][1] - c0[h][1]) / microbatches,
         }
-        for h in net.addresses
+        for h in hosts
     }
     return Measured(
         samples_per_s=samples / seconds,
@@ -426,7 +533,55 @@ def run_once(
 # Report
 
 
-def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> dict[str, Any]:
+LINKS = ("unshaped", "shaped")
+
+
+def added_seconds(runs: dict[str, Measured]) -> float:
+    """Seconds a step the shaped run took over the unshaped one."""
+    return runs["shaped"].seconds / runs["shaped"].steps - (
+        runs["unshaped"].seconds / runs["unshaped"].steps
+    )
+
+
+def control_figures(
+    swarm: dict[str, Measured], torch: dict[str, dict[str, Measured]]
+) -> dict[str, Any]:
+    """The torch control's figures beside the swarm's (`swarm` and each schedule's runs by
+    link): each schedule's runs, shaped/unshaped and the seconds a step the links add (a
+    pipeline's fill and drain, if that is what they cost, add the same whatever the compute's
+    speed, which moves the ratio); on each link the faster schedule (as bench/peer_workload.py
+    holds a swarm against the faster), torch's shaped/unshaped by those, and the swarm's
+    samples/s over them."""
+    best = {
+        link: max(
+            ((s, runs[link].samples_per_s) for s, runs in torch.items()), key=lambda sr: sr[1]
+        )
+        for link in LINKS
+    }
+    return {
+        "schedules": {
+            s: {
+                **{link: vars(runs[link]) for link in LINKS},
+                "shaped_over_unshaped": runs["shaped"].samples_per_s
+                / runs["unshaped"].samples_per_s,
+                "added_seconds_per_step": added_seconds(runs),
+            }
+            for s, runs in torch.items()
+        },
+        "swarm_added_seconds_per_step": added_seconds(swarm),
+        "best": {link: {"schedule": s, "samples_per_s": v} for link, (s, v) in best.items()},
+        "shaped_over_unshaped": best["shaped"][1] / best["unshaped"][1],
+        "swarm_over_torch": {link: swarm[link].samples_per_s / best[link][1] for link in LINKS},
+    }
+
+
+def report(
+    args: argparse.Namespace,
+    unshaped: Measured,
+    shaped: Measured,
+    torch: dict[str, dict[str, Measured]] | None = None,
+) -> dict[str, Any]:
+    """The run's figures; `torch`: the control's runs by schedule and link, if it ran."""
     p = WORKLOADS[args.workload]
     out: dict[str, Any] = {
         "workload": {"name": args.workload, **p, "stages": STAGES, "dtype": "float32"},
@@ -446,7 +601,10 @@ def report(args: argparse.Namespace, unshaped: Measured, shaped: Measured) -> di
         "shaped_over_unshaped": shaped.samples_per_s / unshaped.samples_per_s,
         "bound": None,
         "shaped_over_bound": None,
+        "torch": None,
     }
+    if torch:
+        out["torch"] = control_figures({"unshaped": unshaped, "shaped": shaped}, torch)
     if args.rate_bits is not None:
         host, direction = max(
             ((h, d) for h in out["addresses"] for d in ("sent", "received")),
@@ -519,7 +677,13 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
             f"{cpu['unshaped'].get(h, float('nan')):>9.3f}",
             file=out,
         )
-    b = r["bound"]
+    print_bound(r, out)
+    if r.get("torch"):
+        print_control(r, out)
+
+
+def print_bound(r: dict[str, Any], out: IO[str]) -> None:
+    w, b = r["workload"], r["bound"]
     if b is None:
         print("bound: none (the links are not rate-limited)", file=out)
         return
@@ -533,10 +697,72 @@ def print_report(r: dict[str, Any], out: IO[str]) -> None:
     print(f"shaped/bound {r['shaped_over_bound']:.3f}", file=out)
 
 
+def print_control(r: dict[str, Any], out: IO[str]) -> None:
+    """The torch control beside the swarm: its runs, both shaped/unshaped, swarm/torch on each
+    link, and the bytes a microbatch on each host's shaped link (the same boundaries?)."""
+    c = r["torch"]
+    schedules = list(c["schedules"])
+    print(
+        "control: torch pipelining (bench/torch_pipeline.py), rank k on stage k's host, gloo, "
+        "the same links",
+        file=out,
+    )
+    print(
+        f"{'run':<10} {'schedule':<9} {'samples/s':>10} {'s/step':>8} {'torch log samples/s':>20}",
+        file=out,
+    )
+    for s in schedules:
+        for link in LINKS:
+            m = c["schedules"][s][link]
+            print(
+                f"{link:<10} {s:<9} {m['samples_per_s']:>10.2f} {m['seconds'] / m['steps']:>8.2f} "
+                f"{m['trainer_samples_per_s']:>20.2f}",
+                file=out,
+            )
+    each = ", ".join(f"{s} {c['schedules'][s]['shaped_over_unshaped']:.3f}" for s in schedules)
+    print(
+        f"shaped/unshaped: swarm {r['shaped_over_unshaped']:.3f}; torch {each}; torch's faster "
+        f"on each link {c['shaped_over_unshaped']:.3f}",
+        file=out,
+    )
+    ratio = ", ".join(
+        f"{link} {c['swarm_over_torch'][link]:.3f} ({c['best'][link]['schedule']})"
+        for link in LINKS
+    )
+    print(f"swarm/torch (torch's faster schedule on each link): {ratio}", file=out)
+    added = ", ".join(f"{s} {c['schedules'][s]['added_seconds_per_step']:+.2f}" for s in schedules)
+    print(
+        f"s/step the links add: swarm {c['swarm_added_seconds_per_step']:+.2f}; torch {added}",
+        file=out,
+    )
+    print("bytes per microbatch on each host's shaped link", file=out)
+    names = ["swarm", *(f"torch {s}" for s in schedules)]
+    print(f"{'':<8}" + "".join(f" {n:>25}" for n in names), file=out)
+    print(f"{'host':<8}" + f" {'sent':>12} {'received':>12}" * len(names), file=out)
+    runs = [r["shaped"], *(c["schedules"][s]["shaped"] for s in schedules)]
+    for h in r["addresses"]:
+        cells = [m["bytes_per_microbatch"][h] for m in runs]
+        print(
+            f"{h:<8}" + "".join(f" {mb(x['sent']):>12} {mb(x['received']):>12}" for x in cells),
+            file=out,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
+def schedules(text: str) -> list[str]:
+    """`--torch-schedule`: one or more of TORCH_SCHEDULES, each once, in the order given."""
+    names = [n.strip() for n in text.split(",")]
+    unknown = [n for n in names if n not in TORCH_SCHEDULES]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: one or more of {', '.join(TORCH_SCHEDULES)}, each once"
+        )
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--rate", default="100mbit", help="each host's link rate, each way: 100mbit, 20mbit, none"
@@ -575,6 +801,18 @@ def parse_args() -> argparse.Namespace:
         "--standby", type=int, default=0, help="runtime.standby: of each stage's --replicas"
     )
     parser.add_argument(
+        "--control",
+        choices=["none", "torch"],
+        default="none",
+        help="torch: also run torch pipelining's ranks on the stage hosts, unshaped and shaped",
+    )
+    parser.add_argument(
+        "--torch-schedule",
+        type=schedules,
+        default=TORCH_SCHEDULES,
+        help="the control's schedules, comma-separated: gpipe, 1f1b (default both)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds each run may take at most"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -582,7 +820,7 @@ def parse_args() -> argparse.Namespace:
         "--keep-logs", action="store_true", help="keep the work directory (printed)"
     )
     parser.add_argument("--relay", nargs=3, help=argparse.SUPPRESS)  # LISTEN UPSTREAM DELAY_MS
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.small:
         args.workload = "tiny"
     return args
@@ -595,6 +833,11 @@ def check(args: argparse.Namespace) -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"needs {' and '.join(missing)} (iproute2) on PATH"
+    return refused(args)
+
+
+def refused(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, or None; sets `args.rate_bits`."""
     try:
         args.rate_bits = parse_rate(args.rate)
     except argparse.ArgumentTypeError as e:
@@ -607,6 +850,10 @@ def check(args: argparse.Namespace) -> str | None:
         return "--delay-ms must be >= 0"
     if not 0 <= args.standby < args.replicas:
         return "--standby must be in 0..replicas-1 (a stage keeps a replica)"
+    if args.control == "torch" and args.replicas != 1:
+        return "--control torch needs --replicas 1 (torch pipelining runs one process a stage)"
+    if args.control == "torch" and args.delay_ms > 0:
+        return "--control torch needs --delay-ms 0 (the delaying relay is the swarm servers')"
     try:
         parse_job(
             job_toml(args.workload, 2, args.codec, args.data_plane, args.max_in_flight),
@@ -665,7 +912,16 @@ def main() -> int:
         unshaped = run_once(net, job, work, "unshaped", args, False, procs)
         print(f"shaped run ({args.rate}, {args.delay_ms:g} ms) ...", file=sys.stderr, flush=True)
         shaped = run_once(net, job, work, "shaped", args, True, procs)
-        result = report(args, unshaped, shaped)
+        torch: dict[str, dict[str, Measured]] = {}
+        for schedule in args.torch_schedule if args.control == "torch" else []:
+            torch[schedule] = {}
+            for link in LINKS:
+                print(f"torch {schedule} {link} run ...", file=sys.stderr, flush=True)
+                label = f"torch-{schedule}-{link}"
+                torch[schedule][link] = run_torch(
+                    net, job, work, label, args, link == "shaped", schedule, procs
+                )
+        result = report(args, unshaped, shaped, torch)
         status = 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
