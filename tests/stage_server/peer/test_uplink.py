@@ -9,7 +9,7 @@ import asyncio
 import threading
 
 from stage_server.peer.links import Direction
-from stage_server.peer.uplink import HOLD_S, MIN_PART_BYTES, PART_S, Uplink
+from stage_server.peer.uplink import HOLD_S, LEARNED_SHARE, MIN_PART_BYTES, PART_S, Uplink
 
 RATE = 1_000_000.0  # bytes a second: 100 kB is 0.1 s on the link
 
@@ -134,10 +134,10 @@ def test_without_a_meter_rate_the_lane_learns_one_from_its_writes_that_waited() 
     for _ in range(4):
         first.sent(1 << 20, 0.5)  # waited for the link: 2 MB/s
     first.done()
-    assert uplink.rate() == (4 << 20) / 2.0
-    uplink.claim(1 << 20)  # a boundary tensor: 0.5 s of this link now
+    assert uplink.rate() == LEARNED_SHARE * (4 << 20) / 2.0
+    uplink.claim(1 << 20)  # a boundary tensor: 0.5 s of this link, at the share of it used
     asyncio.run(uplink.waiting().before())
-    assert round(clock.now - 100.0, 9) == 0.5
+    assert round(clock.now - 100.0, 9) == round(0.5 / LEARNED_SHARE, 9)
 
 
 def test_a_few_blocked_bytes_are_no_rate_and_the_meters_rate_comes_first() -> None:
