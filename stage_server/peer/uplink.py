@@ -29,9 +29,11 @@ HTTP/2's window and the socket have room, and only as fast as the link drains th
 full, so a part whose write waited (`BLOCKED_S` or more) went at about the link's rate: their
 bytes over those waits, less a margin (`LEARNED_SHARE`), are the rate (`Uplink.wrote`). An
 answer paced at that rate never fills the buffers, so it adds no sample; one paced faster than
-a link that got slower does, and the rate follows it down. Where no rate is known yet (the
-first answer, or a link so fast that no write ever waits), nothing is held back or paced: the
-lane sends as there were none.
+a link that got slower does, and the rate follows it down. Each follower's newest sample counts
+for the link meter's window, and the rate is the largest: a follower that reads slowly makes
+only its own answers' writes wait, so it cannot slow the others' updates. Where no rate is
+known yet (the first answer, or a link so fast that no write ever waits), nothing is held back
+or paced: the lane sends as there were none.
 
 A boundary tensor handed over to a co-located replica (`stage_server.replica.handing`) claims the
 link too, though its bytes take another way: it holds an update back by as long as those bytes
@@ -43,10 +45,11 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from stage_server.peer.links import CHANGE, Direction
+from stage_server.peer.links import CHANGE, WINDOW_S, Direction
 from swarm.net.bandwidth import format_rate
 
 __all__ = ["BLOCKED_S", "HOLD_S", "PART_S", "Uplink", "Waiting"]
@@ -64,6 +67,8 @@ MIN_SAMPLE_BYTES = 1 << 20  # a rate from fewer blocked bytes says more about th
 # (measured: 14.6 MB/s on a 12.5 MB/s link): the lane uses this share of it, so that its parts
 # never go faster than the link drains them and its claims are not cut short.
 LEARNED_SHARE = 0.8
+MAX_CLAIMS = 256  # boundary tensors' claims not folded yet, kept (the newest)
+MAX_LEARNED = 16  # followers' samples kept (a replica's update log serves a few)
 
 
 class UploadRate(Protocol):
@@ -86,10 +91,16 @@ class Uplink:
         self._meter, self.clock, self.sleep = meter, clock, sleep
         # Claims not folded in yet: (when, bytes). They come from the replica's worker thread
         # (a boundary tensor is encoded there), and the meter is read on the loop only.
-        self._claims: list[tuple[float, int]] = []
+        # Bounded: a replica nobody follows sends on, and its claims are never folded; the
+        # oldest go first, long through by the time `MAX_CLAIMS` newer ones were sent.
+        self._claims: deque[tuple[float, int]] = deque(maxlen=MAX_CLAIMS)
         self._lock = threading.Lock()
         self._busy_until = 0.0  # the boundary's last claim is on the wire by then (if the rate)
-        self._own_rate = 0.0  # from the waiting lane's blocked writes (0: none yet)
+        # Follower -> (when, rate) of the newest answer to it whose writes waited for the link.
+        # The lane's rate is the largest of these: a follower that reads slowly (a slow link of
+        # its own, or one that means to hold this peer's other followers back) makes its own
+        # answers' writes wait, and so reports a low rate; it cannot lower anyone else's.
+        self._learned: dict[str, tuple[float, float]] = {}
 
     def claim(self, nbytes: int) -> None:
         """A boundary tensor of `nbytes` leaves now: the link is the boundary's until its bytes
@@ -99,15 +110,24 @@ class Uplink:
 
     def rate(self) -> float:
         """The link's upload rate, bytes a second (0: not known). On the loop."""
-        return self._meter.rate("up") or self._own_rate
+        return self._meter.rate("up") or self._learned_rate()
 
-    def wrote(self, nbytes: int, seconds: float) -> None:
-        """The waiting lane's writes that waited for the link (`BLOCKED_S` or more each): `nbytes`
-        in `seconds` of those waits, one answer's. The newest such sample is the lane's rate."""
+    def _learned_rate(self) -> float:
+        since = self.clock() - WINDOW_S
+        return max((rate for at, rate in self._learned.values() if at >= since), default=0.0)
+
+    def wrote(self, follower: str, nbytes: int, seconds: float) -> None:
+        """The waiting lane's writes to `follower` that waited for the link (`BLOCKED_S` or more
+        each): `nbytes` in `seconds` of those waits, one answer's. The newest sample of each
+        follower counts; the lane's rate is the largest of the recent ones."""
         if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
             return
-        rate, before = LEARNED_SHARE * nbytes / seconds, self._own_rate
-        self._own_rate = rate
+        before = self._learned_rate()
+        self._learned.pop(follower, None)  # re-inserted: the dict stays oldest first
+        self._learned[follower] = (self.clock(), LEARNED_SHARE * nbytes / seconds)
+        while len(self._learned) > MAX_LEARNED:
+            del self._learned[next(iter(self._learned))]  # the oldest sample goes
+        rate = self._learned_rate()
         if not before or abs(rate - before) > CHANGE * before:
             log.info("uplink: %s, from the updates' writes that waited for it", format_rate(rate))
 
@@ -115,24 +135,25 @@ class Uplink:
         """When the boundary's claims so far are through (this lane's clock); in the past when
         there are none or the link's rate is not known. On the loop."""
         with self._lock:
-            claims, self._claims = self._claims, []
+            claims = list(self._claims)
+            self._claims.clear()
         rate = self.rate()
         for at, nbytes in claims:
             if rate > 0:
                 self._busy_until = max(self._busy_until, at) + nbytes / rate
         return self._busy_until
 
-    def waiting(self) -> Waiting:
-        """A lane for one answer that can wait: its `HOLD_S` starts now."""
-        return Waiting(self, self.clock() + HOLD_S)
+    def waiting(self, follower: str) -> Waiting:
+        """A lane for one answer to `follower` that can wait: its `HOLD_S` starts now."""
+        return Waiting(self, follower, self.clock() + HOLD_S)
 
 
 class Waiting:
     """One answer's parts on the waiting lane (`Uplink.waiting`): each is sent `after` the
     boundary's claims and the answer's own last part are through, or the hold is spent."""
 
-    def __init__(self, uplink: Uplink, hold_until: float) -> None:
-        self._uplink, self.hold_until = uplink, hold_until
+    def __init__(self, uplink: Uplink, follower: str, hold_until: float) -> None:
+        self._uplink, self._follower, self.hold_until = uplink, follower, hold_until
         self._own_until = 0.0  # this answer's last part is on the wire by then
         self._blocked = [0, 0.0]  # bytes and seconds of its writes that waited for the link
 
@@ -170,4 +191,4 @@ class Waiting:
     def done(self) -> None:
         """The answer is sent: what its blocked writes say of the link goes to the lane."""
         nbytes, seconds = self._blocked
-        self._uplink.wrote(int(nbytes), seconds)
+        self._uplink.wrote(self._follower, int(nbytes), seconds)

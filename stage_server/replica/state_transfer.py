@@ -197,7 +197,7 @@ class StateTransfer:
             log_.unwatch(wake)
         # On the uplink's waiting lane: between the boundary's sends, which the step waits for
         # (`stage_server.peer.uplink`), in parts small enough not to hold one up.
-        lane = self.metrics.uplink.waiting()
+        lane = self.metrics.uplink.waiting(follower)
         for part in updates_reply(updates, lane.part_bytes(chunk_bytes)):
             await lane.before()
             handed = loop.time()
