@@ -26,6 +26,10 @@ made the step wait for them too; ahead of them it costs those pushes its own com
 audit's (`stage_server.replica.answering`) runs in turn: its bound is a step away. Among the calls
 asked `first`, and among the others, the order is the order they came in.
 
+The worker thread lets go of a call (its function, its arguments) before it wakes the call's
+caller: the thread is still waking the loop when the caller may already have gone on, released
+its stage (`Servicer.release`) and found its runtime held by that thread's frame.
+
 A stopping stage server `close`s its worker before it shuts the executor down: gRPC's stop returns
 once its core holds no live call, not once every handler has ended, so a Push whose request was
 read just before may reach the worker only then. It is refused (`PeerUnavailable`: UNAVAILABLE,
@@ -140,14 +144,25 @@ class Worker:
             return out
 
         call: concurrent.futures.Future[U] = concurrent.futures.Future()
+        # `run` reaches the call through this list, which it empties before it hands the outcome
+        # over: the worker thread is still inside `set_result`/`set_exception` (waking the loop)
+        # when the caller may already have gone on, released its stage and looked, and a
+        # closure over `timed` there would still hold the call's function and arguments (the
+        # runtime: the module's docstring).
+        work = [timed]
 
         def run() -> None:
+            job = work.pop()
             if not call.set_running_or_notify_cancel():
                 return  # its caller gave up while it was queued
             try:
-                call.set_result(timed())
+                outcome = job()
             except BaseException as e:  # as the executor's own work items: the caller's to see
+                del job
                 call.set_exception(e)
+            else:
+                del job
+                call.set_result(outcome)
 
         try:
             queued = (0 if ahead else 1, next(self._arrivals), run, call)

@@ -13,11 +13,8 @@ would free shows as held."""
 
 from __future__ import annotations
 
-import gc
 import os
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +27,11 @@ from swarm.errors import FailedPrecondition
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
+from tests.support.collector import collector_off
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@contextmanager
-def collector_off() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 async def _averaged(tmp_path: Path, make_swarm: list[Swarm]) -> Swarm:
