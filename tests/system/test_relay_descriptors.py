@@ -28,8 +28,21 @@ NOFILE = 256
 pytestmark = pytest.mark.timeout(180)
 
 
-def _limited() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+# The relay's Python limits itself, then becomes the relay (exec): not a `preexec_fn`, which
+# makes `subprocess` fork this process, whose gRPC restarts its poller in the child, where
+# `close_fds` closes the poller's epoll descriptor before the exec: the child aborted, one run
+# in many ("epoll_wait error: Bad file descriptor", grpc/grpc#43055).
+_LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+def _nofile(pid: int) -> tuple[int, int]:
+    """Process `pid`'s descriptor limits (soft, hard)."""
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    return soft, hard
 
 
 def _start_relay(log_dir: Path) -> SwarmProcess:
@@ -37,12 +50,11 @@ def _start_relay(log_dir: Path) -> SwarmProcess:
     log_path = log_dir / "relay.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm.cli", *args],
+            [sys.executable, "-c", _LIMITED, str(NOFILE), "-m", "swarm.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_TOKEN": TOKEN},
-            preexec_fn=_limited,
         )
     return SwarmProcess(args, proc, log_path)
 
@@ -89,6 +101,7 @@ async def test_self_tunnels_leave_the_relay_descriptors_for_the_real_peer(tmp_pa
     peers: list[asyncio.Task[None]] = []
     try:
         address = (await asyncio.to_thread(relay.wait_ready, 60))["address"]
+        assert _nofile(relay.proc.pid) == (NOFILE, NOFILE), "the relay runs with its 256"
         made_up = [f"made-up-{i}" for i in range(4)]
         for peer in made_up:
             answer, control = await raw_attach(address, peer, TOKEN, source=ELSEWHERE)
