@@ -29,7 +29,7 @@ from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
 from tests.support.jobs import make_job
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS, WARM = 200, 20
 RSS_BOUND = 64 << 20  # bytes: far above what a leak-free run grows by, far below 200 steps' leak

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.device_check import STALL_S, Checked
+from tests.support.once import same_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_ratio.py"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500), same_worker("device-check")]
 
 
 def ratio(tmp_path: Path, *args: str, timeout: float) -> tuple[int, str]:

@@ -246,6 +246,7 @@ async def test_the_trainer_waits_for_a_scheduler_for_a_configurable_time() -> No
     await remote.close()
 
 
+@pytest.mark.slow  # a real scheduler's outage, waited out (~7 s)
 async def test_a_remote_trainer_rides_out_a_scheduler_outage(tmp_path: Path) -> None:
     with JobStore(tmp_path / "jobs.db") as store:
         job_id = store.create("test", render(BASE), str(tmp_path), 3).id
