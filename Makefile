@@ -61,10 +61,11 @@ demo: install
 
 # Two workers (pytest-xdist): most of the suite's time is spent waiting on the processes a test
 # starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. Every run prints its
-# 15 slowest tests. `loadgroup`: the modules that share a long fixture are dealt to one worker,
-# first (tests/support/once.py).
+# 15 slowest tests. `loadgroup`: the modules that share a long fixture are dealt to one worker
+# (tests/support/once.py), where they come in the order (not first: two such groups at once, and
+# every multi-process test beside another, made the run slower and its waits time out).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: install mosquitto nftables prometheus podman
 	$(BIN)/python -m pytest -q $(XDIST) --durations=15

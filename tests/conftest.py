@@ -58,10 +58,3 @@ def _one_torch_thread() -> Iterator[None]:
     yield
     torch.set_num_threads(threads)
 
-
-@pytest.hookimpl(trylast=True)  # after tests/system/conftest.py has marked its tests slow
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first, each part in its own order: `make test`'s two workers then end on
-    short tests, not one of them on a 30 s test while the other has nothing left (the longest
-    collected last were test_handover_flat's, ~30 s each)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -102,10 +102,15 @@ def run_on(net: netns.Network, host: str, argv: list[str], env: dict[str, str]) 
     return done.stdout
 
 
-def _alive(pid: int) -> bool:
+def maker_alive(pid: int) -> bool:
+    """Whether `pid`, the maker named in a lab's namespaces, is still a test process running: a
+    Python interpreter (pytest, or one of its xdist workers, whose command line does not name
+    pytest: it counted as gone, and a worker removed the other's labs mid-test). A pid reused
+    by another program counts as gone; one reused by another Python only keeps a leftover for a
+    later sweep."""
     try:
-        return b"pytest" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
+    except OSError:  # no such process, or a zombie (its executable is gone with it)
         return False
 
 
@@ -119,7 +124,7 @@ def network(
     problem = netns.available(routers=bool(lans))
     if problem:
         pytest.skip(problem)
-    netns.remove_leftovers(prefix, _alive)
+    netns.remove_leftovers(prefix, maker_alive)
     net = netns.Network(prefix, addresses, lans)
     try:
         net.create()

@@ -5,9 +5,8 @@ of a 2-core machine), as the tests of one module were dealt to both.
 
 `once` alone still left the second worker waiting on the lock while the first did the work (up
 to the quick run's ~70 s, when both were dealt one of its tests at once): the modules that share
-such work are also dealt to one worker (`same_worker`, `make test`'s `--dist loadgroup`), and
-xdist deals such a group before the single tests, so the longest work starts first and the
-run's tail is the short tests (`make test` took 702 to 739 s of its 720 before)."""
+such work are also dealt to one worker (`same_worker`, `make test`'s `--dist loadgroup`), in
+the suite's order."""
 
 from __future__ import annotations
 

@@ -147,3 +147,23 @@ def test_a_killed_run_s_routers_and_lans_are_removed_by_the_next() -> None:
     assert sorted(left) == sorted(n for n in removed if n.startswith(f"{tag}-"))
     assert [ns for ns in _namespaces() if ns.startswith(f"{tag}-")] == []
     assert sleeper.wait(10) == -signal.SIGKILL
+
+
+# An xdist worker's command line, as execnet starts it: no "pytest" in it.
+_WORKER = "import sys;exec(eval(sys.stdin.readline()))"
+
+
+def test_a_lab_made_by_another_xdist_worker_is_not_a_leftover() -> None:
+    """`make test`'s two workers each make their labs; a lab's maker is the worker's pid. CI saw
+    one worker's test remove the other's namespaces as leftovers mid-test ("Cannot open network
+    namespace swn-18613-pub"): a maker counted as alive only if its command line named pytest,
+    and a worker's does not. A maker that is gone is still a leftover's."""
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE)
+    try:
+        assert namespaces.maker_alive(worker.pid), "a live xdist worker counted as gone"
+    finally:
+        worker.kill()
+        worker.wait(10)
+        if worker.stdin is not None:
+            worker.stdin.close()
+    assert not namespaces.maker_alive(worker.pid), "a maker that is gone counted as alive"
