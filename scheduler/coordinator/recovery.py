@@ -77,6 +77,12 @@ class Recovery:
         self.every_s, self.clock = every_s, clock or MonotonicClock()
         self._last_at = self.clock.now()  # the last checkpoint started (or training did)
         self._saving: asyncio.Task[None] | None = None  # the checkpoint being written
+        # The steps the bans' rollbacks went back to (`latest(at_most)`), in order: a checkpoint
+        # being written as one came holds the banned peer's work if it is of a later step.
+        self._bans: list[int] = []
+        # A ban's rollback under way goes back to this step: until it has loaded that state
+        # (`restore`), a step after it is the banned trajectory's, and is not checkpointed.
+        self._going_back: int | None = None
 
     def checkpoint(self, step: int, members: list[list[Replica]]) -> None:
         """Write the checkpoint of `step` in the background while the next steps train; skipped
@@ -85,11 +91,21 @@ class Recovery:
         if self._saving is not None and not self._saving.done():
             log.warning("checkpoint of step %d skipped: the one before is still written", step)
             return
-        self._saving = asyncio.create_task(self._checkpoint(step, members))
+        if self._going_back is not None and step > self._going_back:
+            log.warning(
+                "checkpoint of step %d skipped: a ban's rollback to step %d is under way (the "
+                "state of step %d holds the banned peer's work)",
+                step,
+                self._going_back,
+                step,
+            )
+            return
+        # the bans so far: one from now on may drop it (`_banned_since`), its task not begun yet
+        self._saving = asyncio.create_task(self._checkpoint(step, members, len(self._bans)))
 
-    async def _checkpoint(self, step: int, members: list[list[Replica]]) -> None:
+    async def _checkpoint(self, step: int, members: list[list[Replica]], bans: int) -> None:
         try:
-            await self.save(step, members)
+            await self.save(step, members, bans)
         except OSError as e:  # a full or broken disk: training goes on without this one
             log.error("checkpoint of step %d not written: %s", step, e)
 
@@ -124,18 +140,23 @@ class Recovery:
             return False
         return not rule_of(self.job).rounds or is_boundary(self.job, step)
 
-    async def save(self, step: int, members: list[list[Replica]]) -> None:
-        """Save every stage's state at `step` (from one member each), then seal it. A write
-        that fails raises `OSError` (`checkpoint.CheckpointError`) with the unsealed files
-        removed: the caller skips this checkpoint, and a rollback uses the last sealed one."""
+    async def save(self, step: int, members: list[list[Replica]], bans: int | None = None) -> None:
+        """Save every stage's state at `step` (from one member each), then seal it, unless a ban
+        after the `bans`th (by default: after this call) went back before `step`. A write that
+        fails raises `OSError` (`checkpoint.CheckpointError`) with the unsealed files removed:
+        the caller skips this checkpoint, and a rollback uses the last sealed one."""
         assert self.directory is not None
         try:
-            await self._save(self.directory, step, members)
+            await self._save(
+                self.directory, step, members, len(self._bans) if bans is None else bans
+            )
         except OSError:
             await to_thread_to_the_end(checkpoint.discard, self.directory, step)
             raise
 
-    async def _save(self, directory: Path, step: int, members: list[list[Replica]]) -> None:
+    async def _save(
+        self, directory: Path, step: int, members: list[list[Replica]], bans: int
+    ) -> None:
         # Every stage at once: each replica snapshots its state when the download reaches it,
         # so all do so at `step`, before the next commit, however long the transfers take.
         # Every stage's write ends before a failure is raised: the caller's discard must not
@@ -147,10 +168,13 @@ class Recovery:
         for failed in saved:
             if isinstance(failed, BaseException):
                 raise failed
-        if not all(saved):
+        if not all(saved) or self._banned_since(bans, step):
             await to_thread_to_the_end(checkpoint.discard, directory, step)  # never sealed
             return
         await to_thread_to_the_end(checkpoint.seal, directory, step, self.job.training.stages)
+        if self._banned_since(bans, step):  # banned while it was sealed: gone as the ban said
+            await to_thread_to_the_end(checkpoint.drop_after, directory, min(self._bans[bans:]))
+            return
         log.info("checkpoint of step %d written to %s", step, directory)
         keep = self.job.training.keep_checkpoints
         try:  # after the seal: the newest sealed one is never the one deleted
@@ -160,6 +184,18 @@ class Recovery:
         else:
             if pruned:
                 log.info("checkpoints of steps %s deleted: the %d newest are kept", pruned, keep)
+
+    def _banned_since(self, bans: int, step: int) -> bool:
+        """Whether a ban since the `bans`th went back before `step` (said): the checkpoint of
+        `step`, begun before it, holds the banned peer's work, and the ban's deletion of such
+        checkpoints (`latest`) came before it was sealed."""
+        if not any(back < step for back in self._bans[bans:]):
+            return False
+        log.warning(
+            "checkpoint of step %d dropped: a peer banned while it was written did work in it",
+            step,
+        )
+        return True
 
     async def _save_stage(
         self, directory: Path, step: int, stage: int, replicas: list[Replica]
@@ -205,6 +241,8 @@ class Recovery:
         if at_most is None:
             return checkpoint.latest(self.directory) or 0
         step = max((s for s in checkpoint.sealed(self.directory) if s <= at_most), default=0)
+        self._bans.append(step)  # and the one being written, if after it (`_banned_since`)
+        self._going_back = step  # and those begun before the states are loaded (`restore`)
         dropped = checkpoint.drop_after(self.directory, step)
         if dropped:
             log.warning("checkpoints of steps %s deleted: they hold a banned peer's work", dropped)
@@ -223,6 +261,9 @@ class Recovery:
                     loaded.add(r.peer)
                 except SwarmError as e:
                     log.warning("rollback: %s could not load step %d: %s", r.peer, step, e)
+        # Loaded where it could be: the steps checkpointed from now on are trained anew (where
+        # no replica of a stage loaded it, the rollback runs again, a ban's with its `latest`).
+        self._going_back = None
         return loaded
 
     def stage_state(self, step: int, stage: int) -> dict[str, torch.Tensor]:

@@ -55,8 +55,9 @@ class Copy:
         self._ask = asyncio.Event()  # set: ask the source for updates now, not after a pause
         self._moved = asyncio.Event()  # set (and replaced) after each round of updates
         # Where this replica is as the copy starts: one that moves before the copy is loaded
-        # (it applied a commit as a member) is not overwritten by it (`Following.load`).
-        self._began = runtime.step
+        # (it applied a commit as a member, or a rollback loaded its state) is not overwritten
+        # by it (`Following.load`).
+        self._began = (runtime.step, runtime.loads)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     @property

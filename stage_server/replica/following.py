@@ -27,6 +27,7 @@ class Followed(Protocol):
 
     stage: int
     step: int
+    loads: int
     following: bool
     device: torch.device
     sums: Sums
@@ -51,16 +52,20 @@ class Following:
         assert replica is not None  # called by its replica only
         return replica
 
-    def load(self, step: int, state: dict[str, torch.Tensor], began: int | None = None) -> None:
+    def load(
+        self, step: int, state: dict[str, torch.Tensor], began: tuple[int, int] | None = None
+    ) -> None:
         """Become a copy of the replica whose state at `step` this is, and follow its updates.
-        `began`: this replica's step when the copy started. One that moved since (it applied a
-        commit as a member meanwhile) is not overwritten by the copy, which may be older than
-        what it holds: FailedPrecondition, and it stays as it is."""
+        `began`: this replica's step and `loads` when the copy started. One that moved since (it
+        applied a commit as a member meanwhile) or loaded a state (a rollback's, which may leave
+        its step as it was) is not overwritten by the copy, which may be older than what it
+        holds, or of a trajectory rolled back: FailedPrecondition, and it stays as it is."""
         r = self.replica
-        if began is not None and r.step != began:
+        if began is not None and began != (r.step, r.loads):
             raise FailedPrecondition(
-                f"stage {r.stage}: this replica moved from step {began} to {r.step} while "
-                f"copying a state of step {step}: the copy is stale, not loaded"
+                f"stage {r.stage}: this replica moved from step {began[0]} to {r.step} (or "
+                f"loaded a state: {r.loads - began[1]}) while copying a state of step {step}: "
+                "the copy is stale, not loaded"
             )
         r.load_state(step, state)
         r.following = True

@@ -66,6 +66,9 @@ class StageRuntime:
         self.params = list(self.module.parameters())
         self.optimizer = build_optimizer(self.params, job.optimizer)
         self.step = 0  # steps committed so far; the step being accumulated
+        # states loaded so far (a rollback's, a copy's): a copy begun before one is stale even
+        # where the load left the step as it was (`stage_server.replica.following`)
+        self.loads = 0
         self.rule = rule_of(job)
         # the parameters each step computes on: the module's, delayed_update's copies, an audit's
         self.copies = PriorParams.of(job, stage, self.module)
@@ -426,6 +429,7 @@ class StageRuntime:
         self.copies.load(step, state)
         self.round.load(self._param_names(), state, step)
         self.step = step
+        self.loads += 1
         self.sums.clear()
         self._cache.clear()
         self.updates.clear()  # its followers copied another state: they start again

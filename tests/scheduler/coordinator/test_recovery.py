@@ -104,3 +104,43 @@ async def test_a_trickling_member_fails_its_checkpoint_in_bounded_time_and_the_n
     told = [r.getMessage() for r in caplog.records]
     assert any("checkpoint 2: peer-slow did not answer" in m and "within 1.5s" in m for m in told)
     assert not any("skipped: the one before is still written" in m for m in told)
+
+
+async def test_a_checkpoint_in_flight_as_a_peer_is_banned_is_never_sealed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ban's rollback (`latest(at_most)`) deletes the sealed checkpoints after the step it goes
+    back to: they hold the banned peer's work. One still being written then held it too, and was
+    sealed after the deletion: a scheduler restarted later resumed from it, the banned peer's
+    work and all (CI: test_ban_restart, "rolled back to step 4" from a checkpoint of step 4
+    written after the rollback to step 0). Nor is one begun before the rollback loaded its
+    state."""
+    job = make_job(tmp_path, training={"stages": 1})
+    whole = initial_state(job, 0)
+    member = HostileStage(lambda: whole.items(), step=4)
+    directory = tmp_path / "checkpoints"
+    clients = ReplicaClients(grpc_replicas(job, "job"))
+    recovery = Recovery(job, clients, directory)
+    try:
+        async with serving(member) as address:
+            recovery.checkpoint(4, [[Replica("peer", address)]])  # of the steps before the ban
+            assert recovery.latest(at_most=0) == 0  # the ban: back to step 0
+            await asyncio.wait_for(recovery.flush(), 10)
+            assert checkpoint.sealed(directory) == [], "sealed after the ban's deletion"
+            assert checkpoint.latest(directory) is None
+            # A step the old trajectory reached after the ban, before its rollback loaded step
+            # 0's state (CI again: "checkpoint of step 6 written" after "rolled back to step
+            # 0"): not checkpointed.
+            member.step = 6
+            recovery.checkpoint(6, [[Replica("peer", address)]])
+            await asyncio.wait_for(recovery.flush(), 10)
+            assert checkpoint.sealed(directory) == [], "the banned trajectory's step 6 sealed"
+            await recovery.restore(0, [[]])  # the rollback loaded step 0 (here: on nobody)
+            recovery.checkpoint(6, [[Replica("peer", address)]])  # step 6 trained anew
+            await asyncio.wait_for(recovery.flush(), 10)
+    finally:
+        await clients.close()
+    assert checkpoint.sealed(directory) == [6]
+    told = [r.getMessage() for r in caplog.records]
+    assert any("checkpoint of step 4 dropped" in m for m in told), told
+    assert any("checkpoint of step 6 skipped: a ban's rollback to step 0" in m for m in told)

@@ -19,6 +19,7 @@ from swarm.model.stage_state import initial_state
 from swarm.rpc.stage_client import StageClient
 from tests.support.hostile import HostileStage, serving
 from tests.support.jobs import make_job
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,3 +89,33 @@ async def test_a_copy_never_overwrites_a_replica_that_moved_while_it_downloaded(
     assert isinstance(copy.error, FailedPrecondition) and "stale" in str(copy.error), copy.error
     assert not copy.loaded and not runtime.following and runtime.step == 1
     assert not all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())
+
+
+async def test_a_copy_never_overwrites_a_rollback_that_loaded_while_it_downloaded(
+    tmp_path: Path,
+) -> None:
+    """A joiner at step 0 began copying a member at step 5; a ban's rollback loaded step 0's
+    state on it while the download ran (its step unchanged: 0), then the copy landed: the
+    banned trajectory's state of step 5, over the rollback's (CI: test_ban_restart, "copied
+    stage 0 at step 5" after "loaded stage 0's state of step 0 (a rollback)", and the replica
+    refused every microbatch of the retrained steps as stale). A copy begun before a load is
+    not loaded."""
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    runtime = StageRuntime(job, STAGE)
+    rolled_back = {k: v.clone() for k, v in runtime.state_dict().items()}
+    ahead = {k: v + 1 if v.is_floating_point() else v for k, v in whole.items()}
+
+    def state() -> Iterator[tuple[str, torch.Tensor]]:
+        runtime.load_state(0, whole)  # the rollback's load, as the download runs
+        return iter(ahead.items())
+
+    async with serving(HostileStage(state, step=5)) as address:
+        copy = Copy(StageClient(address, job, "job", STAGE), runtime, _now, "joiner")
+        try:  # until it ends, or loads (then it follows on: the old code's way)
+            await wait_until(lambda: copy.loaded or not copy.running, "the copy's end or load")
+            assert not copy.loaded and not runtime.following and runtime.step == 0
+        finally:
+            await copy.cancel()
+    assert isinstance(copy.error, FailedPrecondition) and "stale" in str(copy.error), copy.error
+    assert all(torch.equal(rolled_back[k], v) for k, v in runtime.state_dict().items())
