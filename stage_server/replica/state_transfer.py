@@ -49,7 +49,7 @@ from stage_server.replica.snapshot import Snapshot
 from stage_server.replica.update_log import UpdateLog
 from stage_server.replica.worker import Worker
 from swarm.deadline import within
-from swarm.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from swarm.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from swarm.net.commit_auth import state_digest
 from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
@@ -138,6 +138,14 @@ class StateTransfer:
         when none of `source` is running, presenting `ticket` (the scheduler's, naming this
         replica a follower of `source`) to it. `epoch`: the coordinator's rollback epoch."""
         rt, copy = self._runtime(), self.copy
+        if epoch < rt.sums.epoch:
+            # Sent before a rollback whose LoadState this replica has had: its source may still
+            # hold the trajectory rolled back, which a copy would install over the rollback's
+            # state. The coordinator's next Join carries the rollback's epoch.
+            raise FailedPrecondition(
+                f"stage {rt.stage}: a Join sent before the rollback of epoch {rt.sums.epoch} "
+                f"(it names epoch {epoch}): stale, no copy started"
+            )
         # Before the answer that makes this replica a member: one that joins after a rollback
         # got no LoadState of it, and refuses work leased before it as those that loaded it do.
         rt.sums.joined(epoch)

@@ -199,3 +199,25 @@ def test_a_join_sent_before_a_rollback_does_not_take_its_epoch_back() -> None:
         sums.admit(BEFORE, 0, 1)
     sums.joined(AFTER + 1)  # a later Join's, after another rollback
     assert sums.epoch == AFTER + 1
+
+
+async def test_a_join_sent_before_a_rollback_that_loaded_here_starts_no_copy(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    """The coordinator's Join of the step before a rollback, handled after the rollback's
+    LoadState here (the coordinator takes its new epoch once every member loaded): it named a
+    source of the trajectory rolled back, maybe not loaded yet, whose state the copy would have
+    installed over the rollback's (CI: test_ban_restart, "copied stage 0 at step 6" after
+    "loaded stage 0's state of step 0", then every retrained microbatch refused as stale). It is
+    refused, and no copy starts; a Join of the rollback's epoch starts one as ever."""
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    try:
+        await client.load_state(0, server.runtime.export_state(), rollback_epoch=AFTER)
+        with pytest.raises(FailedPrecondition, match="sent before the rollback"):
+            await client.join("127.0.0.1:1", 5, rollback_epoch=BEFORE)
+        assert server.servicer._transfer.copy is None
+        assert await client.join("127.0.0.1:1", 5, rollback_epoch=AFTER) == -1  # copying
+        assert server.servicer._transfer.copy is not None
+    finally:
+        server.servicer._transfer.stop_copy()
+        await client.close()
