@@ -116,6 +116,17 @@ class Rollback:
     async def run(self) -> None:
         before, done = self._before, False
         try:
+            silent = await self._silent()
+            if silent:
+                # Loading the checkpoint on the other stages now would cost their replicas the
+                # trained state for nothing (this rollback cannot finish without these stages),
+                # and a replica between two paths (its relay died, it re-attaches to another)
+                # may still hold its stage's state: the next try may re-admit it instead.
+                log.info("rollback waits: no replica of stage(s) %s answers", silent)
+                return
+            # Every stage answers now: readmission asks over the paths that answered. Asked
+            # before the look, it reached a replica between two paths over the dead one, which
+            # the look then found answering over the new: a rollback threw its state away.
             ledgers = self.window.ledgers()
             if (
                 before is None  # a ban's rollback re-admits nobody: the state it holds is tainted
@@ -124,14 +135,6 @@ class Rollback:
                 and await self.membership.readmit(ledgers[0].step)
             ):
                 self.wake()  # a replica dropped for a missed deadline still held the state
-                return
-            silent = await self._silent()
-            if silent:
-                # Loading the checkpoint on the other stages now would cost their replicas the
-                # trained state for nothing (this rollback cannot finish without these stages),
-                # and a replica between two paths (its relay died, it re-attaches to another)
-                # may still hold its stage's state: the next try may re-admit it instead.
-                log.info("rollback waits: no replica of stage(s) %s answers", silent)
                 return
             # A checkpoint still being written may be the newest.
             await self.recovery.flush(self.job.runtime.commit_timeout_s)

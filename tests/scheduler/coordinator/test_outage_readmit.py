@@ -14,7 +14,8 @@ from pathlib import Path
 
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
-from tests.support.coordinator import MakeHarness, job_of
+from swarm.rpc.lease import Task
+from tests.support.coordinator import Harness, MakeHarness, job_of
 from tests.support.replicas import FakeSwarm
 
 
@@ -46,3 +47,44 @@ async def test_both_replicas_of_a_home_back_from_an_outage_count_again_without_a
     await h.step()  # the next boundary: b is asked to copy nobody
     assert not b.called("join") and not a.called("load_state")
     assert (a.step, b.step, c.step) == (3, 3, 3)
+
+
+async def test_a_replica_whose_path_changed_as_its_stage_was_lost_is_readmitted_not_rolled_back(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A stage's only replica is behind NAT and its relay dies in the commit: it is dropped, and
+    re-attaches to another relay at once. The rollback's readmission asked it over the dead
+    path (no answer); its look for silent stages a moment later, over the new one, found it
+    answering, so it rolled every stage back to the checkpoint, the state the replica held
+    thrown away (CI: test_relay_failover, "a rollback while another path existed"). Stages are
+    judged silent first, then readmitted: it counts again, with no rollback."""
+    job = job_of(tmp_path, steps=4)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a")
+    c = swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    await h.step()
+    gone = PeerUnavailable("UNAVAILABLE: Stream removed (Connection reset by peer)")
+    c.fail("prepare", gone)  # step 1: its relay dies in the commit
+    c.fail("info", PeerUnavailable("UNAVAILABLE: failed to connect: the dead relay's path"))
+    for task in await h.lease():
+        await h.run(task)
+    replay = await _lease_after_backoffs(h)
+    assert {t.step for t in replay} == {1}
+    assert h.rollbacks.empty(), "rolled back while the replica held its state"
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+    assert not c.called("load_state")
+
+
+async def _lease_after_backoffs(h: Harness, tries: int = 20) -> list[Task]:
+    """The next tasks, the clock moved past the rollback's backoff between looks (a try that
+    found a stage silent waits; the next comes at a lease after its backoff)."""
+    for _ in range(tries):
+        for _ in range(50):
+            lease = await h.coordinator.lease("t", 8)
+            if lease.tasks:
+                return lease.tasks
+            await asyncio.sleep(0.001)
+        h.clock.advance(1.0)
+    raise AssertionError("no work was leased")
