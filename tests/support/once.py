@@ -1,12 +1,7 @@
 """Work done once per pytest run, whichever of the run's xdist workers asks first: a module's
 fixture runs in each worker that gets one of the module's tests, and `make test`'s two workers
 used to build the container image twice and run the device check's quick run twice (each ~90 s
-of a 2-core machine), as the tests of one module were dealt to both.
-
-`once` alone still left the second worker waiting on the lock while the first did the work (up
-to the quick run's ~70 s, when both were dealt one of its tests at once): the modules that share
-such work are also dealt to one worker (`same_worker`, `make test`'s `--dist loadgroup`), in
-the suite's order."""
+of a 2-core machine), as the tests of one module were dealt to both."""
 
 from __future__ import annotations
 
@@ -18,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["once", "same_worker"]
-
-
-def same_worker(work: str) -> pytest.MarkDecorator:
-    """The mark of a module whose tests share `work`: all of them dealt to one xdist worker."""
-    return pytest.mark.xdist_group(work)
+__all__ = ["once"]
 
 
 def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:

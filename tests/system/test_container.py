@@ -36,12 +36,12 @@ from tests.support import image
 from tests.support.cli import ROOT, swarm
 from tests.support.equality import assert_equal_to_local
 from tests.support.jobs import write_job
-from tests.support.once import once, same_worker
+from tests.support.once import once
 from tests.support.ports import free_port
 from tests.support.status import job_status
 from tests.support.waiting import wait_until_blocking
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), same_worker("image")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TAG = "localhost/swarm:test"
 UID = 10001  # the image's user (Containerfile): the volumes it writes are its own

@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.device_check import STALL_S, Checked, run_check
-from tests.support.once import same_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(520), same_worker("device-check")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(520)]
 
 
 def files_under(out: Path) -> list[str]:

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.device_check import STALL_S, Checked
-from tests.support.once import same_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_ratio.py"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(500), same_worker("device-check")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
 
 
 def ratio(tmp_path: Path, *args: str, timeout: float) -> tuple[int, str]:
