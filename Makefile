@@ -63,7 +63,7 @@ demo: install
 # starts, so two workers on 2 cores take ~12 minutes where one took ~21-25. Every run prints its
 # 15 slowest tests. `loadgroup` with no groups (under pytest 9 xdist's groups do not group):
 # one test at a time to whichever worker is free, in the suite's order, where `load` dealt the
-# first quarter of the suite to both in turn up front (702-739 s before, 664-667 s with it).
+# first quarter of the suite to both in turn up front (702-739 s before, 659-710 s with it).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
