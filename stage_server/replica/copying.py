@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from stage_server.replica.following import Began
 from stage_server.replica.runtime import StageRuntime
 from swarm.deadline import within
 from swarm.errors import SwarmError
@@ -57,7 +58,7 @@ class Copy:
         # Where this replica is as the copy starts: one that moves before the copy is loaded
         # (it applied a commit as a member, or a rollback loaded its state) is not overwritten
         # by it (`Following.load`).
-        self._began = (runtime.step, runtime.loads)
+        self._began = Began(runtime.step, runtime.loads)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     @property

@@ -9,7 +9,7 @@ the following) or holds work of its own. The download and the asking for updates
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -18,7 +18,14 @@ from stage_server.replica.step_sums import Sums
 from swarm.errors import FailedPrecondition
 from swarm.rpc.state_streams import Update
 
-__all__ = ["Following"]
+__all__ = ["Began", "Following"]
+
+
+class Began(NamedTuple):
+    """Where a replica was as a copy into it began: a copy is stale once either moved."""
+
+    step: int
+    loads: int  # states loaded so far (`StageRuntime.loads`)
 
 
 class Followed(Protocol):
@@ -52,19 +59,17 @@ class Following:
         assert replica is not None  # called by its replica only
         return replica
 
-    def load(
-        self, step: int, state: dict[str, torch.Tensor], began: tuple[int, int] | None = None
-    ) -> None:
+    def load(self, step: int, state: dict[str, torch.Tensor], began: Began | None = None) -> None:
         """Become a copy of the replica whose state at `step` this is, and follow its updates.
         `began`: this replica's step and `loads` when the copy started. One that moved since (it
         applied a commit as a member meanwhile) or loaded a state (a rollback's, which may leave
         its step as it was) is not overwritten by the copy, which may be older than what it
         holds, or of a trajectory rolled back: FailedPrecondition, and it stays as it is."""
         r = self.replica
-        if began is not None and began != (r.step, r.loads):
+        if began is not None and began != Began(r.step, r.loads):
             raise FailedPrecondition(
-                f"stage {r.stage}: this replica moved from step {began[0]} to {r.step} (or "
-                f"loaded a state: {r.loads - began[1]}) while copying a state of step {step}: "
+                f"stage {r.stage}: this replica moved from step {began.step} to {r.step} (or "
+                f"loaded a state: {r.loads - began.loads}) while copying a state of step {step}: "
                 "the copy is stale, not loaded"
             )
         r.load_state(step, state)

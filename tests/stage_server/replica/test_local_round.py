@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stage_server.replica.following import Began
 from stage_server.replica.runtime import StageRuntime
 from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument
 from swarm.job.config import JobConfig
@@ -117,7 +118,7 @@ def test_a_copy_follows_its_source_through_a_rounds_end(tmp_path: Path, taken: s
         _train(other, job, 1, [1, 2, 3])
     a.updates.follow("b", a.step)
     b = StageRuntime(job, 0)
-    b.follow.load(a.step, a.export_state(), began=(0, 0))  # fresh: step 0, none loaded
+    b.follow.load(a.step, a.export_state(), began=Began(0, 0))  # a fresh replica
     assert b.copy_step == 1  # mid-round at 1, or at 2 without the round's end
     if taken == "mid-round":
         _train(a, job, 1, [0])
@@ -232,7 +233,7 @@ def test_an_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(tmp_pat
     for step, (mine, theirs) in held.items():
         if step == 3:  # mid-round, with the sum of round [0, 1] already in
             a.updates.follow("b", a.step)
-            copy.follow.load(a.step, a.export_state(), began=(0, 0))  # fresh: step 0, none loaded
+            copy.follow.load(a.step, a.export_state(), began=Began(0, 0))  # a fresh replica
             assert copy.round is not None and not copy.round.pending
         _train(a, job, step, mine)
         _train(b, job, step, theirs)
@@ -293,7 +294,7 @@ def test_delayed_eager_pool_of_two_equals_the_reference_and_a_copy_follows_it(
         _train(b, job, step, theirs)
         if step == 2:  # between a's APPLY (its sums kept) and the step's end
             a.updates.follow("b", a.step)
-            copy.follow.load(a.step, a.export_state(), began=(0, 0))  # fresh: step 0, none loaded
+            copy.follow.load(a.step, a.export_state(), began=Began(0, 0))  # a fresh replica
             assert copy.copy_step == 2
         runs = [Run(i, (0,), ("a",)) for i in mine] + [Run(i, (0,), ("b",)) for i in theirs]
         record.append(StepRuns(step, tuple(sorted(runs, key=lambda r: r.index))))
