@@ -304,6 +304,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             reply = self._messages.reply_codec(h.reply_codec)
             step, index = h.microbatch.step, h.microbatch.index
             maybe_die(Point.FORWARD, step)
+            await self._commits.before(step)  # the step before's APPLY, if it is on its way
             # The outputs' copy to the host on the worker thread, right after the compute.
             outputs, queued = await self._answering.run(h)(
                 self._answering.computing(h, self.compute.forward),
@@ -325,6 +326,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             inputs = tensors.get("inputs")  # absent: use the activations cached by Forward
             given = None if inputs is None else Crossing(inputs, tensors.get("tokens"))
             reply = self._messages.reply_codec(h.reply_codec)
+            await self._commits.before(h.microbatch.step)
             done = await self._answering.backward_here(
                 self.compute.backward,
                 h,
@@ -348,6 +350,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             rt, reply = self.runtime, self._messages.reply_codec(h.reply_codec)
             given = Crossing(inputs, tensors.get("tokens"))  # a subspace boundary's ids beside
             maybe_die(Point.FORWARD, h.microbatch.step)
+            await self._commits.before(h.microbatch.step)
             if h.evaluate:
                 loss, queued = await self.worker.run_queued(
                     rt.evaluate, h.microbatch.step, given, targets
@@ -372,6 +375,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, tensors, came = await self._receive(request_iterator, held, self._push.room, True)
             inputs, targets = self._messages.need(tensors, "inputs", "targets")
             call = PushCall.received(h, Crossing(inputs, tensors.get("tokens")), targets)
+            await self._commits.before(call.step)  # the step before's APPLY, if on its way
             return await self._push.push(h, call, context.time_remaining, came)
 
         for msg in self._messages.split(await self._run_held("Push", context, body)):

@@ -12,9 +12,12 @@
    checked (`round_checks`: every part's sums, the norm bound, audited contributions): a
    failure fails the round, and whom it names sits out, is left out or is banned;
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
-   so a replay can still run through the whole pipeline. Each PREPARE answers with the squared
-   norm of its pool's averaged gradient; with `training.grad_clip` the coordinator sums them in
-   stage order into the whole model's norm, and every APPLY carries the one clipping coefficient.
+   so a replay can still run through the whole pipeline. Once the APPLYs are sent the step is
+   decided (`decided`, the caller's: the plain synchronous rule opens the next step then, and
+   a replica waits for its APPLY before it computes the next step's work, `live_steps`). Each
+   PREPARE answers with the squared norm of its pool's averaged gradient; with
+   `training.grad_clip` the coordinator sums them in stage order into the whole model's norm,
+   and every APPLY carries the one clipping coefficient.
    A NaN or infinite norm from any member (clipping or not) sends no APPLY at all: the job fails
    (`NonFiniteStep`), every replica stays at the step, and checkpoints stay finite. So does a
    replica that refuses its APPLY as non-finite (`NonFiniteGradient`).
@@ -28,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
@@ -45,6 +48,7 @@ from scheduler.coordinator.trust.sum_checks import Checksums, checked, new_seed
 from scheduler.coordinator.voids import Voids
 from swarm.errors import NonFiniteGradient
 from swarm.model.optim import clip_scale
+from swarm.ops import timeline
 from swarm.rpc.lease import Replica
 
 __all__ = ["NonFiniteStep", "TwoPhaseCommit"]
@@ -71,14 +75,18 @@ class TwoPhaseCommit:
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
 
     @asynccontextmanager
-    async def attempt(self, ledger: StepLedger, round_id: str) -> AsyncIterator[bool]:
+    async def attempt(
+        self, ledger: StepLedger, round_id: str, decided: Callable[[], None] | None = None
+    ) -> AsyncIterator[bool]:
         """Commit `ledger`'s step under `round_id`: whether it applied; False when it must wait
         (for replays, or a retry): whatever went wrong has been lost, voided or dropped by then,
         and `failure` says so when it was the PREPARE round. The caller's block runs before the
         attempt ends (a round that ends with the step ends there: `Rounds.applied`), so a
-        straggler's duplicate stays held until then."""
+        straggler's duplicate stays held until then. `decided()` is called once every PREPARE
+        passed and the APPLYs are sent, before their answers: the step applies from then on
+        (a replica that fails its APPLY rejoins later), or the job fails (`NonFiniteStep`)."""
         try:
-            applied = await self._attempt(ledger, round_id)
+            applied = await self._attempt(ledger, round_id, decided)
             yield applied
         finally:
             held = self.voids.decided()
@@ -93,7 +101,9 @@ class TwoPhaseCommit:
             else:
                 await self.void(ledger, stage, peer)
 
-    async def _attempt(self, ledger: StepLedger, round_id: str) -> bool:
+    async def _attempt(
+        self, ledger: StepLedger, round_id: str, decided: Callable[[], None] | None
+    ) -> bool:
         self.failure = None
         members = self.membership.replicas()
         for stage, replicas in enumerate(members):
@@ -111,7 +121,9 @@ class TwoPhaseCommit:
             return False
         self.voids.deciding(ledger)  # from here on a straggler's duplicate is voided afterwards
         where = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
+        start = timeline.now()
         reported = await self._prepare(ledger, members, where, round_id)
+        timeline.span("prepare", start, timeline.now(), step=ledger.step)  # the benches'
         if reported is None:
             return False
         self._refuse_nonfinite(ledger.step, reported)
@@ -122,10 +134,15 @@ class TwoPhaseCommit:
         scale = clip_scale(sq_norms, self.grad_clip)
         self.grad_norm = math.sqrt(math.fsum(sq_norms))
         self.metrics.grad_norm.set(self.grad_norm)
-        applied = await asyncio.gather(
-            *(self.clients.get(stage, r).apply(ledger.step, scale) for stage, r in where),
-            return_exceptions=True,
-        )
+        start = timeline.now()
+        applying = [
+            asyncio.ensure_future(self.clients.get(stage, r).apply(ledger.step, scale))
+            for stage, r in where
+        ]
+        if decided is not None:
+            decided()
+        applied = await asyncio.gather(*applying, return_exceptions=True)
+        timeline.span("apply", start, timeline.now(), step=ledger.step)
         refused = [
             (stage, r.peer, result)
             for (stage, r), result in zip(where, applied, strict=True)

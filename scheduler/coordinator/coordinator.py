@@ -16,6 +16,7 @@ of the job's rule (`round_strategy`) run after the commits that end them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -398,7 +399,8 @@ class LocalCoordinator:
             return True
         try:
             rid = f"{ledger.step}/{commit.attempt}{self._rollback.epoch}"  # anew after rollbacks
-            async with self.two_phase.attempt(ledger, rid) as applied:
+            decided = functools.partial(self._decided, live)  # the next step may open then
+            async with self.two_phase.attempt(ledger, rid, decided) as applied:
                 if applied:  # a round that ends with the step ends now, within the attempt
                     await self.rounds.applied(ledger)
             if applied:
@@ -442,6 +444,14 @@ class LocalCoordinator:
                 # yet): no replay will report back, so try again by itself, backing off.
                 commit.task = asyncio.create_task(self._retry(live, commit.backoff))
         return False
+
+    def _decided(self, live: Live) -> None:
+        """`live`'s step is decided (its APPLYs sent): the plain synchronous rule opens the next
+        step beside it now (`live_steps.SyncSteps`); `_next_step` finishes the step once its
+        APPLYs answered, as it does with delayed_update's next step open beside."""
+        step = self._window.decided(live.ledger)
+        if step is not None and live in self._window:
+            self._open(step, beside=True)
 
     def _fail(self, error: BaseException) -> None:
         self.error = error

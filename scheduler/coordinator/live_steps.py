@@ -2,13 +2,20 @@
 commit is applied, each with its ledger and its commit; chosen once from the job's rule
 (`window_of`).
 
-Synchronous, one is live (`LiveSteps`): step t+1 opens once step t is applied everywhere. With
+Under a rule with rounds (`LiveSteps`), one is live: step t+1 opens once step t is applied
+everywhere (and its round, if it ends one, has ended). The plain synchronous rule (`SyncSteps`)
+opens step t+1 once step t is decided: every PREPARE answered, the APPLYs sent. Step t stays
+live until its APPLYs answered, so nothing admits, drops or rolls back a replica as if the
+step were over; a replica that gets step t+1's work before its APPLY waits for it
+(`stage_server.replica.pending_apply`), so each step still computes on the parameters after
+the one before, exactly as before, and the APPLY's answer, the step's bookkeeping, the lease
+and the first push run beside the APPLYs rather than after them (issue 69). With
 `training.delayed_update` (`DelayedSteps`) step t+1 opens as soon as step t has nothing left to
 lease, once step t-1 is applied (its microbatches compute on the parameters before step t's
 update, which the replicas keep), so two are live at once: step t, draining and then
 committing, with the replays a failed round needs (leased first), and step t+1. Neither the
-pipeline's drain nor the averaging leaves it idle. Step t+1's commit waits for step t's APPLY,
-so the updates are applied in order, each once.
+pipeline's drain nor the averaging leaves it idle. In both, step t+1's commit waits for step
+t's APPLY, so the updates are applied in order, each once.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from dataclasses import dataclass, field
 from scheduler.coordinator.ledger import StepLedger
 from swarm.clock import Clock
 from swarm.job.config import JobConfig
-from swarm.job.rule import Rule
+from swarm.job.rule import Rule, RuleKind
 from swarm.policy.backoff import Backoff
 from swarm.proto import stage_pb2 as pb
 
-__all__ = ["Commit", "DelayedSteps", "Live", "LiveSteps", "window_of"]
+__all__ = ["Commit", "DelayedSteps", "Live", "LiveSteps", "SyncSteps", "window_of"]
 
 
 def _retry_backoff() -> Backoff:
@@ -140,6 +147,10 @@ class LiveSteps:
         """The step to open before the live one completes, if any."""
         return None
 
+    def decided(self, ledger: StepLedger) -> int | None:
+        """The step to open once `ledger`'s commit is decided (its APPLYs sent), if any."""
+        return None
+
     def receipts(self, info: pb.StageInfoResponse, step: int) -> Sequence[int] | None:
         """The receipts a replica's `info` holds for `step`; None where it is elsewhere."""
         return info.receipts if info.step == step else None
@@ -195,6 +206,22 @@ class DelayedSteps(LiveSteps):
         return super().receipts(info, step)
 
 
+class SyncSteps(LiveSteps):
+    """The plain synchronous rule's window: the next step opens as the commit is decided."""
+
+    def decided(self, ledger: StepLedger) -> int | None:
+        """The next step, unless `ledger`'s is the last one: the final evaluation opens once
+        that is applied (it is of the trained parameters, and the job is done after it)."""
+        step = ledger.step + 1
+        if ledger.microbatches and step < self.steps and len(self._live) == 1:
+            return step
+        return None
+
+
 def window_of(rule: Rule, job: JobConfig, steps: int, clock: Clock) -> LiveSteps:
     """The live-step window of `job`, whose rule is `rule`, of `steps` steps."""
-    return (DelayedSteps if rule.delays else LiveSteps)(job, steps, clock)
+    if rule.delays:
+        return DelayedSteps(job, steps, clock)
+    return (
+        SyncSteps(job, steps, clock) if rule.kind is RuleKind.SYNC else LiveSteps(job, steps, clock)
+    )

@@ -45,6 +45,7 @@ from stage_server.averaging.sent_sums import SentSum
 from stage_server.averaging.spill import Spill
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.messages import Limits
+from stage_server.replica.pending_apply import PendingApply
 from stage_server.replica.runtime import Served, StageRuntime
 from stage_server.replica.step_sums import Sent
 from stage_server.replica.worker import Worker
@@ -151,6 +152,7 @@ class Committer:
         # (round, its sum as a lossy codec carried it) of the last round averaged while a peer
         # follows this replica: what the update sent to it is made of (`SentSum`)
         self._sent: tuple[str, Sent] = ("", ())
+        self.pending = PendingApply()  # calls of the next step, waiting for this one's APPLY
 
     def serve(self) -> None:
         """A stage installed anew (or the one served let go) starts from no residuals, and
@@ -159,6 +161,24 @@ class Committer:
         self.feedback = ErrorFeedback()
         self._prepared = None
         self._sent = ("", ())
+        self.pending.moved()
+
+    async def before(self, step: int) -> None:
+        """A data-plane call of `step` is about to compute here: while this replica answered
+        the PREPARE of the step before and its APPLY has not landed, it waits for that APPLY
+        (`pending_apply`: the coordinator opens a step once the one before is decided)."""
+
+        def due() -> bool:
+            rt, prepared = self._runtime(), self._prepared
+            return (
+                prepared is not None
+                and prepared[1:3] == (rt.stage, step - 1)
+                and rt.step == step - 1
+            )
+
+        if due():
+            timeout_s = self._runtime().job.runtime.rpc_timeout_s  # the APPLY call's deadline
+            await self.pending.wait(due, timeout_s, f"{self.peer}: a call of step {step}")
 
     async def commit(self, c: Commit) -> Committed:
         """Prepare and/or apply step `c.step` (or, `c.round_end`, the round ending before it)."""
@@ -211,7 +231,10 @@ class Committer:
                 raise InvalidArgument(f"grad_scale must be in (0, 1]; got {c.grad_scale}")
             known = self._prepared
             norm = known[3] if known is not None and known[:3] == (c.job, c.stage, step) else None
-            already = await self._worker.run(self._apply, rt, c, norm)
+            try:
+                already = await self._worker.run(self._apply, rt, c, norm)
+            finally:
+                self.pending.moved()  # calls of the next step waiting for it go on (or refused)
             self.feedback.applied(c.job, c.stage, step)
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
@@ -457,6 +480,7 @@ class Committer:
         dropped = await self._worker.run(self._runtime().discard, step)
         if self._prepared is not None and self._prepared[2] == step:
             self._prepared = None  # what it prepared is gone with its gradients
+            self.pending.moved()  # no APPLY of it will come: a call waiting for one is refused
         log.warning("%s: voided %d microbatches of step %d", self.peer, dropped, step)
         self.metrics.accumulated(0, 0)
         return dropped
