@@ -166,7 +166,8 @@ class Committer:
     async def before(self, step: int) -> None:
         """A data-plane call of `step` is about to compute here: while this replica answered
         the PREPARE of the step before and its APPLY has not landed, it waits for that APPLY
-        (`pending_apply`: the coordinator opens a step once the one before is decided)."""
+        (`pending_apply`: the coordinator opens a step once the one before is decided). Not
+        under delayed_update, whose next step computes on the parameters before the APPLY."""
 
         def due() -> bool:
             rt, prepared = self._runtime(), self._prepared
@@ -174,6 +175,7 @@ class Committer:
                 prepared is not None
                 and prepared[1:3] == (rt.stage, step - 1)
                 and rt.step == step - 1
+                and not rt.copies.ahead
             )
 
         if due():

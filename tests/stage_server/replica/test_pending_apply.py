@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from stage_server.replica.pending_apply import PendingApply
-from stage_server.server import RunningStageServer
+from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import FailedPrecondition
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
 from swarm.wire.crossing import Crossing
+from tests.support.jobs import DELAYED, make_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,6 +81,23 @@ async def test_a_waiting_call_is_refused_once_what_was_prepared_is_discarded(
     with pytest.raises(FailedPrecondition, match="step 1 has not started here"):
         await asyncio.wait_for(ahead, 30)
     assert server.runtime.step == 0
+
+
+async def test_under_delayed_update_the_next_step_computes_before_the_apply(
+    tmp_path: Path,
+) -> None:
+    """delayed_update's step t+1 computes on the parameters before step t's update: it never
+    waits for that APPLY (its overlap with the commit is the rule's whole point)."""
+    job = make_job(tmp_path, "delayed", training={"stages": 3, **DELAYED})
+    server = await start_stage_server(job, StageServerOptions(stage=1))
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    try:
+        await _prepared(client)
+        served = await asyncio.wait_for(client.forward(1, 0, Crossing(_inputs())), 30)
+        assert as_tensor(served).shape == (4, 16, 32) and server.runtime.step == 0
+    finally:
+        await client.close()
+        await server.stop()
 
 
 async def test_the_wait_is_bounded_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
