@@ -208,7 +208,11 @@ class HostDevice:
 
     def live(self) -> int:
         """How many shared allocations are still alive (held by a process, or in limbo)."""
-        return sum(not ref.expired() for ref in self._storages.values())
+        return len(self.alive())
+
+    def alive(self) -> frozenset[bytes]:
+        """The handles of the shared allocations still alive (held by a process, or in limbo)."""
+        return frozenset(handle for handle, ref in self._storages.items() if not ref.expired())
 
 
 _REBUILD = inspect.signature(rebuild_cuda_tensor)
