@@ -21,6 +21,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from swarm.deadline import within
+
 __all__ = ["PendingApply"]
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,6 @@ class PendingApply:
                 return
             moved = self._moved  # before waiting: a move after the look wakes this wait
             try:
-                await asyncio.wait_for(moved.wait(), min(left, self.RECHECK_S))
+                await within(moved.wait(), min(left, self.RECHECK_S))
             except TimeoutError:
                 continue
