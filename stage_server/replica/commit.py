@@ -149,6 +149,9 @@ class Committer:
         self.feedback = ErrorFeedback()  # what lossy averaging dropped, for the next round
         # (job, stage, step, squared norm) of the average this replica prepared last
         self._prepared: tuple[str, int, int, float] | None = None
+        # the runtime's `loads` as it answered that PREPARE: a state loaded since (a rollback's
+        # to that very step, say) leaves `_prepared` on record, but no APPLY of it will come
+        self._prepared_loads = -1
         # (round, its sum as a lossy codec carried it) of the last round averaged while a peer
         # follows this replica: what the update sent to it is made of (`SentSum`)
         self._sent: tuple[str, Sent] = ("", ())
@@ -175,6 +178,7 @@ class Committer:
                 prepared is not None
                 and prepared[1:3] == (rt.stage, step - 1)
                 and rt.step == step - 1
+                and rt.loads == self._prepared_loads
                 and not rt.copies.ahead
             )
 
@@ -218,6 +222,7 @@ class Committer:
                 await self._worker.run(rt.set_prepared, step, sums, c.total_samples, sent)
                 sq_norm = await self._worker.run(rt.prepared_sq_norm, step)
             self._prepared = (c.job, c.stage, step, sq_norm)
+            self._prepared_loads = rt.loads
             if not math.isfinite(sq_norm):
                 self.metrics.nonfinite()
                 log.warning(

@@ -104,3 +104,20 @@ async def test_the_wait_is_bounded_and_says_so(caplog: pytest.LogCaptureFixture)
     caplog.set_level(logging.WARNING)
     await PendingApply().wait(lambda: True, 0.05, "peer: a call of step 3")
     assert "peer: a call of step 3 waited 0 s for its step's APPLY" in caplog.text
+
+
+async def test_a_call_after_a_rollback_to_the_prepared_step_is_refused_at_once(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    """A rollback to the step this replica prepared and applied (the job went back to before
+    it: a liar banned, say) leaves what it prepared on record with the replica at that step
+    again. No APPLY of it is on its way: a call of the next step, of the abandoned trajectory,
+    is refused at once, as before the early opening. Before: it waited the APPLY's deadline
+    (the job's `rpc_timeout_s`, 60 s), and the replay with it."""
+    await _prepared(client)
+    state = server.runtime.export_state()  # the state of step 0, as the rollback sends it
+    await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY, grad_scale=1.0)
+    assert await client.load_state(0, state, rollback_epoch=1) == 0
+    with pytest.raises(FailedPrecondition, match="step 1 has not started here"):
+        await asyncio.wait_for(client.forward(1, 0, Crossing(_inputs())), 10)
+    assert server.runtime.step == 0
