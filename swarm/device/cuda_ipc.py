@@ -212,7 +212,9 @@ class HostDevice:
 
     def alive(self) -> frozenset[bytes]:
         """The handles of the shared allocations still alive (held by a process, or in limbo)."""
-        return frozenset(handle for handle, ref in self._storages.items() if not ref.expired())
+        with self._lock:  # the servers' threads add to it as it is read
+            storages = list(self._storages.items())
+        return frozenset(handle for handle, ref in storages if not ref.expired())
 
 
 _REBUILD = inspect.signature(rebuild_cuda_tensor)

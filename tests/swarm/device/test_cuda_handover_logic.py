@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import secrets
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -210,3 +211,31 @@ def test_a_replica_refuses_a_handle_it_cannot_take_by_name() -> None:
     meta.handover.cuda.offset = AT
     with pytest.raises(HandoverRefused, match="invalid resource handle"):
         handing.take(0, meta)
+
+
+def test_the_allocations_alive_are_read_while_another_thread_shares() -> None:
+    """`HostDevice.alive()` is read by a test's step hook on the event loop's thread while the
+    servers' worker threads share allocations (tests/test_handover_flat.py). Before, it iterated
+    the allocations without the lock its writers hold: "dictionary changed size during
+    iteration", one CI run in a few."""
+    host = HostDevice()
+    kept = [torch.UntypedStorage(8) for _ in range(4_000)]
+    for storage in kept[:2_000]:
+        host.share(storage)
+    errors: list[BaseException] = []
+
+    def sharing() -> None:
+        try:
+            for storage in kept[2_000:]:
+                host.share(storage)
+        except BaseException as e:  # said below, on the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=sharing)
+    thread.start()
+    seen = 0
+    while thread.is_alive():
+        seen = max(seen, len(host.alive()))
+    thread.join()
+    assert not errors
+    assert len(host.alive()) == 4_000 and seen <= 4_000
