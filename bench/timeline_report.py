@@ -6,8 +6,9 @@ union of every server's compute intervals is the time some stage had work on the
 rest of the step (`idle`) no stage had any, and the device had nothing to do whatever NVML
 says. That idle time is cut where it falls:
 
-- `fill`: from the step's opening to the first compute of its microbatches (the trainer's lease,
-  its first push, the first hop);
+- `fill`: from the step's opening (or the step before's end, where that came later: the
+  coordinator's record counts a step from there) to the first compute of its microbatches
+  (the trainer's lease, its first push, the first hop);
 - `gaps`: between computes while the step's microbatches are in flight (hops: gRPC, the
   handover, decoding; a stage waiting on another);
 - `drain`: from the last microbatch compute to the commit's start (the answer back up the
@@ -96,6 +97,10 @@ def breakdown(
         applied = marks.get(("applied", step))
         if opened is None or commit is None or applied is None:
             continue
+        # A step's time counts from the later of its opening and the step before's end, as
+        # the coordinator's record counts it: the synchronous rule opens a step once the one
+        # before is decided, before its APPLYs answered (and delayed_update earlier still).
+        opened = max(opened, marks.get(("applied", step - 1), opened))
         work = [
             (pid, e)
             for pid, e in computes
@@ -104,7 +109,7 @@ def breakdown(
         spans = [_clip(e["t0"], e["t1"], opened, applied) for _, e in computes]
         inside = [s for s in spans if s is not None]
         mb = [(e["t0"], e["t1"]) for _, e in work if e["fn"] in MICROBATCH_WORK]
-        first = min((a for a, _ in mb), default=commit)
+        first = max(min((a for a, _ in mb), default=commit), opened)  # begun before: none
         last = max((b for _, b in mb), default=commit)
         during = [c for s in inside if (c := _clip(*s, first, last))]
         in_commit = [c for s in inside if (c := _clip(*s, commit, applied))]

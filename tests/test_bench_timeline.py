@@ -144,3 +144,28 @@ def test_a_steps_wait_for_its_last_audits_is_from_the_last_push_answered() -> No
     (row,) = report["steps"]
     assert row["audit_wait"] == pytest.approx(0.2) and row["reexecutions"] == 2
     assert "audit wait" in timeline_report.markdown(report)
+
+
+def test_a_step_opened_before_the_one_before_ended_counts_from_that_end() -> None:
+    """The synchronous rule opens step t+1 once step t is decided, before its APPLYs answered:
+    the coordinator's record counts step t+1's seconds from step t's end, and so does the
+    report (tests/system/test_gpu_ratio.py holds the two together). Before, the report counted
+    from the opening: 17 ms longer than the record in a full run."""
+    trainer, s0 = 10, 20
+    compute = {"n": "compute", "t0": 0.95, "t1": 1.5, "fn": "forward", "at": [2, 0]}
+    events = {
+        trainer: [
+            {"n": "open", "t0": 0.0, "step": 1},
+            {"n": "commit", "t0": 0.8, "step": 1},
+            {"n": "open", "t0": 0.9, "step": 2},  # decided: step 1's APPLYs are on their way
+            {"n": "applied", "t0": 1.0, "step": 1},
+            {"n": "commit", "t0": 1.6, "step": 2},
+            {"n": "applied", "t0": 1.7, "step": 2},
+        ],
+        s0: [compute],
+    }
+    steps = timeline_report.breakdown(events, {trainer: "trainer", s0: "stage 0"}, [1, 2], [])
+    row = steps["steps"][1]
+    assert row["step"] == 2 and row["wall"] == pytest.approx(0.7)  # 1.0 to 1.7, as recorded
+    assert row["fill"] == pytest.approx(0.0) and row["busy"] == pytest.approx(0.5)
+    assert row["idle"] == pytest.approx(row["fill"] + row["gaps"] + row["drain"] + 0.1)
