@@ -222,6 +222,6 @@ def window_of(rule: Rule, job: JobConfig, steps: int, clock: Clock) -> LiveSteps
     """The live-step window of `job`, whose rule is `rule`, of `steps` steps."""
     if rule.delays:
         return DelayedSteps(job, steps, clock)
-    return (
-        SyncSteps(job, steps, clock) if rule.kind is RuleKind.SYNC else LiveSteps(job, steps, clock)
-    )
+    if rule.kind is RuleKind.SYNC:
+        return SyncSteps(job, steps, clock)
+    return LiveSteps(job, steps, clock)

@@ -1,4 +1,4 @@
-"""A live middle stage server (`tests.support.middle_stage`: the `job` and `server` fixtures),
-for the stage server's tests."""
+"""A live middle stage server (`tests.support.middle_stage`: the `job`, `server` and `client`
+fixtures), for the stage server's tests."""
 
-from tests.support.middle_stage import job, server  # noqa: F401
+from tests.support.middle_stage import client, job, server  # noqa: F401

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -14,20 +13,11 @@ import torch
 
 from stage_server.server import RunningStageServer
 from swarm.errors import NonFiniteGradient, SwarmError
-from swarm.job.config import JobConfig
-from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
 from swarm.wire.crossing import Crossing
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def client(job: JobConfig, server: RunningStageServer) -> AsyncIterator[StageClient]:
-    client = StageClient(server.address, job, fingerprint(job), 1)
-    yield client
-    await client.close()
 
 
 async def _poisoned_backward(client: StageClient, bad: float) -> None:

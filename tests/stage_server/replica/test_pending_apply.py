@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ import torch
 from stage_server.replica.pending_apply import PendingApply
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.errors import FailedPrecondition
-from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
@@ -26,13 +24,6 @@ from swarm.wire.crossing import Crossing
 from tests.support.jobs import DELAYED, make_job
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def client(job: JobConfig, server: RunningStageServer) -> AsyncIterator[StageClient]:
-    client = StageClient(server.address, job, fingerprint(job), 1)
-    yield client
-    await client.close()
 
 
 def _inputs() -> torch.Tensor:
