@@ -8,6 +8,7 @@ import pytest
 from tests.support.brokers import broker  # noqa: F401
 from tests.support.device_check import failed_smoke, quick_check  # noqa: F401
 from tests.support.echo import stub  # noqa: F401
+from tests.support.once import once_first
 
 HERE = Path(__file__).resolve().parent
 
@@ -16,3 +17,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.slow)
+    # the device check's quick run and failed smoke: done by their first asker, read by the rest
+    items[:] = once_first(items, ("quick_check", "failed_smoke"))
