@@ -156,13 +156,11 @@ def entry() -> None:
     process's end: nothing of ours is finalised by it (a role forked by the tests, which ends
     with os._exit, never ran it). `main` itself does not freeze: tests call it in-process.
     Its event loops' default thread pool is named at the OS (`swarm.ops.threads`: a pool
-    grown to its bound is then told from a leak), and its threads hold the GIL longer before
-    they hand it over (`swarm.ops.gil`), here and not in `main`, for the same reason."""
-    from swarm.ops.gil import hold_longer
+    grown to its bound is then told from a leak), here and not in `main`, for the same
+    reason."""
     from swarm.ops.threads import NamedPools
 
     asyncio.set_event_loop_policy(NamedPools())
-    hold_longer()
     code = main()
     gc.freeze()
     sys.exit(code)
