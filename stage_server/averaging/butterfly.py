@@ -55,6 +55,7 @@ from swarm.device.oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import pool_pb2, tensor_pb2
+from swarm.rpc import client_stream
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
 from swarm.wire.codec import CODEC_NONE, decode, dtype_name, encode
@@ -312,8 +313,8 @@ class ButterflyRound:
         call: Any = self.channels.stub(s.group[k]).Reduce(timeout=s.timeout_s)
         # A device's chunk is copied (and framed) off the loop as it is cut, one at a time.
         while (m := await self._off.next(messages)) is not None:
-            await call.write(m)
-        await call.done_writing()
+            await client_stream.write(call, m)
+        await client_stream.done_writing(call)
         self.sent += nbytes
         if check is not None:  # what was sent, before its sum lands over it
             values = self._fed(k, where) if sent is None else sent

@@ -22,7 +22,7 @@ from swarm.net.commit_auth import STATE_DIGEST_KEY, state_digest
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.rpc import epoch, late_audit
+from swarm.rpc import client_stream, epoch, late_audit
 from swarm.rpc.push_call import PushCall
 from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
@@ -68,21 +68,6 @@ def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any,
             raise PeerUnavailable("the connection was closed during the call") from None
 
     return converted
-
-
-async def _write(call: Any, message: Any) -> None:
-    """`call.write`, where a stream the server already ended (it refused the request, or it
-    died) raises the status the server ended it with."""
-    try:
-        await call.write(message)
-    except asyncio.InvalidStateError:
-        code = await call.code()
-        raise grpc.aio.AioRpcError(
-            code,
-            await call.initial_metadata(),
-            await call.trailing_metadata(),
-            await call.details(),
-        ) from None
 
 
 # A tensor on the trainer's side: a torch tensor to encode, or a message received from another
@@ -170,8 +155,8 @@ class StageClient:
         room for a co-located replica's answer, decoded already: `swarm.device.handover`)."""
         call = method(timeout=self._timeout if timeout is None else timeout)
         for msg in wire.split(request, self._chunk):
-            await _write(call, msg)
-        await call.done_writing()
+            await client_stream.write(call, msg)
+        await client_stream.done_writing(call)
         received: wire.Received[Any] = await wire.receive_reply(
             call, max_bytes=self._max, handed=_from(slot) if slot is not None else None
         )
@@ -449,8 +434,8 @@ class StageClient:
             )
             # Cut from the tensor's memory as sent: no encoded copy of a whole tensor.
             for part in wire.split_tensor(header, name, tensor, self._chunk):
-                await _write(call, part)
-        await call.done_writing()
+                await client_stream.write(call, part)
+        await client_stream.done_writing(call)
         response: pb.StageLoadStateResponse = await call
         return response.step
 
