@@ -16,8 +16,10 @@ from tqdm import tqdm
 
 from client.commands import watch
 from client.sdk import SchedulerClient
+from swarm.errors import SwarmError
 from swarm.job.config import load_job
 from swarm.job.states import job_state_name as state_name
+from swarm.job.states import peer_state_name
 from swarm.local.procs import LocalSwarm, start_local_swarm
 from swarm.ops.faults import ANY_REPLICA, Fault, FaultPlan, Point
 from swarm.proto import scheduler_pb2
@@ -45,6 +47,15 @@ def _show_endpoints(sw: LocalSwarm) -> None:
         )
 
 
+def _replicas(status: scheduler_pb2.JobStatus) -> str:
+    """Each stage's replicas and their states, as status shows them: why none could be spared."""
+    return "; ".join(
+        f"stage {s.stage}: "
+        + (", ".join(f"{r.peer} {peer_state_name(r.state)}" for r in s.replicas) or "none")
+        for s in status.stages
+    )
+
+
 def _victim(status: scheduler_pb2.JobStatus, rng: random.Random) -> str | None:
     """A replica whose stage keeps another one: killing it shows training carry on. Only those
     that count (serving: their join succeeded) do: one still joining holds no state yet."""
@@ -64,6 +75,9 @@ class Chaos:
     def __init__(self, steps: int, chaos: bool, rng: random.Random) -> None:
         self.plan = FaultPlan([Fault(ANY_REPLICA, Point.IDLE, steps // 2)])
         self.chaos, self.rng = chaos, rng
+        self.kills = 0
+        # Why no replica was killed yet, for the demo to say at the end where none was.
+        self.why_not = f"the job did not reach step {steps // 2}, where the first kill is due"
 
     def victim(self, status: scheduler_pb2.JobStatus) -> str | None:
         """The peer to kill now, if a fault is due and a stage can spare a replica."""
@@ -72,6 +86,9 @@ class Chaos:
             victim = None if near_end else _victim(status, self.rng)
             if victim is None:
                 self.plan.add(fault)  # no spare replica (yet): due again at the next look
+                if not near_end:
+                    self.why_not = f"no stage had two serving replicas at step {status.step}: "
+                    self.why_not += _replicas(status)
                 continue
             if self.chaos:
                 self.plan.add(Fault(ANY_REPLICA, Point.IDLE, status.step + 5))
@@ -80,25 +97,29 @@ class Chaos:
 
 
 async def _kill(
-    sw: LocalSwarm, client: SchedulerClient, job: scheduler_pb2.JobStatus, chaos: bool
+    sw: LocalSwarm, client: SchedulerClient, job: scheduler_pb2.JobStatus, plan: Chaos
 ) -> None:
-    """Carry out the demo's `Chaos` while the job runs; with `chaos`, start a fresh peer in
-    place of each killed one (it joins the running job)."""
-    plan = Chaos(job.steps, chaos, random.Random(0))
+    """Carry out the demo's `Chaos` while the job runs; with `plan.chaos`, start a fresh peer
+    in place of each killed one (it joins the running job)."""
     while True:
         await asyncio.sleep(POLL_S)
-        status = await client.get(job.job)
+        try:
+            status = await client.get(job.job)
+        except SwarmError as e:  # a busy scheduler: looked at again after the next pause
+            plan.why_not = f"the job's status could not be read: {e}"
+            continue
         if state_name(status.state) not in ("placing", "running", "stalled"):
             return
         victim = plan.victim(status)
         if victim is None:
             continue
         next(p for p in sw.peers if p.ready.get("peer") == victim).kill()
+        plan.kills += 1
         tqdm.write(
             f"** step {status.step}: killed {victim} with SIGKILL; its stage keeps a "
             f"replica, its gradients are replayed there, and training carries on **"
         )
-        if chaos:
+        if plan.chaos:
             peer = await asyncio.to_thread(sw.add_peer, plan.rng.choice([1.0, 1.5, 2.0]))
             tqdm.write(
                 f"** a fresh peer {peer.ready['peer']} joins; it copies its stage's "
@@ -114,11 +135,16 @@ async def _train(sw: LocalSwarm, job_path: Path, chaos: bool) -> int:
             f"--scheduler {sw.address}` shows it from another terminal",
             flush=True,
         )
-        killer = asyncio.create_task(_kill(sw, client, status, chaos))
+        plan = Chaos(status.steps, chaos, random.Random(0))
+        killer = asyncio.create_task(_kill(sw, client, status, plan))
         try:
             final = await watch(client, status)
         finally:
             killer.cancel()
+        if killer.done() and not killer.cancelled() and killer.exception() is not None:
+            print(f"** the demo stopped killing replicas: {killer.exception()!r} **")
+        elif plan.kills == 0:
+            print(f"** no replica was killed: {plan.why_not} **")
     if state_name(final.state) == "succeeded":
         print(
             f"job {final.job} succeeded: {final.step} steps, "

@@ -67,3 +67,15 @@ def test_a_due_kill_near_the_end_never_happens() -> None:
     chaos = Chaos(10, chaos=False, rng=random.Random(0))
     assert chaos.victim(_status(7, 10, ["a", "b"])) is None  # due since step 5, first seen at 7
     assert chaos.victim(_status(9, 10, ["a", "b"])) is None
+
+
+def test_the_demo_says_why_it_killed_no_replica() -> None:
+    chaos = Chaos(40, chaos=False, rng=random.Random(0))
+    assert "did not reach step 20" in chaos.why_not
+    assert chaos.victim(_status(20, 40, ["peer0", "peer4?"], ["peer1"])) is None
+    assert chaos.why_not == (
+        "no stage had two serving replicas at step 20: stage 0: peer0 serving, peer4 joining; "
+        "stage 1: peer1 serving"
+    )
+    assert chaos.victim(_status(38, 40, ["peer0", "peer4"], ["peer1"])) is None  # near the end
+    assert "at step 20" in chaos.why_not  # what kept it from the kill while one was due
