@@ -42,9 +42,6 @@ class _EndedCall:
             'Failed "execute_batch": (<grpc._cython.cygrpc.SendCloseFromClientOperation>,)'
         )
 
-    def done(self) -> bool:
-        return self.cancelled
-
     def cancel(self) -> bool:
         self.cancelled = True
         return True
