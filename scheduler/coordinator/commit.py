@@ -14,7 +14,9 @@
 3. APPLY everywhere: one optimizer step. No stage leaves step t before every pool has averaged,
    so a replay can still run through the whole pipeline. Once the APPLYs are sent the step is
    decided (`decided`, the caller's: the plain synchronous rule opens the next step then, and
-   a replica waits for its APPLY before it computes the next step's work, `live_steps`). Each
+   a replica waits for its APPLY before it computes the next step's work, `live_steps`). An
+   APPLY that did not reach a stage none of whose replicas applied is sent again, bounded
+   (`apply_again`): else the stage would be lost while its replica held the step. Each
    PREPARE answers with the squared norm of its pool's averaged gradient; with
    `training.grad_clip` the coordinator sums them in stage order into the whole model's norm,
    and every APPLY carries the one clipping coefficient.
@@ -34,6 +36,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+from scheduler.coordinator.apply_again import ApplyAgain, apply_again
 from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
@@ -73,6 +76,7 @@ class TwoPhaseCommit:
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
+        self.apply_again = ApplyAgain()  # a lost APPLY of a stage none of whose replicas applied
 
     @asynccontextmanager
     async def attempt(
@@ -141,7 +145,15 @@ class TwoPhaseCommit:
         ]
         if decided is not None:
             decided()
-        applied = await asyncio.gather(*applying, return_exceptions=True)
+        applied = await apply_again(
+            ledger.step,
+            scale,
+            where,
+            await asyncio.gather(*applying, return_exceptions=True),
+            self.membership.members,
+            self.clients,
+            self.apply_again,
+        )
         timeline.span("apply", start, timeline.now(), step=ledger.step)
         refused = [
             (stage, r.peer, result)

@@ -224,6 +224,8 @@ class FakeReplica:
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
         await self._enter("apply", step)
+        if step < self.step:  # as a real replica: one it applied answers that it had
+            return
         self.scales.append(scale)
         if self.prepared is None or self.prepared.step != step:
             raise FailedPrecondition(f"{self.peer}: step {step} is not prepared")

@@ -1,0 +1,160 @@
+"""An APPLY lost on its way, sent again: `apply_again`.
+
+Once every PREPARE of a step passed, the step is decided and its APPLYs go out. A replica whose
+APPLY fails stays a step behind; the next commit leaves it out, and it rejoins by copying a
+replica of its stage that applied. But where no replica of a stage applied (its only replica's
+relay died with the APPLY in it, and the replica re-attached to another relay at once), nothing
+is left to copy: the stage is lost and the whole job rolls back to a checkpoint, although the
+replica holds the prepared step and answers over its new path (CI, stop 77:
+tests/system/test_relay_failover.py).
+
+So, only for such a stage, and only for a replica that did not answer at all (`PeerUnavailable`:
+not a refusal, and not a deadline, after which it may still be applying), the APPLY is sent
+again to the address the registry lists the peer at now (a re-attached peer's relayed address is
+another), over a new connection, with backoff, a bounded number of tries, and never to a peer
+the registry no longer lists at that stage. APPLY is idempotent at the replica: one that had
+applied the step (the answer was lost, not the call) answers that it had, and its worker runs a
+step's APPLYs one after another, so a second one never applies twice. A stage with a replica
+that applied is not waited for: its others copy it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from scheduler.coordinator.replicas import ReplicaClients
+from swarm.errors import DeadlineExceeded, PeerUnavailable
+from swarm.policy.backoff import Backoff
+from swarm.rpc.lease import Replica
+
+__all__ = ["ApplyAgain", "apply_again"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApplyAgain:
+    """How often, and how far apart, a lost APPLY is sent again: `tries` in all (the first send
+    among them), pauses from `first_s` doubling to `cap_s`. The defaults wait about 5 s in all:
+    a relay's death is seen by its peers at once (their tunnels close), and a re-attached
+    peer's announcement reaches the registry in milliseconds on a quiet machine (about a
+    second on a loaded one); a rollback, the alternative, retrains every step since the last
+    checkpoint."""
+
+    tries: int = 8
+    first_s: float = 0.1
+    cap_s: float = 1.0
+
+
+def _lost(result: object) -> bool:
+    """Whether an APPLY's outcome says the call did not reach the replica's answer at all."""
+    return isinstance(result, PeerUnavailable) and not isinstance(result, DeadlineExceeded)
+
+
+async def apply_again(
+    step: int,
+    scale: float,
+    where: Sequence[tuple[int, Replica]],
+    results: list[object],
+    members: Callable[[], list[list[Replica]]],
+    clients: ReplicaClients,
+    policy: ApplyAgain,
+) -> list[object]:
+    """`results` (one per `where`, as the APPLYs of `step` answered: None, or the error) with
+    the lost APPLYs of stages where no replica applied sent again; the outcomes as they end."""
+    results = list(results)
+    again = _worth_again(where, results)
+    for i in again:
+        stage, r = where[i]
+        log.warning(
+            "step %d: apply on %s (stage %d) got no answer: %s; no replica of stage %d "
+            "applied it: sending it again (up to %d more times) rather than roll the job back",
+            step,
+            r.peer,
+            stage,
+            results[i],
+            stage,
+            policy.tries - 1,
+        )
+    backoff = Backoff(first_s=policy.first_s, cap_s=policy.cap_s)
+    sent_to = {i: where[i][1] for i in again}  # where each was sent last
+    for attempt in range(2, policy.tries + 1):
+        if not again:
+            return results
+        await backoff.sleep()
+        again = await _send_again(step, scale, again, where, results, sent_to, members(), clients)
+        for i in sent_to.keys() - again:
+            if results[i] is None:
+                stage, r = where[i]
+                log.warning(
+                    "step %d: apply on %s (stage %d) answered on try %d",
+                    step,
+                    r.peer,
+                    stage,
+                    attempt,
+                )
+        sent_to = {i: sent_to[i] for i in again}
+    for i in again:
+        stage, r = where[i]
+        log.warning(
+            "step %d: apply on %s (stage %d) failed %d times, the last: %s",
+            step,
+            r.peer,
+            stage,
+            policy.tries,
+            results[i],
+        )
+    return results
+
+
+def _worth_again(where: Sequence[tuple[int, Replica]], results: list[object]) -> list[int]:
+    """The APPLYs lost on their way at stages where no replica applied: their indexes."""
+    outcomes = list(zip(where, results, strict=True))
+    applied_at = {stage for (stage, _), result in outcomes if result is None}
+    return [
+        i
+        for i, ((stage, _), result) in enumerate(outcomes)
+        if stage not in applied_at and _lost(result)
+    ]
+
+
+async def _send_again(
+    step: int,
+    scale: float,
+    again: list[int],
+    where: Sequence[tuple[int, Replica]],
+    results: list[object],
+    sent_to: dict[int, Replica],
+    listed: list[list[Replica]],
+    clients: ReplicaClients,
+) -> list[int]:
+    """One more try of each of `again`, at the address `listed` (the registry's) gives its peer
+    now; `results` and `sent_to` take what happened. Returns those lost again."""
+    sent: list[int] = []
+    calls: list[Awaitable[None]] = []
+    for i in again:
+        stage, r = where[i]
+        now = _listed_as(listed, stage, r.peer)
+        if now is None:  # left: the registry says it is gone, and no try would reach it
+            log.warning(
+                "step %d: apply on %s (stage %d) given up: the registry no longer lists it",
+                step,
+                r.peer,
+                stage,
+            )
+            continue
+        clients.drop(stage, sent_to[i])  # a channel that failed waits out its reconnect backoff
+        sent_to[i] = now
+        sent.append(i)
+        calls.append(clients.get(stage, now).apply(step, scale))
+    answered = await asyncio.gather(*calls, return_exceptions=True)
+    for i, result in zip(sent, answered, strict=True):
+        results[i] = result
+    return [i for i in sent if _lost(results[i])]
+
+
+def _listed_as(listed: list[list[Replica]], stage: int, peer: str) -> Replica | None:
+    """`peer` as the registry lists it at `stage` now (its address may be another), or None."""
+    return next((r for r in listed[stage] if r.peer == peer), None) if stage < len(listed) else None
