@@ -24,14 +24,17 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from scheduler.coordinator.replicas import ReplicaClients
+from scheduler.coordinator.replicas import ReplicaClients, StageReplica
 from swarm.errors import DeadlineExceeded, PeerUnavailable
 from swarm.policy.backoff import Backoff
 from swarm.rpc.lease import Replica
 
-__all__ = ["ApplyAgain", "apply_again"]
+__all__ = ["ApplyAgain", "Send", "apply_again"]
 
 log = logging.getLogger(__name__)
+
+# One APPLY: (the replica's client, its stage) -> its answer. A step's or a round's.
+Send = Callable[[StageReplica, int], Awaitable[object]]
 
 
 @dataclass(frozen=True)
@@ -54,24 +57,25 @@ def _lost(result: object) -> bool:
 
 
 async def apply_again(
-    step: int,
-    scale: float,
+    what: str,
+    send: Send,
     where: Sequence[tuple[int, Replica]],
     results: list[object],
     members: Callable[[], list[list[Replica]]],
     clients: ReplicaClients,
     policy: ApplyAgain,
 ) -> list[object]:
-    """`results` (one per `where`, as the APPLYs of `step` answered: None, or the error) with
-    the lost APPLYs of stages where no replica applied sent again; the outcomes as they end."""
+    """`results` (one per `where`, as the APPLYs of `what` ("step 7", "the round after step 7")
+    answered: their answer, or the error) with the lost APPLYs of stages where no replica
+    applied sent again (`send(client, stage)`); the outcomes as they end."""
     results = list(results)
     again = _worth_again(where, results)
     for i in again:
         stage, r = where[i]
         log.warning(
-            "step %d: apply on %s (stage %d) got no answer: %s; no replica of stage %d "
+            "%s: apply on %s (stage %d) got no answer: %s; no replica of stage %d "
             "applied it: sending it again (up to %d more times) rather than roll the job back",
-            step,
+            what,
             r.peer,
             stage,
             results[i],
@@ -84,13 +88,13 @@ async def apply_again(
         if not again:
             return results
         await backoff.sleep()
-        again = await _send_again(step, scale, again, where, results, sent_to, members(), clients)
+        again = await _send_again(what, send, again, where, results, sent_to, members(), clients)
         for i in sent_to.keys() - again:
-            if results[i] is None:
+            if not isinstance(results[i], BaseException):
                 stage, r = where[i]
                 log.warning(
-                    "step %d: apply on %s (stage %d) answered on try %d",
-                    step,
+                    "%s: apply on %s (stage %d) answered on try %d",
+                    what,
                     r.peer,
                     stage,
                     attempt,
@@ -99,8 +103,8 @@ async def apply_again(
     for i in again:
         stage, r = where[i]
         log.warning(
-            "step %d: apply on %s (stage %d) failed %d times, the last: %s",
-            step,
+            "%s: apply on %s (stage %d) failed %d times, the last: %s",
+            what,
             r.peer,
             stage,
             policy.tries,
@@ -112,7 +116,7 @@ async def apply_again(
 def _worth_again(where: Sequence[tuple[int, Replica]], results: list[object]) -> list[int]:
     """The APPLYs lost on their way at stages where no replica applied: their indexes."""
     outcomes = list(zip(where, results, strict=True))
-    applied_at = {stage for (stage, _), result in outcomes if result is None}
+    applied_at = {stage for (stage, _), result in outcomes if not isinstance(result, BaseException)}
     return [
         i
         for i, ((stage, _), result) in enumerate(outcomes)
@@ -121,8 +125,8 @@ def _worth_again(where: Sequence[tuple[int, Replica]], results: list[object]) ->
 
 
 async def _send_again(
-    step: int,
-    scale: float,
+    what: str,
+    send: Send,
     again: list[int],
     where: Sequence[tuple[int, Replica]],
     results: list[object],
@@ -133,14 +137,14 @@ async def _send_again(
     """One more try of each of `again`, at the address `listed` (the registry's) gives its peer
     now; `results` and `sent_to` take what happened. Returns those lost again."""
     sent: list[int] = []
-    calls: list[Awaitable[None]] = []
+    calls: list[Awaitable[object]] = []
     for i in again:
         stage, r = where[i]
         now = _listed_as(listed, stage, r.peer)
         if now is None:  # left: the registry says it is gone, and no try would reach it
             log.warning(
-                "step %d: apply on %s (stage %d) given up: the registry no longer lists it",
-                step,
+                "%s: apply on %s (stage %d) given up: the registry no longer lists it",
+                what,
                 r.peer,
                 stage,
             )
@@ -148,7 +152,7 @@ async def _send_again(
         clients.drop(stage, sent_to[i])  # a channel that failed waits out its reconnect backoff
         sent_to[i] = now
         sent.append(i)
-        calls.append(clients.get(stage, now).apply(step, scale))
+        calls.append(send(clients.get(stage, now), stage))
     answered = await asyncio.gather(*calls, return_exceptions=True)
     for i, result in zip(sent, answered, strict=True):
         results[i] = result

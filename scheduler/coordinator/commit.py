@@ -146,8 +146,8 @@ class TwoPhaseCommit:
         if decided is not None:
             decided()
         applied = await apply_again(
-            ledger.step,
-            scale,
+            f"step {ledger.step}",
+            lambda client, _: client.apply(ledger.step, scale),
             where,
             await asyncio.gather(*applying, return_exceptions=True),
             self.membership.members,

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from scheduler.coordinator.apply_again import ApplyAgain, apply_again
 from scheduler.coordinator.failures import CommitStalled, NonFiniteStep, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
@@ -93,6 +94,7 @@ class PoolRounds:
         self.on_record = context.on_record or (lambda record: None)
         self.on_status = context.on_status
         self.dropped = 0  # samples dropped with the replicas that left mid-round, so far
+        self.apply_again = ApplyAgain()  # a round's lost APPLY, as a step's (`apply_again`)
         self._samples: Counter[tuple[int, str]] = Counter()  # (stage, peer) -> in this round
         self.last: Average | None = None  # the last averaging that ended
         self.series = context.metrics.rounds()
@@ -310,6 +312,16 @@ class PoolRounds:
         results = await asyncio.gather(
             *(call(self.clients.get(k, r), k) for k, r in where), return_exceptions=True
         )
+        if not drop:  # where no member of a stage applied, a lost APPLY is sent again
+            results = await apply_again(
+                f"round after step {step}",
+                call,
+                where,
+                results,
+                self.membership.members,
+                self.clients,
+                self.apply_again,
+            )
         done: list[list[Replica]] = [[] for _ in members]
         for (k, r), result in zip(where, results, strict=True):
             if isinstance(result, BaseException):

@@ -18,6 +18,7 @@ from scheduler.coordinator.apply_again import ApplyAgain
 from swarm.errors import DeadlineExceeded, PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from tests.support.coordinator import MakeHarness, job_of, until
+from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,3 +118,20 @@ async def test_an_apply_is_not_sent_again_where_it_would_not_help(
     await until(lambda: c.called("apply"))
     await asyncio.sleep(0.05)  # a second try would have gone by now
     assert c.called("apply") == [0]
+
+
+async def test_a_rounds_lost_apply_is_sent_again(tmp_path: Path, make_harness: MakeHarness) -> None:
+    """pool.mode = "local": the APPLY of a round's end, lost on its way to its stage's only
+    replica, is sent again as a step's is."""
+    training = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 4}
+    job = make_job(tmp_path, training=training, pool={"mode": "local", "sync_every": 2})
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a, c = swarm.add(0, "a"), swarm.add(1, "c")
+    c.fail("apply_round", PeerUnavailable(_LOST))
+    h = make_harness(job, swarm)
+    h.coordinator.rounds.apply_again = ApplyAgain(tries=3, first_s=0.001, cap_s=0.001)
+    await h.coordinator.start()
+    records = [await h.step() for _ in range(4)]
+    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert c.called("apply_round") == [2, 2, 4] and a.called("apply_round") == [2, 4]
+    assert h.rollbacks.empty() and h.coordinator.error is None
