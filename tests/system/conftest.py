@@ -17,5 +17,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.slow)
-    # the device check's quick run and failed smoke: done by their first asker, read by the rest
-    items[:] = once_first(items, ("quick_check", "failed_smoke"))
+    # the device check's quick run and failed smoke, and the container image (its build ~95 s,
+    # which the other worker waited out on the lock when the next container test went there):
+    # done by their first asker, read by the rest
+    items[:] = once_first(items, ("quick_check", "failed_smoke", "built"))
