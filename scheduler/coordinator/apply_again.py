@@ -24,6 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from scheduler.coordinator.listed import listed_as
 from scheduler.coordinator.replicas import ReplicaClients, StageReplica
 from swarm.errors import DeadlineExceeded, PeerUnavailable
 from swarm.policy.backoff import Backoff
@@ -83,23 +84,12 @@ async def apply_again(
             policy.tries - 1,
         )
     backoff = Backoff(first_s=policy.first_s, cap_s=policy.cap_s)
-    sent_to = {i: where[i][1] for i in again}  # where each was sent last
+    tries = _Tries(what, send, where, results)
     for attempt in range(2, policy.tries + 1):
         if not again:
             return results
         await backoff.sleep()
-        again = await _send_again(what, send, again, where, results, sent_to, members(), clients)
-        for i in sent_to.keys() - again:
-            if not isinstance(results[i], BaseException):
-                stage, r = where[i]
-                log.warning(
-                    "%s: apply on %s (stage %d) answered on try %d",
-                    what,
-                    r.peer,
-                    stage,
-                    attempt,
-                )
-        sent_to = {i: sent_to[i] for i in again}
+        again = await tries.send_again(again, attempt, members(), clients)
     for i in again:
         stage, r = where[i]
         log.warning(
@@ -124,41 +114,51 @@ def _worth_again(where: Sequence[tuple[int, Replica]], results: list[object]) ->
     ]
 
 
-async def _send_again(
-    what: str,
-    send: Send,
-    again: list[int],
-    where: Sequence[tuple[int, Replica]],
-    results: list[object],
-    sent_to: dict[int, Replica],
-    listed: list[list[Replica]],
-    clients: ReplicaClients,
-) -> list[int]:
-    """One more try of each of `again`, at the address `listed` (the registry's) gives its peer
-    now; `results` and `sent_to` take what happened. Returns those lost again."""
-    sent: list[int] = []
-    calls: list[Awaitable[object]] = []
-    for i in again:
-        stage, r = where[i]
-        now = _listed_as(listed, stage, r.peer)
-        if now is None:  # left: the registry says it is gone, and no try would reach it
-            log.warning(
-                "%s: apply on %s (stage %d) given up: the registry no longer lists it",
-                what,
-                r.peer,
-                stage,
-            )
-            continue
-        clients.drop(stage, sent_to[i])  # a channel that failed waits out its reconnect backoff
-        sent_to[i] = now
-        sent.append(i)
-        calls.append(send(clients.get(stage, now), stage))
-    answered = await asyncio.gather(*calls, return_exceptions=True)
-    for i, result in zip(sent, answered, strict=True):
-        results[i] = result
-    return [i for i in sent if _lost(results[i])]
+class _Tries:
+    """The tries after the first of `what`'s lost APPLYs: `results` takes each outcome."""
 
+    def __init__(
+        self,
+        what: str,
+        send: Send,
+        where: Sequence[tuple[int, Replica]],
+        results: list[object],
+    ) -> None:
+        self.what, self.send, self.where, self.results = what, send, where, results
+        self.sent_to = {i: r for i, (_, r) in enumerate(where)}  # where each was sent last
 
-def _listed_as(listed: list[list[Replica]], stage: int, peer: str) -> Replica | None:
-    """`peer` as the registry lists it at `stage` now (its address may be another), or None."""
-    return next((r for r in listed[stage] if r.peer == peer), None) if stage < len(listed) else None
+    async def send_again(
+        self, lost: list[int], attempt: int, listed: list[list[Replica]], clients: ReplicaClients
+    ) -> list[int]:
+        """Try `attempt` (the first send being 1) of each of `lost`, at the address `listed`
+        (the registry's) gives its peer now; those lost again."""
+        sent: list[int] = []
+        calls: list[Awaitable[object]] = []
+        for i in lost:
+            stage, r = self.where[i]
+            now = listed_as(listed, stage, r.peer)
+            if now is None:  # left: the registry says it is gone, and no try would reach it
+                log.warning(
+                    "%s: apply on %s (stage %d) given up: the registry no longer lists it",
+                    self.what,
+                    r.peer,
+                    stage,
+                )
+                continue
+            clients.drop(stage, self.sent_to[i])  # a failed channel waits out its reconnect backoff
+            self.sent_to[i] = now
+            sent.append(i)
+            calls.append(self.send(clients.get(stage, now), stage))
+        answered = await asyncio.gather(*calls, return_exceptions=True)
+        for i, result in zip(sent, answered, strict=True):
+            self.results[i] = result
+            if not isinstance(result, BaseException):
+                stage, r = self.where[i]
+                log.warning(
+                    "%s: apply on %s (stage %d) answered on try %d",
+                    self.what,
+                    r.peer,
+                    stage,
+                    attempt,
+                )
+        return [i for i in sent if _lost(self.results[i])]

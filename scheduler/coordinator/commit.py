@@ -41,7 +41,7 @@ from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.listed import while_listed
-from scheduler.coordinator.replicas import GONE
+from scheduler.coordinator.replicas import GONE, StageReplica
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
 from scheduler.coordinator.round_strategy import Rounds
@@ -139,15 +139,16 @@ class TwoPhaseCommit:
         self.grad_norm = math.sqrt(math.fsum(sq_norms))
         self.metrics.grad_norm.set(self.grad_norm)
         start = timeline.now()
-        applying = [
-            asyncio.ensure_future(self.clients.get(stage, r).apply(ledger.step, scale))
-            for stage, r in where
-        ]
+
+        def send(client: StageReplica, stage: int) -> Awaitable[None]:
+            return client.apply(ledger.step, scale)
+
+        applying = [asyncio.ensure_future(send(self.clients.get(k, r), k)) for k, r in where]
         if decided is not None:
             decided()
         applied = await apply_again(
             f"step {ledger.step}",
-            lambda client, _: client.apply(ledger.step, scale),
+            send,
             where,
             await asyncio.gather(*applying, return_exceptions=True),
             self.membership.members,

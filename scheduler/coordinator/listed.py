@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from swarm.errors import PeerUnavailable
 from swarm.rpc.lease import Replica
 
-__all__ = ["LISTED_EVERY_S", "while_listed"]
+__all__ = ["LISTED_EVERY_S", "listed_as", "while_listed"]
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,17 @@ async def while_listed(
     return outcomes
 
 
+def listed_as(members: list[list[Replica]], stage: int, peer: str) -> Replica | None:
+    """`peer` as the registry (`members`) lists it at `stage` now, or None. By peer: a relay's
+    address may change under a call that still reaches the peer."""
+    if stage >= len(members):
+        return None
+    return next((r for r in members[stage] if r.peer == peer), None)
+
+
 def _listed(members: list[list[Replica]], stage: int, replica: Replica) -> bool:
-    """Whether the registry lists `replica`'s peer at `stage` (by peer: a relay's address may
-    change under a call that still reaches the peer)."""
-    return stage < len(members) and any(r.peer == replica.peer for r in members[stage])
+    """Whether the registry lists `replica`'s peer at `stage`."""
+    return listed_as(members, stage, replica.peer) is not None
 
 
 def _left_out(stage: int, replica: Replica, what: str) -> PeerUnavailable:
