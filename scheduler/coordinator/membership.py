@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Hashable
 
+from scheduler.coordinator.discards import Discards
 from scheduler.coordinator.entry import Entry
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -99,6 +100,7 @@ class Membership:
         self._rated = RatedLog(log, every_s=JOIN_LOG_EVERY_S, clock=clock.now)
         self.standbys = Standbys()  # none unless the job asks (its coordinator's owner sets it)
         self.unlisted = Unlisted(clock.now)  # members the bus lost sight of, maybe alive
+        self.discards = Discards(clients, metrics, ledgers)  # before one counts again
 
     def waits(self) -> dict[str, str]:
         """What each replica that serves its stage but is not a member yet waits for before it
@@ -188,7 +190,8 @@ class Membership:
         of the training before it; it is not re-admitted (the rollback loads it instead). A
         stage a former member no longer listed holds at `step` is not lost (`unlisted`): it
         waits for it, and its standby is not promoted, nor where a former replica is
-        re-admitted. Returns whether no stage is lost."""
+        re-admitted. Nor is a stage lost whose holder's Discard got no answer (`discards`): it
+        waits for the next try. Returns whether no stage is lost."""
         members, current = self.members(), self.replicas()
         # A former member of a stage that still has one is looked at, but never a standby
         # there, though it may have been a member before it stood by (the soak's peer3: killed
@@ -210,6 +213,7 @@ class Membership:
             ),
         )
         seen: dict[str, int] = {}  # the step each answered at: why a standby was not promoted
+        waiting: set[int] = set()  # stages whose holder's Discard got no answer this try
         for (stage, r), info in zip(candidates, infos, strict=True):
             if isinstance(info, BaseException):
                 log.info("stage %d: %s does not answer: %r", stage, r.peer, info)
@@ -227,14 +231,11 @@ class Membership:
                     step,
                 )
                 continue
-            ledgers = [ledger for ledger in self.ledgers() if ledger.step >= step]
-            for ledger in ledgers:
-                self.metrics.replays.inc(len(ledger.lose(r.peer, stage)))
-            try:
-                for discarded in sorted({step, *(ledger.step for ledger in ledgers)}):
-                    await self.clients.get(stage, r).discard(discarded)
-            except SwarmError as e:
-                log.warning("stage %d: %s not re-admitted (discard failed): %s", stage, r.peer, e)
+            discarded = await self.discards.discard(stage, r, step)
+            if discarded is None:
+                waiting.add(stage)  # not lost: the next try asks it again
+                continue
+            if not discarded:
                 continue
             promoted = self.standbys.promote(step, stage, r.peer)  # a standby: its replica now
             how = "promoted from standby" if promoted else "re-admitted"
@@ -245,7 +246,11 @@ class Membership:
             held.add(stage)
             for told in self.admitted:
                 told(step, stage, r.peer, "")
-        lost = [k for k, replicas in enumerate(self.replicas()) if not replicas and k not in held]
+        lost = [
+            k
+            for k, replicas in enumerate(self.replicas())
+            if not replicas and k not in held | waiting
+        ]
         self.standbys.explain(lost, step, seen)
         return not lost
 

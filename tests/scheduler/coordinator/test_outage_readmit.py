@@ -10,13 +10,17 @@ member, the state it held all along."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
+import pytest
+
+from scheduler.coordinator.discards import Discards
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Task
 from tests.support.coordinator import Harness, MakeHarness, job_of
-from tests.support.replicas import FakeSwarm
+from tests.support.replicas import FakeReplica, FakeSwarm
 
 
 async def test_both_replicas_of_a_home_back_from_an_outage_count_again_without_a_copy(
@@ -58,18 +62,7 @@ async def test_a_replica_whose_path_changed_as_its_stage_was_lost_is_readmitted_
     answering, so it rolled every stage back to the checkpoint, the state the replica held
     thrown away (CI: test_relay_failover, "a rollback while another path existed"). Stages are
     judged silent first, then readmitted: it counts again, with no rollback."""
-    job = job_of(tmp_path, steps=4)
-    swarm = FakeSwarm(fingerprint(job), 2)
-    swarm.add(0, "a")
-    c = swarm.add(1, "c")
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
-    await h.step()
-    gone = PeerUnavailable("UNAVAILABLE: Stream removed (Connection reset by peer)")
-    c.fail("prepare", gone)  # step 1: its relay dies in the commit
-    c.fail("info", PeerUnavailable("UNAVAILABLE: failed to connect: the dead relay's path"))
-    for task in await h.lease():
-        await h.run(task)
+    h, c = await _only_replica_dropped(tmp_path, make_harness, info=[_NO_PATH])
     replay = await _lease_after_backoffs(h)
     assert {t.step for t in replay} == {1}
     assert h.rollbacks.empty(), "rolled back while the replica held its state"
@@ -88,3 +81,60 @@ async def _lease_after_backoffs(h: Harness, tries: int = 20) -> list[Task]:
             await asyncio.sleep(0.001)
         h.clock.advance(1.0)
     raise AssertionError("no work was leased")
+
+
+async def test_a_discard_lost_on_its_way_is_not_a_rollback(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """The readmission found a stage's only replica answering at the job's step, but the Discard
+    that makes it a member again got no answer (its relay died between the two calls, and it
+    re-attached to another at once). It was read as a refusal: the stage was declared lost and
+    every stage rolled back to the checkpoint, the state the replica held thrown away. A Discard
+    that never reached the replica leaves the stage waiting for the next try, which re-admits
+    it."""
+    h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH])
+    replay = await _lease_after_backoffs(h)
+    assert {t.step for t in replay} == {1}
+    assert h.rollbacks.empty(), "rolled back while the replica held its state"
+    assert c.called("discard") == [1, 1]
+    assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
+    assert not c.called("load_state")
+
+
+async def test_a_discard_that_never_reaches_the_replica_ends_in_a_rollback_said_why(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica that answers Info at the step but whose Discard never gets through is waited
+    for a bounded number of tries (`Discards.TRIES`), then the stage is lost and the job rolls
+    back, as it did at once before, the log saying why."""
+    tries = Discards.TRIES
+    with caplog.at_level(logging.WARNING):
+        h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH] * tries)
+        await _lease_after_backoffs(h)
+    assert c.called("discard") == [1] * tries
+    assert not h.rollbacks.empty(), "no rollback: the stage waited for good"
+    assert f"discard got no answer {tries} times" in caplog.text
+
+
+async def _only_replica_dropped(
+    tmp_path: Path, make_harness: MakeHarness, **unanswered: list[PeerUnavailable]
+) -> tuple[Harness, FakeReplica]:
+    """Stage 1's only replica, c, dropped in step 1's commit (its relay died), its next calls of
+    each method in `unanswered` failing with those errors, one each; the step's work run."""
+    job = job_of(tmp_path, steps=4)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a")
+    c = swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    await h.step()
+    c.fail("prepare", PeerUnavailable("UNAVAILABLE: Stream removed (Connection reset by peer)"))
+    for method, errors in unanswered.items():
+        c.fail(method, *errors)
+    for task in await h.lease():
+        await h.run(task)
+    return h, c
+
+
+# A call over the path a dead relay left: refused at connect, it never reached the replica.
+_NO_PATH = PeerUnavailable("UNAVAILABLE: failed to connect: the dead relay's path")
