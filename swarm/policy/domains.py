@@ -13,7 +13,9 @@ rebalancing lower it where that costs little throughput:
   while the bottleneck stays at least (1 - `SPREAD_SLACK`) of what placement found (no move takes
   a stage below `min_replicas`);
 - `prefer_new` (a joining peer, `placement._fill`): among the stages within `SPREAD_SLACK` of its
-  best `after`, those where it adds no host, then no router, already there;
+  best `after`, those where it adds no host, then no router, already there; while it fills
+  `min_replicas`, among every stage below it (each takes a peer anyway, so which one first costs
+  no throughput once they all have their floor);
 - `move_crowding` (rebalancing's tie-breaker between moves of equal gain, and the refill's).
 `crowded` names the stages whose replicas (two or more) all sit in one domain: spreading could not
 help them (every peer that could serve elsewhere would cost too much, or there is none), and the
@@ -116,11 +118,16 @@ def prefer_new(
     totals: Sequence[float],
     there: Sequence[Sequence[tuple[str, str]]],
     mine: tuple[str, str],
+    *,
+    filling: bool = False,
 ) -> list[float]:
     """`row` (a joining peer's speeds) with only the stages it is best to join left positive:
     those whose `after` (the bottleneck once it joins, as `placement.best_stage` counts it) is
     within `SPREAD_SLACK` of the best, and among them the ones where its host, then its router,
-    is new (`there`: each stage's (host, router) keys, as `_keys` gives them)."""
+    is new (`there`: each stage's (host, router) keys, as `_keys` gives them). `filling`: `row`
+    holds only stages below `min_replicas`, each of which takes a peer anyway: all of them are
+    near (CI, test_failure_domains_nat: two peers of two homes placed first, one a stage 9%
+    apart, and each of the next two joined the slower stage, beside its own home's peer)."""
     usable = [k for k, s in enumerate(row) if s > 0.0]
     if len(usable) < 2:
         return list(row)
@@ -128,7 +135,8 @@ def prefer_new(
     second = min((t for k, t in enumerate(totals) if k != low), default=math.inf)
     after = {k: min(totals[k] + row[k], second if k == low else totals[low]) for k in usable}
     top = max(after.values())
-    near = [k for k in usable if after[k] >= top * (1.0 - SPREAD_SLACK)]
+    slack = 1.0 if filling else SPREAD_SLACK
+    near = [k for k in usable if after[k] >= top * (1.0 - slack)]
     shared = {
         k: (mine[0] in {h for h, _ in there[k]}, mine[1] in {r for _, r in there[k]}) for k in near
     }

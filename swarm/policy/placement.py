@@ -296,19 +296,20 @@ def _fill(
     only among the stages where its speed is worth at least (1 - slack) of its best at them.
     With `floor` = (sizes, m), only among the stages with the fewest replicas below m that it
     can serve, while there are such (`sizes` updated as it goes). With `there` = (each stage's
-    domain keys, the domains), among those of about equal value where its domains are new
-    (`prefer_new`; the keys updated as it goes)."""
+    domain keys, the domains), among those of about equal value (any of them, while it fills
+    the floor) where its domains are new (`prefer_new`; the keys updated as it goes)."""
     for peer in sorted((p for p in peers if p not in assignment), key=lambda p: -max(speeds[p])):
         row = speeds[peer]
         if prices is not None:
             worth = [price * s for price, s in zip(prices, row, strict=True)]
             least = (1.0 - slack) * max(worth)
             row = [s if w >= least else 0.0 for s, w in zip(row, worth, strict=True)]
+        filling = False
         if floor is not None:
-            row = _shortest(row, *floor)
+            row, filling = _shortest(row, *floor)
         if there is not None:
             mine = keys_of([peer], there[1])[0]
-            row = prefer_new(row, totals, there[0], mine)
+            row = prefer_new(row, totals, there[0], mine, filling=filling)
         stage = best_stage(row, totals)
         if there is not None:
             there[0][stage].append(mine)
@@ -318,14 +319,16 @@ def _fill(
             floor[0][stage] += 1
 
 
-def _shortest(row: Sequence[float], sizes: Sequence[int], floor: int) -> Sequence[float]:
+def _shortest(
+    row: Sequence[float], sizes: Sequence[int], floor: int
+) -> tuple[Sequence[float], bool]:
     """`row` with only the stages it can serve that have the fewest replicas below `floor` left
-    positive; `row` itself when it can serve none below `floor`."""
+    positive, and True; `row` itself and False when it can serve none below `floor`."""
     for level in sorted({n for n in sizes if n < floor}):
         short = [s if n == level else 0.0 for s, n in zip(row, sizes, strict=True)]
         if max(short) > 0.0:
-            return short
-    return row
+            return short, True
+    return row, False
 
 
 def _prices(rows: list[Sequence[float]], num_stages: int) -> tuple[list[float], float]:

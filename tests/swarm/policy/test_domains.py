@@ -100,6 +100,48 @@ def test_a_joining_peer_fills_min_replicas_in_a_new_domain() -> None:
     assert far == {"c": 0}
 
 
+def test_a_peer_filling_min_replicas_joins_the_stage_where_it_is_new_whatever_the_totals() -> None:
+    """CI (test_failure_domains_nat): two homes, a two-stage job with `min_replicas = 2`. Two
+    peers of different homes were placed first, one a stage, their stages measured 1612.5 and
+    1759.4 samples/s; the two others joined a moment later. Each went to the slower stage
+    (more than 5% below the other), whatever its home, so each stage had both replicas of
+    one home. Every stage below `min_replicas` takes a peer anyway: among them, the one where
+    its host, then its router, is new."""
+    homes = {
+        "a": Domains("m-a", "10.87.0.2"),
+        "c": Domains("m-c", "10.87.0.2"),
+        "b": Domains("m-b", "10.87.0.3"),
+        "d": Domains("m-d", "10.87.0.3"),
+    }
+    speeds = {"b": [1612.5, 1759.4]}
+    members = [["d"], ["a"]]
+    joined = place_new(
+        speeds, 2, [1612.5, 1759.4], min_replicas=2, sizes=[1, 1], domains=homes, members=members
+    )
+    assert joined == {"b": 1}  # beside a, of the other home (was stage 0, beside d)
+    both = place_new(
+        {"b": [1612.5, 1759.4], "c": [1612.5, 1759.4]},
+        2,
+        [1612.5, 1759.4],
+        min_replicas=2,
+        sizes=[1, 1],
+        domains=homes,
+        members=members,
+    )
+    assert both == {"b": 1, "c": 0}
+    # Once every stage has its floor, the bottleneck decides again (within SPREAD_SLACK).
+    more = place_new(
+        speeds,
+        2,
+        [1612.5, 1759.4],
+        min_replicas=1,
+        sizes=[1, 1],
+        domains=homes,
+        members=members,
+    )
+    assert more == {"b": 0}
+
+
 def test_rebalancing_and_refill_break_ties_towards_distinct_domains() -> None:
     assert move_crowding("c", ["a", "c"], ["b"], HOME) == (-1, 0)  # leaves box1's pair
     assert move_crowding("c", ["c"], ["a"], HOME) == (1, 1)  # joins box1 and its router
