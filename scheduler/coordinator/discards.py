@@ -39,13 +39,12 @@ class Discards:
     ) -> None:
         """`ledgers()`: those of the steps not yet applied, oldest first."""
         self.clients, self.metrics, self.ledgers = clients, metrics, ledgers
-        self.tries = self.TRIES
         self._lost: dict[str, int] = {}  # peer -> tries in a row its Discard got no answer
 
     async def discard(self, stage: int, r: Replica, step: int) -> bool | None:
         """Discard `r`'s gradients of `step` and of the later steps under way (their work is
         replayed): whether it did. None: a call got no answer, and its stage waits for the
-        next try rather than be lost (the `tries`-th such try in a row gives it up: False)."""
+        next try rather than be lost (the `TRIES`-th such try in a row gives it up: False)."""
         ledgers = [ledger for ledger in self.ledgers() if ledger.step >= step]
         for ledger in ledgers:
             self.metrics.replays.inc(len(ledger.lose(r.peer, stage)))
@@ -64,7 +63,7 @@ class Discards:
 
     def _unanswered(self, stage: int, r: Replica, step: int, e: PeerUnavailable) -> bool | None:
         tries = self._lost.get(r.peer, 0) + 1
-        if tries >= self.tries:
+        if tries >= self.TRIES:
             self._lost.pop(r.peer, None)
             log.warning(
                 "stage %d: %s not re-admitted: its discard got no answer %d times, the last: %s",
@@ -83,6 +82,6 @@ class Discards:
             step,
             e,
             tries + 1,
-            self.tries,
+            self.TRIES,
         )
         return None

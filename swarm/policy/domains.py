@@ -135,8 +135,7 @@ def prefer_new(
     second = min((t for k, t in enumerate(totals) if k != low), default=math.inf)
     after = {k: min(totals[k] + row[k], second if k == low else totals[low]) for k in usable}
     top = max(after.values())
-    slack = 1.0 if filling else SPREAD_SLACK
-    near = [k for k in usable if after[k] >= top * (1.0 - slack)]
+    near = usable if filling else [k for k in usable if after[k] >= top * (1.0 - SPREAD_SLACK)]
     shared = {
         k: (mine[0] in {h for h, _ in there[k]}, mine[1] in {r for _, r in there[k]}) for k in near
     }
