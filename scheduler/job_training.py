@@ -173,6 +173,10 @@ class JobTraining:
             ),
         )
         coordinator.membership.admitted.append(functools.partial(self.history.admitted, job_id))
+        # a stage whose holder's Discard got no answer: why it neither resumes nor rolls back yet
+        coordinator.membership.discards.said.append(
+            lambda stage, peer, text: self.history.record(job_id, "readmit", text)
+        )
         self._stand_by(job_id, job, coordinator)
         return coordinator
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeAlias
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -21,9 +22,12 @@ from scheduler.coordinator.replicas import ReplicaClients
 from swarm.errors import PeerUnavailable, SwarmError
 from swarm.rpc.lease import Replica
 
-__all__ = ["Discards"]
+__all__ = ["Discards", "Said"]
 
 log = logging.getLogger(__name__)
+
+#: `said(stage, peer, text)`: a Discard's wait or give-up, for the job's history (`swarm status`)
+Said: TypeAlias = Callable[[int, str, str], None]
 
 
 class Discards:
@@ -40,6 +44,9 @@ class Discards:
         """`ledgers()`: those of the steps not yet applied, oldest first."""
         self.clients, self.metrics, self.ledgers = clients, metrics, ledgers
         self._lost: dict[str, int] = {}  # peer -> tries in a row its Discard got no answer
+        # A stage that waits on a Discard has no member, so status says it stalled; these say
+        # why it neither resumes nor rolls back yet, and when it gave up.
+        self.said: list[Said] = []
 
     async def discard(self, stage: int, r: Replica, step: int) -> bool | None:
         """Discard `r`'s gradients of `step` and of the later steps under way (their work is
@@ -56,7 +63,9 @@ class Discards:
             return self._unanswered(stage, r, step, e)
         except SwarmError as e:
             self._lost.pop(r.peer, None)
-            log.warning("stage %d: %s not re-admitted (discard failed): %s", stage, r.peer, e)
+            self._say(
+                stage, r.peer, f"stage {stage}: {r.peer} not re-admitted (discard failed): {e}"
+            )
             return False
         self._lost.pop(r.peer, None)
         return True
@@ -65,23 +74,23 @@ class Discards:
         tries = self._lost.get(r.peer, 0) + 1
         if tries >= self.TRIES:
             self._lost.pop(r.peer, None)
-            log.warning(
-                "stage %d: %s not re-admitted: its discard got no answer %d times, the last: %s",
+            self._say(
                 stage,
                 r.peer,
-                tries,
-                e,
+                f"stage {stage}: {r.peer} not re-admitted: its discard got no answer {tries} "
+                f"times, the last: {e}",
             )
             return False
         self._lost[r.peer] = tries
-        log.warning(
-            "stage %d: %s answers at step %d but its discard got no answer (%s): the stage is "
-            "not lost, and waits for the next try (%d of %d)",
+        self._say(
             stage,
             r.peer,
-            step,
-            e,
-            tries + 1,
-            self.TRIES,
+            f"stage {stage}: {r.peer} answers at step {step} but its discard got no answer ({e}): "
+            f"the stage is not lost, and waits for the next try ({tries + 1} of {self.TRIES})",
         )
         return None
+
+    def _say(self, stage: int, peer: str, text: str) -> None:
+        log.warning("%s", text)
+        for told in self.said:
+            told(stage, peer, text)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.coordinator.discards import Discards
-from swarm.errors import PeerUnavailable
+from swarm.errors import PeerUnavailable, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Task
 from tests.support.coordinator import Harness, MakeHarness, job_of
@@ -92,11 +92,19 @@ async def test_a_discard_lost_on_its_way_is_not_a_rollback(
     re-attached to another at once). It was read as a refusal: the stage was declared lost and
     every stage rolled back to the checkpoint, the state the replica held thrown away. A Discard
     that never reached the replica leaves the stage waiting for the next try, which re-admits
-    it."""
+    it. The wait is said for the job's history (`swarm status`), with its cause."""
     h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH])
     replay = await _lease_after_backoffs(h)
     assert {t.step for t in replay} == {1}
     assert h.rollbacks.empty(), "rolled back while the replica held its state"
+    assert said == [
+        (
+            1,
+            "c",
+            f"stage 1: c answers at step 1 but its discard got no answer ({_NO_PATH}): "
+            "the stage is not lost, and waits for the next try (2 of 4)",
+        )
+    ]
     assert c.called("discard") == [1, 1]
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a"], ["c"]]
     assert not c.called("load_state")
@@ -119,18 +127,37 @@ async def test_a_discard_that_never_reaches_the_replica_ends_in_a_rollback_said_
     assert c.called("discard") == [1] * tries
     assert not h.rollbacks.empty(), "no rollback: the stage waited for good"
     assert f"discard got no answer {tries} times" in caplog.text
+    texts = [text for _, _, text in said]
+    assert len(texts) == tries and texts[-1].startswith(
+        f"stage 1: c not re-admitted: its discard got no answer {tries} times, the last: "
+    )
+
+
+async def test_a_refused_discard_is_said_with_its_cause(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A Discard the replica refuses leaves it out at once, and its cause is said for the job's
+    history, as the rollback that follows is."""
+    refused = SwarmError("FAILED_PRECONDITION: not at step 1")
+    h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[refused])
+    await _lease_after_backoffs(h)
+    assert c.called("discard") == [1] and not h.rollbacks.empty()
+    assert said == [(1, "c", f"stage 1: c not re-admitted (discard failed): {refused}")]
 
 
 async def _only_replica_dropped(
-    tmp_path: Path, make_harness: MakeHarness, **unanswered: list[PeerUnavailable]
+    tmp_path: Path, make_harness: MakeHarness, **unanswered: list[SwarmError]
 ) -> tuple[Harness, FakeReplica]:
     """Stage 1's only replica, c, dropped in step 1's commit (its relay died), its next calls of
-    each method in `unanswered` failing with those errors, one each; the step's work run."""
+    each method in `unanswered` failing with those errors, one each; the step's work run. What
+    the Discards say for the job's history goes to `said`."""
+    said.clear()
     job = job_of(tmp_path, steps=4)
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a")
     c = swarm.add(1, "c")
     h = make_harness(job, swarm)
+    h.coordinator.membership.discards.said.append(lambda *told: said.append(told))
     await h.coordinator.start()
     await h.step()
     c.fail("prepare", PeerUnavailable("UNAVAILABLE: Stream removed (Connection reset by peer)"))
@@ -140,6 +167,8 @@ async def _only_replica_dropped(
         await h.run(task)
     return h, c
 
+
+said: list[tuple[int, str, str]] = []  # (stage, peer, text): the last harness's Discards'
 
 # A call over the path a dead relay left: refused at connect, it never reached the replica.
 _NO_PATH = PeerUnavailable("UNAVAILABLE: failed to connect: the dead relay's path")
