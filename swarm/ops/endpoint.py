@@ -16,7 +16,10 @@ It answers what it must and no more, to anyone who can reach the port:
   churns connections, whatever its rate, only ever drops its own, and a scrape from another host
   (Prometheus) is never cut off, neither before its answer nor while taking it; nor one from the
   flood's own host once its token came (a scrape sends its request at once), however many
-  silent or unfinished requests (slowloris) come after it. The token is checked as its header
+  silent or unfinished requests (slowloris) come after it. (Before its first bytes a connection
+  cannot be told from a silent flood's: a client of the flood's own host that pauses between
+  its connect and its request, a thread starved on a loaded machine, can be dropped as silent
+  once the flood's newer connections have spoken.) The token is checked as its header
   line arrives (`_Heard`), not when the request ends: a request that trickles its headers and
   never ends is told from a scrape only by it;
 - a refused request (no token, the wrong one, not HTTP) is counted (`refused`) and logged rated
