@@ -23,6 +23,8 @@ from swarm.rpc.lease import Task
 from tests.support.coordinator import Harness, MakeHarness, job_of
 from tests.support.replicas import FakeReplica, FakeSwarm
 
+Told = tuple[int, str, str]  # (stage, peer, text): what a `Discards.said` hook is told
+
 
 async def test_both_replicas_of_a_home_back_from_an_outage_count_again_without_a_copy(
     tmp_path: Path, make_harness: MakeHarness
@@ -63,7 +65,7 @@ async def test_a_replica_whose_path_changed_as_its_stage_was_lost_is_readmitted_
     answering, so it rolled every stage back to the checkpoint, the state the replica held
     thrown away (CI: test_relay_failover, "a rollback while another path existed"). Stages are
     judged silent first, then readmitted: it counts again, with no rollback."""
-    h, c = await _only_replica_dropped(tmp_path, make_harness, info=[_NO_PATH])
+    h, c, _ = await _only_replica_dropped(tmp_path, make_harness, info=[_NO_PATH])
     replay = await _lease_after_backoffs(h)
     assert {t.step for t in replay} == {1}
     assert h.rollbacks.empty(), "rolled back while the replica held its state"
@@ -93,7 +95,7 @@ async def test_a_discard_lost_on_its_way_is_not_a_rollback(
     every stage rolled back to the checkpoint, the state the replica held thrown away. A Discard
     that never reached the replica leaves the stage waiting for the next try, which re-admits
     it. The wait is said for the job's history (`swarm status`), with its cause."""
-    h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH])
+    h, c, said = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH])
     replay = await _lease_after_backoffs(h)
     assert {t.step for t in replay} == {1}
     assert h.rollbacks.empty(), "rolled back while the replica held its state"
@@ -118,7 +120,7 @@ async def test_a_discard_that_never_reaches_the_replica_ends_in_a_rollback_said_
     back, as it did at once before, the log saying why."""
     tries = Discards.TRIES
     with caplog.at_level(logging.WARNING):
-        h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH] * tries)
+        h, c, said = await _only_replica_dropped(tmp_path, make_harness, discard=[_NO_PATH] * tries)
         deadline = time.monotonic() + 60.0
         while h.rollbacks.empty() and time.monotonic() < deadline:
             await h.coordinator.lease("t", 8)  # a lease with a stage memberless tries again
@@ -139,7 +141,7 @@ async def test_a_refused_discard_is_said_with_its_cause(
     """A Discard the replica refuses leaves it out at once, and its cause is said for the job's
     history, as the rollback that follows is."""
     refused = SwarmError("FAILED_PRECONDITION: not at step 1")
-    h, c = await _only_replica_dropped(tmp_path, make_harness, discard=[refused])
+    h, c, said = await _only_replica_dropped(tmp_path, make_harness, discard=[refused])
     await _lease_after_backoffs(h)
     assert c.called("discard") == [1] and not h.rollbacks.empty()
     assert said == [(1, "c", f"stage 1: c not re-admitted (discard failed): {refused}")]
@@ -147,11 +149,11 @@ async def test_a_refused_discard_is_said_with_its_cause(
 
 async def _only_replica_dropped(
     tmp_path: Path, make_harness: MakeHarness, **unanswered: list[SwarmError]
-) -> tuple[Harness, FakeReplica]:
+) -> tuple[Harness, FakeReplica, list[Told]]:
     """Stage 1's only replica, c, dropped in step 1's commit (its relay died), its next calls of
-    each method in `unanswered` failing with those errors, one each; the step's work run. What
-    the Discards say for the job's history goes to `said`."""
-    said.clear()
+    each method in `unanswered` failing with those errors, one each; the step's work run. The
+    list: what the Discards say for the job's history, as they say it."""
+    said: list[Told] = []
     job = job_of(tmp_path, steps=4)
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a")
@@ -165,10 +167,8 @@ async def _only_replica_dropped(
         c.fail(method, *errors)
     for task in await h.lease():
         await h.run(task)
-    return h, c
+    return h, c, said
 
-
-said: list[tuple[int, str, str]] = []  # (stage, peer, text): the last harness's Discards'
 
 # A call over the path a dead relay left: refused at connect, it never reached the replica.
 _NO_PATH = PeerUnavailable("UNAVAILABLE: failed to connect: the dead relay's path")
