@@ -154,7 +154,9 @@ class Check:
         self.args, self.device = args, args.device
         self.cuda = args.device.startswith("cuda")
         self.index = (args.device.partition(":")[2] or "0") if self.cuda else ""
-        self.work = Path(tempfile.mkdtemp(prefix="swarm-gpu-check-"))
+        # TMPDIR read now, not when `tempfile` first looked: a test that sets it keeps the
+        # check's folder under its own tmp_path, not one more in /tmp for every run
+        self.work = Path(tempfile.mkdtemp(prefix="swarm-gpu-check-", dir=os.environ.get("TMPDIR")))
         self.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
         self.env: dict[str, Any] = {}
         self.header = ""

@@ -126,6 +126,7 @@ def test_parts_are_chosen_by_name_and_a_cpu_run_is_the_fault_check_s_dry_run(
         smoke_stall_s=0.0,
     )
     check = gpu_check.Check(args)
+    assert check.work.parent == tmp_path  # its logs under TMPDIR, not one more folder in /tmp
     assert [p.name for p in check.parts] == ["environment", "device faults"]
     # On a CPU `--parts smoke` runs the quick run's smoke command, so the quick run's smoke
     # stands for it (test_the_smoke_part_passes_on_a_cpu reads that one)
@@ -232,7 +233,7 @@ def test_a_failed_smoke_part_stops_the_check_with_its_error(failed_smoke: Checke
 
 
 def test_the_gpu_idle_part_runs_only_where_named_and_fits_one_call_of_300_s(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--parts "environment,gpu idle"` (nothing run: --plan): the long shape eager beside
     torch's two runs, the servers sampled by py-spy, the trace and stacks under $OUT; with the
@@ -255,14 +256,19 @@ def test_the_gpu_idle_part_runs_only_where_named_and_fits_one_call_of_300_s(
     assert float(idle[idle.index("--budget-s") + 1]) < plan["parts"][1]["timeout_s"]
     assert idle[idle.index("--out") + 1] == str(tmp_path / "out" / "gpu_idle")
     assert len(plan["out_files"]) <= 8 and "gpu_idle/trace-long-swarm.json" in plan["out_files"]
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     for quick in (False, True):
         args = argparse.Namespace(device="cpu", quick=quick, parts=set(), ratio_shapes="long")
         assert "gpu idle" not in [p.name for p in gpu_check.Check(args).parts]
 
 
-def test_the_gpu_idle_part_says_where_the_time_went_or_fails(tmp_path: Path) -> None:
+def test_the_gpu_idle_part_says_where_the_time_went_or_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sys.path.insert(0, str(ROOT))
     from bench import gpu_check
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
 
     args = argparse.Namespace(device="cpu", quick=False, parts={"gpu idle"}, ratio_shapes="long")
     (part,) = gpu_check.Check(args).parts
