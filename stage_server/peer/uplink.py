@@ -1,5 +1,6 @@
 """The uplink's two lanes: the boundary's, which the step waits for, and one for what can wait (a
-standby's or a joiner's updates, `stage_server.replica.state_transfer`), which yields to it.
+standby's or a joiner's updates and state downloads, `stage_server.replica.state_transfer`),
+which yields to it.
 
 Why (issue 67, item 3): a standby asks its source replica for each committed update, and the
 source answers as the commit lands, just as the next step's first microbatches leave on the same
@@ -156,6 +157,9 @@ class Waiting:
         self._uplink, self._follower, self.hold_until = uplink, follower, hold_until
         self._own_until = 0.0  # this answer's last part is on the wire by then
         self._blocked = [0, 0.0]  # bytes and seconds of its writes that waited for the link
+        # Seconds its parts were held back or paced: the lane's time, not the link's (a state
+        # download's bytes over its time measure the link only where this is 0)
+        self.waited = 0.0
 
     def part_bytes(self, most: int) -> int:
         """How large a part to cut: about `PART_S` of link, within [`MIN_PART_BYTES`, `most`]."""
@@ -176,6 +180,7 @@ class Waiting:
                 ready = max(ready, min(up.busy_until(), self.hold_until))
             if ready <= now:
                 return
+            self.waited += ready - now
             await up.sleep(ready - now)
 
     def sent(self, nbytes: int, seconds: float) -> None:

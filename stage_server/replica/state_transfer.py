@@ -240,16 +240,25 @@ class StateTransfer:
             self._served[task] = loop.time()
             # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
             off = OffLoop(snapshot.on_device, snapshot.device)
-            parts = state_reply(snapshot, chunk_bytes)
+            # On the uplink's waiting lane, as an update is: a joiner's or a standby's copy (or
+            # a checkpoint's) taken mid-job must not share the link with the boundary's sends,
+            # which the step waits for; at most `HOLD_S` held back, paced past it.
+            lane = self.metrics.uplink.waiting(follower)
+            parts = state_reply(snapshot, lane.part_bytes(chunk_bytes))
             started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
             while (part := await off.next(parts)) is not None:
+                await lane.before()
+                handed = loop.time()
                 yield part
+                lane.sent(payload_bytes(part), loop.time() - handed)
                 nbytes += payload_bytes(part)
                 self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
-            self.metrics.moved("up", nbytes, loop.time() - started)
+            lane.done()
+            if not lane.waited:  # a paced or held answer's time is the lane's, not the link's
+                self.metrics.moved("up", nbytes, loop.time() - started)
         finally:
             if off is not None:
                 off.shutdown()  # its thread ends with its last copy (nothing waits on it)

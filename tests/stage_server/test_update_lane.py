@@ -1,7 +1,9 @@
 """A follower's update yields to the boundary on the source's uplink (issue 67 item 3,
 `stage_server.peer.uplink`), on a real stage server over real gRPC: a boundary tensor the replica
 sends claims its link, and an Updates answer asked for meanwhile waits until those bytes are
-through at the link's rate, where before it went at once and shared the link with them."""
+through at the link's rate, where before it went at once and shared the link with them. So does
+a state download (a joiner's or a standby's copy, a checkpoint's), whose held time is then no
+measure of the link."""
 
 from __future__ import annotations
 
@@ -38,50 +40,90 @@ async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
     await running.stop()
 
 
+@pytest.fixture
+async def client(job: JobConfig, server: RunningStageServer) -> AsyncIterator[StageClient]:
+    stub = StageClient(server.address, job, fingerprint(job), 1)
+    yield stub
+    await stub.close()
+
+
 async def test_an_update_waits_for_the_boundary_tensors_on_the_link(
-    job: JobConfig, server: RunningStageServer
+    server: RunningStageServer, client: StageClient
 ) -> None:
     metrics = server.servicer.metrics
     metrics.link.fix(UP, 0.0)
-    client = StageClient(server.address, job, fingerprint(job), 1)
-    try:
-        # A step committed with a follower of step 0: one update for it in the log.
-        hidden = torch.randn(4, 16, 32, dtype=torch.float64)
-        before = metrics.uplink.busy_until()
-        out = as_tensor(await client.forward(0, 0, Crossing(hidden)))
-        # the forward's outputs are a boundary tensor sent: they claimed the link
-        assert metrics.uplink.busy_until() > before
-        await client.backward(0, 0, None, torch.ones_like(out))
-        server.runtime.updates.follow("f", 0)
-        await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
-        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY)
+    # A step committed with a follower of step 0: one update for it in the log.
+    hidden = torch.randn(4, 16, 32, dtype=torch.float64)
+    before = metrics.uplink.busy_until()
+    out = as_tensor(await client.forward(0, 0, Crossing(hidden)))
+    # the forward's outputs are a boundary tensor sent: they claimed the link
+    assert metrics.uplink.busy_until() > before
+    await client.backward(0, 0, None, torch.ones_like(out))
+    server.runtime.updates.follow("f", 0)
+    await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
+    await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY)
 
-        # The next step's outputs leave as the follower asks: 0.6 s of this link.
-        metrics.sent(CLAIM, CLAIM, "forward", 1)
-        claimed = time.monotonic()
-        (update,) = await client.updates("f", 0, expect=server.runtime.checks.state)
-        waited = time.monotonic() - claimed
-    finally:
-        await client.close()
+    # The next step's outputs leave as the follower asks: 0.6 s of this link.
+    metrics.sent(CLAIM, CLAIM, "forward", 1)
+    claimed = time.monotonic()
+    (update,) = await client.updates("f", 0, expect=server.runtime.checks.state)
+    waited = time.monotonic() - claimed
     assert update.step == 0
     assert waited >= CLAIM / UP  # not before the boundary's bytes were through
 
 
 async def test_with_the_link_rate_unknown_an_update_goes_at_once(
-    job: JobConfig, server: RunningStageServer
+    server: RunningStageServer, client: StageClient
 ) -> None:
     metrics = server.servicer.metrics
-    client = StageClient(server.address, job, fingerprint(job), 1)
-    try:
-        hidden = torch.randn(4, 16, 32, dtype=torch.float64)
-        out = as_tensor(await client.forward(0, 0, Crossing(hidden)))
-        await client.backward(0, 0, None, torch.ones_like(out))
-        server.runtime.updates.follow("f", 0)
-        await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
-        await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY)
-        metrics.sent(100 * CLAIM, CLAIM, "forward", 1)  # no rate: it claims nothing
-        assert metrics.uplink.busy_until() <= time.monotonic()
-        (update,) = await client.updates("f", 0, expect=server.runtime.checks.state)
-    finally:
-        await client.close()
+    hidden = torch.randn(4, 16, 32, dtype=torch.float64)
+    out = as_tensor(await client.forward(0, 0, Crossing(hidden)))
+    await client.backward(0, 0, None, torch.ones_like(out))
+    server.runtime.updates.follow("f", 0)
+    await client.commit(0, [0], 4, phase=pb.COMMIT_PHASE_PREPARE)
+    await client.commit(0, [], 0, phase=pb.COMMIT_PHASE_APPLY)
+    metrics.sent(100 * CLAIM, CLAIM, "forward", 1)  # no rate: it claims nothing
+    assert metrics.uplink.busy_until() <= time.monotonic()
+    (update,) = await client.updates("f", 0, expect=server.runtime.checks.state)
     assert update.step == 0
+
+
+async def test_a_state_download_waits_for_the_boundary_tensors_on_the_link(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    """A copy taken mid-job went at once beside the boundary's bytes (left open at issue 67)."""
+    metrics = server.servicer.metrics
+    metrics.link.fix(UP, 0.0)
+    metrics.sent(CLAIM, CLAIM, "forward", 0)  # a boundary tensor leaves as the copy is asked
+    claimed = time.monotonic()
+    step, state = await client.download_state(expect=server.runtime.checks.state)
+    waited = time.monotonic() - claimed
+    assert step == 0 and state
+    assert waited >= CLAIM / UP  # not before the boundary's bytes were through
+
+
+async def test_a_state_download_sent_at_once_measures_the_link(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    """The control of the test below: with no rate known and nothing claimed, a download goes
+    at once, and its bytes over its time are the link meter's sample of the upload."""
+    metrics = server.servicer.metrics
+    metrics.link.min_bytes["up"] = 1  # this job's small state is a burst large enough
+    await client.download_state(expect=server.runtime.checks.state)
+    metrics.link.settle(0)
+    assert metrics.link.measured("up") > 0
+
+
+async def test_a_held_state_download_is_no_measure_of_the_link(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    """A download the lane held back (or paced) took the lane's time, not the link's: as a
+    sample it would read the link slower than it is, and the lane would then pace the next
+    answers slower still."""
+    metrics = server.servicer.metrics
+    metrics.link.min_bytes["up"] = 1
+    metrics.uplink.wrote("earlier", 1 << 21, (1 << 21) / UP)  # a rate from earlier answers
+    metrics.sent(CLAIM, CLAIM, "forward", 0)
+    await client.download_state(expect=server.runtime.checks.state)
+    metrics.link.settle(0)
+    assert metrics.link.measured("up") == 0.0
