@@ -1,6 +1,7 @@
 """The uplink's two lanes: the boundary's, which the step waits for, and one for what can wait (a
-standby's or a joiner's updates and state downloads, `stage_server.replica.state_transfer`),
-which yields to it.
+standby's or a joiner's updates, `stage_server.replica.state_transfer`), which yields to it. A
+state download mid-job (a copy, a checkpoint's) is held for the boundary's claims there too, but
+not paced: its time stays the link meter's sample where nothing held it.
 
 Why (issue 67, item 3): a standby asks its source replica for each committed update, and the
 source answers as the commit lands, just as the next step's first microbatches leave on the same

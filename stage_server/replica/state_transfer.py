@@ -240,24 +240,24 @@ class StateTransfer:
             self._served[task] = loop.time()
             # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
             off = OffLoop(snapshot.on_device, snapshot.device)
-            # On the uplink's waiting lane, as an update is: a joiner's or a standby's copy (or
-            # a checkpoint's) taken mid-job must not share the link with the boundary's sends,
-            # which the step waits for; at most `HOLD_S` held back, paced past it.
+            # A joiner's or a standby's copy (or a checkpoint's) taken mid-job waits, part by
+            # part, for the boundary's claims on the uplink to be through (at most `HOLD_S` in
+            # all), as an update does: the step waits for those sends. Unlike an update it is
+            # not paced, nor cut to the lane's parts: its time stays the link's (the meter's
+            # sample below), a slow reader (a checkpoint's) teaches the lane no rate, and its
+            # chunks keep the one size whose pinned staging buffers a device's download reuses.
             lane = self.metrics.uplink.waiting(follower)
-            parts = state_reply(snapshot, lane.part_bytes(chunk_bytes))
+            parts = state_reply(snapshot, chunk_bytes)
             started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
             while (part := await off.next(parts)) is not None:
                 await lane.before()
-                handed = loop.time()
                 yield part
-                lane.sent(payload_bytes(part), loop.time() - handed)
                 nbytes += payload_bytes(part)
                 self._served[task] = loop.time()  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
-            lane.done()
-            if not lane.waited:  # a paced or held answer's time is the lane's, not the link's
+            if not lane.waited:  # a held answer's time is partly the lane's, not the link's
                 self.metrics.moved("up", nbytes, loop.time() - started)
         finally:
             if off is not None:

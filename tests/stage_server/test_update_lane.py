@@ -2,8 +2,8 @@
 `stage_server.peer.uplink`), on a real stage server over real gRPC: a boundary tensor the replica
 sends claims its link, and an Updates answer asked for meanwhile waits until those bytes are
 through at the link's rate, where before it went at once and shared the link with them. So does
-a state download (a joiner's or a standby's copy, a checkpoint's), whose held time is then no
-measure of the link."""
+a state download (a joiner's or a standby's copy, a checkpoint's), held but not paced: one held
+is no measure of the link, one sent at once still is."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stage_server.averaging import staging as staging_module
+from stage_server.peer.uplink import LEARNED_SHARE
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
@@ -38,6 +40,11 @@ async def server(job: JobConfig) -> AsyncIterator[RunningStageServer]:
     running = await start_stage_server(job, StageServerOptions(stage=1))
     yield running
     await running.stop()
+
+
+def staging_sizes() -> int:
+    """The chunk sizes this process keeps pinned staging buffers for."""
+    return staging_module._shared.cache_info().currsize
 
 
 @pytest.fixture
@@ -114,12 +121,35 @@ async def test_a_state_download_sent_at_once_measures_the_link(
     assert metrics.link.measured("up") > 0
 
 
+async def test_a_state_download_is_not_paced_so_with_nothing_claimed_it_still_measures_the_link(
+    server: RunningStageServer, client: StageClient
+) -> None:
+    """A download paced at the lane's rate would take that rate's time, never read a faster
+    link, and so leave the meter (what the peer announces) at a rate it once read too low, and
+    every later download paced at it. It is held for the boundary's claims only."""
+    metrics = server.servicer.metrics
+    metrics.link.min_bytes["up"] = 1
+    slow = 50_000.0  # bytes a second: far below this loopback link
+    metrics.uplink.wrote("earlier", 1 << 21, (1 << 21) / slow * LEARNED_SHARE)
+    assert metrics.uplink.rate() == pytest.approx(slow)
+    await client.download_state(expect=server.runtime.checks.state)
+    metrics.link.settle(0)
+    assert metrics.link.measured("up") > slow
+    # Nor cut to the lane's rate: a device's download stages its chunks in pinned buffers the
+    # process keeps for each chunk size (`staging`), so a size that followed the rate would pin
+    # more host memory at every new rate, for good.
+    sizes = staging_sizes()
+    for fast in (8e6, 16e6):  # rates whose parts of `PART_S` would differ (above their floor)
+        metrics.uplink.wrote(f"at {fast:g}", 1 << 21, (1 << 21) / fast * LEARNED_SHARE)
+        await client.download_state(expect=server.runtime.checks.state)
+        assert staging_sizes() == sizes, fast
+
+
 async def test_a_held_state_download_is_no_measure_of_the_link(
     server: RunningStageServer, client: StageClient
 ) -> None:
-    """A download the lane held back (or paced) took the lane's time, not the link's: as a
-    sample it would read the link slower than it is, and the lane would then pace the next
-    answers slower still."""
+    """A download the lane held back took the lane's time, not only the link's: as a sample it
+    would read the link slower than it is (and the lane would then pace the updates at that)."""
     metrics = server.servicer.metrics
     metrics.link.min_bytes["up"] = 1
     metrics.uplink.wrote("earlier", 1 << 21, (1 << 21) / UP)  # a rate from earlier answers
