@@ -6,8 +6,8 @@ swarm unshaped, measured in the same run.
         [--codec none|fp16|bf16|int8_blockwise] [--averaging none|fp16|bf16|int8_blockwise]
         [--data-plane push|relay] [--steps 10]
         [--max-in-flight 8] [--workload d256|tiny | --small] [--replicas 1]
-        [--delayed-update] [--standby 0] [--control none|torch [--torch-schedule gpipe,1f1b]]
-        [--json]
+        [--delayed-update] [--standby 0] [--checkpoint-every 0]
+        [--control none|torch [--torch-schedule gpipe,1f1b]] [--json]
 
 Pools. `--replicas R` serves each stage with R replicas, each a host of its own (`s<k>r<j>`), so
 every step ends with each pool averaging its gradients over the shaped links; the seconds per
@@ -21,6 +21,11 @@ received bytes are a standby's cost a microbatch, and the samples/s against a ru
 judges it). `--averaging` is the pools' codec (`compression.averaging`): a standby of a pool that
 averages in a lossy one receives each step's sum in it (a pool of one averages nothing, and its
 standby receives the float32 sum).
+
+Checkpoints. `--checkpoint-every N` has the trainer save a checkpoint every N steps
+(`training.checkpoint_every`, `--checkpoint-dir`): each stage's parameters and optimizer state are
+downloaded from its server mid-job, over that host's uplink, beside the boundary's sends (which a
+download waits for: `stage_server.peer.uplink`), and into the trainer's downlink.
 
 Hosts. The trainer and each stage server run in a namespace of their own (`swb-<pid>-<host>`),
 with one address on 10.77.0.0/24 on their `eth0`: one end of a veth pair whose other end is a
@@ -284,6 +289,7 @@ def job_toml(
     delayed_update: bool = False,
     standby: int = 0,
     averaging: str = "none",
+    checkpoint_every: int = 0,
 ) -> str:
     p = WORKLOADS[workload]
     plane = f'data_plane = "{data_plane}"\n'
@@ -303,7 +309,7 @@ microbatch_size = {p["microbatch_size"]}
 target_batch_size = {p["microbatch_size"] * p["microbatches"]}
 steps = {steps}
 dtype = "float32"
-checkpoint_every = 0
+checkpoint_every = {checkpoint_every}
 delayed_update = {"true" if delayed_update else "false"}
 [optimizer]
 kind = "adamw"
@@ -381,6 +387,8 @@ def run_once(
             "|".join(f"{address[host]}:{PORT}" for host in stage) for stage in hosts
         )
         argv = swarm_cmd("trainer", "--job", str(job), "--threads", "1", "--log", str(log))
+        if args.checkpoint_every:  # each stage's state downloaded over its host's uplink
+            argv += ["--checkpoint-dir", str(work / f"{label}-checkpoints")]
         trainer = start(
             net, TRAINER, f"{label}-trainer", [*argv, "--stage-servers", stage_servers], work
         )
@@ -801,6 +809,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--standby", type=int, default=0, help="runtime.standby: of each stage's --replicas"
     )
     parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="training.checkpoint_every: the trainer downloads every stage's state mid-job",
+    )
+    parser.add_argument(
         "--control",
         choices=["none", "torch"],
         default="none",
@@ -906,6 +920,7 @@ def main() -> int:
             args.delayed_update,
             args.standby,
             args.averaging,
+            args.checkpoint_every,
         )
         job.write_text(toml)
         print(f"unshaped run (1 + {args.steps} + 1 steps) ...", file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
 """bench/wan.py's torch control (issue 69's 100 Mbit/s target), without root: the ranks' command
 lines (rank k on stage k's host, all meeting at rank 0's address, rank 0 logging the steps),
 the options it refuses, and its figures on canned runs: each schedule's shaped/unshaped, the
-faster schedule on each link, swarm/torch on each link, and the printed table. Also
-bench/torch_pipeline.py's one-rank mode, run for real on loopback (slow: four processes)."""
+faster schedule on each link, swarm/torch on each link, and the printed table; the job that
+`--checkpoint-every` writes. Also bench/torch_pipeline.py's one-rank mode, run for real on
+loopback (slow: four processes)."""
 
 from __future__ import annotations
 
@@ -175,3 +176,18 @@ def test_one_rank_at_a_time_meets_at_rank_0_and_logs_each_step(tmp_path: Path) -
     assert all(s["samples"] == p["microbatch_size"] * p["microbatches"] for s in steps)
     assert all(s["seconds"] > 0 for s in steps)
     assert float(outs[0].split()[-1]) > 0  # rank 0's samples/s, its last line as before
+
+
+def test_checkpoint_every_sets_the_jobs_checkpoints_and_the_trainers_folder(
+    tmp_path: Path,
+) -> None:
+    """`--checkpoint-every N`: the job checkpoints every N steps (a valid job file), which the
+    trainer's `--checkpoint-dir` writes; without it, never."""
+    from swarm.job.config import load_job
+
+    for every in (0, 2):
+        job = tmp_path / f"job-{every}.toml"
+        job.write_text(wan.job_toml("tiny", 4, "none", "push", checkpoint_every=every))
+        assert load_job(job).training.checkpoint_every == every
+    assert wan.parse_args(["--checkpoint-every", "2"]).checkpoint_every == 2
+    assert wan.parse_args([]).checkpoint_every == 0
