@@ -602,6 +602,7 @@ def report(
         "replicas": args.replicas,
         "delayed_update": args.delayed_update,
         "standby": args.standby,
+        "checkpoint_every": args.checkpoint_every,
         "timed_steps": args.steps,
         "addresses": addresses(args.replicas),
         "unshaped": vars(unshaped),
