@@ -871,7 +871,14 @@ def refused(args: argparse.Namespace) -> str | None:
         return "--control torch needs --delay-ms 0 (the delaying relay is the swarm servers')"
     try:
         parse_job(
-            job_toml(args.workload, 2, args.codec, args.data_plane, args.max_in_flight),
+            job_toml(
+                args.workload,
+                2,
+                args.codec,
+                args.data_plane,
+                args.max_in_flight,
+                checkpoint_every=args.checkpoint_every,
+            ),
             ROOT,
             "wan",
         )

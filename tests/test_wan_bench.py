@@ -191,3 +191,6 @@ def test_checkpoint_every_sets_the_jobs_checkpoints_and_the_trainers_folder(
         assert load_job(job).training.checkpoint_every == every
     assert wan.parse_args(["--checkpoint-every", "2"]).checkpoint_every == 2
     assert wan.parse_args([]).checkpoint_every == 0
+    # refused before any namespace or process is made, with the job's own words
+    told = wan.refused(wan.parse_args(["--checkpoint-every", "-1"]))
+    assert told is not None and "checkpoint_every" in told, told
