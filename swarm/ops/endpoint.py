@@ -16,12 +16,12 @@ It answers what it must and no more, to anyone who can reach the port:
   churns connections, whatever its rate, only ever drops its own, and a scrape from another host
   (Prometheus) is never cut off, neither before its answer nor while taking it; nor one from the
   flood's own host once its token came (a scrape sends its request at once), however many
-  silent or unfinished requests (slowloris) come after it. (Before its first bytes a connection
-  cannot be told from a silent flood's: a client of the flood's own host that pauses between
-  its connect and its request, a thread starved on a loaded machine, can be dropped as silent
-  once the flood's newer connections have spoken.) The token is checked as its header
-  line arrives (`_Heard`), not when the request ends: a request that trickles its headers and
-  never ends is told from a scrape only by it;
+  silent or unfinished requests (slowloris) come after it. The kernel hands a connection over
+  only once its first bytes came (`TCP_DEFER_ACCEPT`, up to `request_s`): a silent flood costs
+  no slot, and a scrape is never taken for one of its connections. The token is checked as its
+  header line arrives (`_Heard`), not when the request ends, and among the bytes still waiting
+  in the kernel of a connection about to be dropped (a peek): a request that trickles its
+  headers and never ends is told from a scrape only by it;
 - a refused request (no token, the wrong one, not HTTP) is counted (`refused`) and logged rated
   (`swarm.ops.rated.RatedLog`: a line per reason every `_LOG_EVERY_S`), never a line per request.
 
@@ -31,15 +31,14 @@ HTTP/1.1 GET, one request per connection (`Connection: close`): what Prometheus 
 from __future__ import annotations
 
 import asyncio
-import fcntl
+import copy
 import hashlib
 import hmac
 import http
 import logging
+import math
 import socket
 import ssl
-import sys
-import termios
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -109,6 +108,11 @@ class Endpoint:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # The kernel hands a connection over only once its first bytes came (or, silent,
+            # after `request_s`): accepted before them, a scrape looked silent, the first to be
+            # dropped under its own host's flood; and a silent flood now costs no slot here.
+            defer_s = max(1, math.ceil(self._limits.request_s))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_s)
             sock.bind(address)
         except OSError:
             sock.close()
@@ -137,9 +141,10 @@ class Endpoint:
     def _victim(self, newcomer: str) -> asyncio.StreamWriter:
         """The connection a new one from `newcomer` replaces: of the host that holds the most
         (counting the new one, so a tie is the newcomer's), the oldest that sent nothing yet,
-        else the oldest waiting for its request without a valid token and with no bytes unread,
-        else the oldest waiting without a valid token, else the oldest waiting for its request,
-        else the oldest. At most `connections` are looked at."""
+        else the oldest waiting for its request whose token has not come (neither among the
+        bytes read nor among those waiting in the kernel), else the oldest waiting without a
+        valid token, else the oldest waiting for its request, else the oldest. At most
+        `connections` are looked at."""
         held = Counter(host for host, _ in self._open.values())
         held[newcomer] += 1
         busiest = max(held, key=lambda h: (held[h], h == newcomer))
@@ -148,14 +153,23 @@ class Endpoint:
             theirs = list(self._open)
         waiting = [w for w in theirs if w not in self._answering]
         unvouched = [w for w in waiting if not self._open[w][1].vouched]
-        # Its bytes may have come and wait in the kernel, not yet read (a scrape accepted in the
-        # same breath as a flood's connections, or this thread starved on a loaded machine):
-        # they may hold its token, so it is neither silent nor dropped before every unvouched
-        # connection whose bytes are all read.
-        unread = {w for w in unvouched if _unread(w)}
-        silent = (w for w in unvouched if not self._open[w][1].spoke and w not in unread)
-        read = [w for w in unvouched if w not in unread]
-        return next(silent, None) or (read or unvouched or waiting or theirs)[0]
+        # Its bytes may have come and wait in the kernel, not yet read (a batch of connections
+        # admitted before any is read, this thread starved on a loaded machine): what they
+        # hold is looked at, lazily, the oldest first, as its reader will hear it.
+        silent = (w for w in unvouched if not self._open[w][1].spoke and not self._waiting(w))
+        tokenless = (w for w in unvouched if not self._would_vouch(w))
+        return next(silent, None) or next(tokenless, None) or (unvouched or waiting or theirs)[0]
+
+    def _waiting(self, writer: asyncio.StreamWriter) -> bytes:
+        return _unread(writer, self._limits.head_bytes)
+
+    def _would_vouch(self, writer: asyncio.StreamWriter) -> bool:
+        """Whether `writer`'s request vouches once its bytes waiting in the kernel are heard
+        too. Under TLS they are ciphertext, unreadable here: any of them might hold a token."""
+        waiting = self._waiting(writer)
+        if self._context is not None:
+            return bool(waiting)
+        return self._open[writer][1].would_vouch(waiting)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Admitted, and TLS started, before the first await: the client's first bytes reach
@@ -209,16 +223,24 @@ class Endpoint:
         self._log.warning(reason, "metrics endpoint: refused a request: %s", reason)
 
 
-def _unread(writer: asyncio.StreamWriter) -> bool:
-    """Whether bytes wait in the kernel for `writer`'s connection (FIONREAD), read or not."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return False
+def _unread(writer: asyncio.StreamWriter, most: int) -> bytes:
+    """Up to `most` of the bytes waiting in the kernel for `writer`'s connection, left there
+    (a peek): what its reader has yet to hear."""
+    transport_socket = writer.get_extra_info("socket")
+    if transport_socket is None:
+        return b""
+    # asyncio's socket wrapper has no recv; a socket on the same descriptor, detached after
+    # (never closed: the transport owns the descriptor), peeks without taking.
     try:
-        waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        sock = socket.socket(fileno=transport_socket.fileno())
     except OSError:
-        return False  # closed meanwhile
-    return int.from_bytes(waiting, sys.byteorder) > 0
+        return b""  # closed meanwhile
+    try:
+        return sock.recv(most, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return b""  # nothing waiting, or closed meanwhile
+    finally:
+        sock.detach()
 
 
 async def _head(reader: asyncio.StreamReader) -> bytes:
@@ -231,25 +253,51 @@ async def _head(reader: asyncio.StreamReader) -> bytes:
 
 class _Heard(asyncio.StreamReader):
     """A connection's reader that notes, as its bytes arrive (before any task reads them),
-    whether it `spoke` and whether its request's head holds exactly one `Authorization` header
-    whose bearer token is the endpoint's (`vouched`). Each head line is looked at once, as it
-    completes; nothing past `head_bytes` or the blank line is kept."""
+    whether it `spoke` and whether its request's head vouches (`_Head`)."""
 
     def __init__(self, expected: bytes | None, head_bytes: int) -> None:
         super().__init__(limit=head_bytes)
+        self._head = _Head(expected, head_bytes)
+        self.spoke = False
+
+    @property
+    def vouched(self) -> bool:
+        return self._head.vouched
+
+    def would_vouch(self, more: bytes) -> bool:
+        """Whether the head vouches once `more` is heard too; nothing is heard here."""
+        head = self._head.twin()
+        head.hear(more)
+        return head.vouched
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        super().feed_data(data)
+        chunk = bytes(data)  # the transport's bytes (typeshed types it as any byte source)
+        self.spoke = self.spoke or bool(chunk)
+        self._head.hear(chunk)
+
+
+class _Head:
+    """Whether a request's head, as heard so far, holds exactly one `Authorization` header whose
+    bearer token is the endpoint's (`vouched`). Each head line is looked at once, as it
+    completes; nothing past `head_bytes` or the blank line is kept."""
+
+    def __init__(self, expected: bytes | None, head_bytes: int) -> None:
         self._expected, self._head_bytes = expected, head_bytes
         self._pending = bytearray()  # the head line being received
         self._seen = 0  # bytes looked at
         self._lines = 0  # head lines complete, the request line included
         self._tokens = 0  # Authorization lines among them
         self._ended = False  # the blank line came, or the head outgrew `head_bytes`
-        self.spoke = False
         self.vouched = False
 
-    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
-        super().feed_data(data)
-        chunk = bytes(data)  # the transport's bytes (typeshed types it as any byte source)
-        self.spoke = self.spoke or bool(chunk)
+    def twin(self) -> _Head:
+        """A copy that hears on without this one hearing it."""
+        twin = copy.copy(self)
+        twin._pending = bytearray(self._pending)  # its own: `hear` extends it in place
+        return twin
+
+    def hear(self, chunk: bytes) -> None:
         if self._ended or self._expected is None:
             return
         self._seen += len(chunk)
