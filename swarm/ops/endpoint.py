@@ -156,17 +156,14 @@ class Endpoint:
         # Its bytes may have come and wait in the kernel, not yet read (a batch of connections
         # admitted before any is read, this thread starved on a loaded machine): what they
         # hold is looked at, lazily, the oldest first, as its reader will hear it.
-        silent = (w for w in unvouched if not self._open[w][1].spoke and not self._waiting(w))
+        silent = (w for w in unvouched if not self._open[w][1].spoke and not _unread(w, 1))
         tokenless = (w for w in unvouched if not self._would_vouch(w))
         return next(silent, None) or next(tokenless, None) or (unvouched or waiting or theirs)[0]
-
-    def _waiting(self, writer: asyncio.StreamWriter) -> bytes:
-        return _unread(writer, self._limits.head_bytes)
 
     def _would_vouch(self, writer: asyncio.StreamWriter) -> bool:
         """Whether `writer`'s request vouches once its bytes waiting in the kernel are heard
         too. Under TLS they are ciphertext, unreadable here: any of them might hold a token."""
-        waiting = self._waiting(writer)
+        waiting = _unread(writer, self._limits.head_bytes)
         if self._context is not None:
             return bool(waiting)
         return self._open[writer][1].would_vouch(waiting)
