@@ -16,12 +16,14 @@ It answers what it must and no more, to anyone who can reach the port:
   churns connections, whatever its rate, only ever drops its own, and a scrape from another host
   (Prometheus) is never cut off, neither before its answer nor while taking it; nor one from the
   flood's own host once its token came (a scrape sends its request at once), however many
-  silent or unfinished requests (slowloris) come after it. The kernel hands a connection over
-  only once its first bytes came (`TCP_DEFER_ACCEPT`, up to `request_s`): a silent flood costs
-  no slot, and a scrape is never taken for one of its connections. The token is checked as its
-  header line arrives (`_Heard`), not when the request ends, and among the bytes still waiting
-  in the kernel of a connection about to be dropped (a peek): a request that trickles its
-  headers and never ends is told from a scrape only by it;
+  silent or unfinished requests (slowloris) come after it. On Linux the kernel hands a
+  connection over once its first bytes came, or silent after a second (`TCP_DEFER_ACCEPT`):
+  a scrape is not taken for silent, and a flood's silent connections wait in the kernel's
+  queue of half-open ones (`_BACKLOG`; past it, with SYN cookies, they are handed over at once
+  and go first, as silent). The token is checked as its header line arrives (`_Heard`), not
+  when the request ends, and among the bytes still waiting in the kernel of a connection about
+  to be dropped (a peek; under TLS they are ciphertext, so any may hold it): a request that
+  trickles its headers and never ends is told from a scrape only by it;
 - a refused request (no token, the wrong one, not HTTP) is counted (`refused`) and logged rated
   (`swarm.ops.rated.RatedLog`: a line per reason every `_LOG_EVERY_S`), never a line per request.
 
@@ -36,7 +38,6 @@ import hashlib
 import hmac
 import http
 import logging
-import math
 import socket
 import ssl
 import threading
@@ -51,6 +52,9 @@ __all__ = ["Answer", "Endpoint", "Handler", "Limits"]
 
 log = logging.getLogger(__name__)
 _LOG_EVERY_S = 10.0  # one line per refusal reason this often
+# The listener's queues: connections not yet handed over, and (with TCP_DEFER_ACCEPT) those
+# waiting for their first bytes (the kernel caps it at net.core.somaxconn)
+_BACKLOG = 1024
 
 
 @dataclass(frozen=True)
@@ -108,13 +112,16 @@ class Endpoint:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            # The kernel hands a connection over only once its first bytes came (or, silent,
-            # after `request_s`): accepted before them, a scrape looked silent, the first to be
-            # dropped under its own host's flood; and a silent flood now costs no slot here.
-            defer_s = max(1, math.ceil(self._limits.request_s))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_s)
+            if hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux's; elsewhere taken at the handshake
+                # The kernel hands a connection over once its first bytes came, or silent
+                # after a second (its least): accepted before them, a scrape looked silent,
+                # the first to go under its own host's flood. A second is ample for a client
+                # that sends its request at once, and short, as deferred connections wait in
+                # the listener's queue of half-open ones (`_BACKLOG`; past it, with SYN
+                # cookies, Linux's default, they are handed over at once, silent).
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
             sock.bind(address)
-        except OSError:
+        except BaseException:
             sock.close()
             raise
         loop = asyncio.new_event_loop()
@@ -124,13 +131,17 @@ class Endpoint:
             reader = _Heard(self._expected, self._limits.head_bytes)
             return asyncio.StreamReaderProtocol(reader, self._serve)
 
-        serving = loop.create_server(connection, sock=sock, backlog=128)
+        serving = loop.create_server(connection, sock=sock, backlog=_BACKLOG)
         self._server = asyncio.run_coroutine_threadsafe(serving, loop).result()
         return int(sock.getsockname()[1])
 
     def _admit(self, reader: _Heard, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        # Bytes the kernel held for it when it was handed over are its first, heard or not:
+        # under TLS the reader hears only what the handshake decrypts, so a scrape mid-handshake
+        # looked silent.
+        reader.spoke = reader.spoke or bool(_unread(writer, 1))
         while len(self._open) >= self._limits.connections:
             victim = self._victim(host)
             del self._open[victim]
@@ -163,10 +174,13 @@ class Endpoint:
     def _would_vouch(self, writer: asyncio.StreamWriter) -> bool:
         """Whether `writer`'s request vouches once its bytes waiting in the kernel are heard
         too. Under TLS they are ciphertext, unreadable here: any of them might hold a token."""
-        waiting = _unread(writer, self._limits.head_bytes)
         if self._context is not None:
-            return bool(waiting)
-        return self._open[writer][1].would_vouch(waiting)
+            return bool(_unread(writer, 1))
+        heard = self._open[writer][1]
+        room = heard.head_room()
+        if not room:  # no token to look for, or its head ended: what it heard is all
+            return heard.vouched
+        return heard.would_vouch(_unread(writer, room + 1))  # a byte more: one too many ends it
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Admitted, and TLS started, before the first await: the client's first bytes reach
@@ -224,7 +238,7 @@ def _unread(writer: asyncio.StreamWriter, most: int) -> bytes:
     """Up to `most` of the bytes waiting in the kernel for `writer`'s connection, left there
     (a peek): what its reader has yet to hear."""
     transport_socket = writer.get_extra_info("socket")
-    if transport_socket is None:
+    if transport_socket is None or transport_socket.fileno() < 0:  # closed (a reset, say)
         return b""
     # asyncio's socket wrapper has no recv; a socket on the same descriptor, detached after
     # (never closed: the transport owns the descriptor), peeks without taking.
@@ -233,6 +247,7 @@ def _unread(writer: asyncio.StreamWriter, most: int) -> bytes:
     except OSError:
         return b""  # closed meanwhile
     try:
+        sock.setblocking(False)  # never the process's default timeout: a peek never waits
         return sock.recv(most, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except OSError:
         return b""  # nothing waiting, or closed meanwhile
@@ -261,6 +276,11 @@ class _Heard(asyncio.StreamReader):
     def vouched(self) -> bool:
         return self._head.vouched
 
+    def head_room(self) -> int:
+        """How many more bytes the head may take before it is none; 0 once it ended, or with
+        no token to look for."""
+        return self._head.room()
+
     def would_vouch(self, more: bytes) -> bool:
         """Whether the head vouches once `more` is heard too; nothing is heard here."""
         head = self._head.twin()
@@ -287,6 +307,9 @@ class _Head:
         self._tokens = 0  # Authorization lines among them
         self._ended = False  # the blank line came, or the head outgrew `head_bytes`
         self.vouched = False
+
+    def room(self) -> int:
+        return 0 if self._ended or self._expected is None else self._head_bytes - self._seen
 
     def twin(self) -> _Head:
         """A copy that hears on without this one hearing it."""
