@@ -184,19 +184,21 @@ class PeerAgent:
         await self.bus.publish(self.bus.topics.peer(self.peer), self.announcement(), retain=True)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.announce()
         topics = self.bus.topics
-        subscription = self.bus.subscribe(topics.job("+"))
-        assignments = self.bus.subscribe(topics.assign("+", self.peer))
         async with asyncio.TaskGroup() as tg:
-            tasks = [
+            tasks = []
+            if self.path is not None:  # its reachability; a relay while it needs one
+                tasks.append(tg.create_task(self.path.run(self.bus, self.announce)))
+                await self.path.first_relay()  # --behind-nat: announced with its relay
+            await self.announce()
+            subscription = self.bus.subscribe(topics.job("+"))
+            assignments = self.bus.subscribe(topics.assign("+", self.peer))
+            tasks += [
                 tg.create_task(self._consume(subscription)),
                 tg.create_task(self._consume(assignments)),
                 tg.create_task(self._report_load()),
                 tg.create_task(reannounce(self.metrics, self.announce)),
             ]
-            if self.path is not None:  # its reachability; a relay while it needs one
-                tasks.append(tg.create_task(self.path.run(self.bus, self.announce)))
             await stop.wait()
             for task in tasks:
                 task.cancel()

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stage_server.agent import PeerAgent
 from stage_server.cli import add_arguments, relay_limits
+from stage_server.peer import reachability
 from stage_server.peer.metrics import StageMetrics
 from stage_server.peer.reachability import MAX_RELAYS, PeerPath, local_address
 from stage_server.server import RunningStageServer, StageServerOptions, start_grpc
@@ -50,6 +51,7 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 20.0
+_MAX_BYTES = RuntimeConfig().max_message_bytes
 PEER, ADDRESS = "p", "203.0.113.7:7000"
 TOKEN = "the-swarm-token"
 
@@ -558,6 +560,60 @@ async def test_a_peer_the_scheduler_cannot_dial_attaches_to_a_relay_peer_and_ann
         await running.stop()
         await relaying.stop()
     assert not _accepts(relaying.relay_address), "the ordered shutdown stopped the relay"
+
+
+async def _behind_nat_first_announcement(
+    broker: EmbeddedBroker, relayed: bool
+) -> tuple[cpb.PeerAnnouncement, float]:
+    """A `--behind-nat` peer started with a relay announced already (`relayed`) or none: its
+    first announcement the scheduler hears, and how long after its start that came."""
+    topics = Topics()
+    running = await start_grpc(StageServerOptions(stage=-1, peer=PEER), _MAX_BYTES)
+    stop = asyncio.Event()
+    try:
+        async with _bus(broker, SCHEDULER_USER) as sch, _bus(broker, PEER) as bus:
+            for b in (sch, bus):
+                await b.wait_connected(WAIT_S)
+            peers = sch.subscribe(topics.peer("+"))
+            await peers.wait_subscribed(WAIT_S)
+            if relayed:  # a relay's retained announcement, there before the peer starts
+                await sch.publish(topics.peer("r"), _relay("r", "r:1"), retain=True)
+                await _until(peers, lambda a: a.peer == "r")
+            path = PeerPath(
+                PEER,
+                running.address,
+                local=running.address,
+                token=None,
+                behind_nat=True,
+                attach=FakeAttachment,
+            )
+            agent = PeerAgent(running, bus, peer=PEER, device="cpu", path=path)
+            started = asyncio.get_running_loop().time()
+            task = asyncio.create_task(agent.run(stop))
+            first = await _until(peers, lambda a: a.peer == PEER)
+            took = asyncio.get_running_loop().time() - started
+            stop.set()
+            await asyncio.wait_for(task, WAIT_S)
+            return first, took
+    finally:
+        await running.stop()
+
+
+async def test_behind_nat_its_first_announcement_names_its_relay(broker: EmbeddedBroker) -> None:
+    """Announced first without its relay, the scheduler's first dial-back found the peer
+    unreachable, and the one through the relay came the dial pace (5 s) after it."""
+    first, took = await _behind_nat_first_announcement(broker, relayed=True)
+    assert first.relay == "r:1", "its first announcement is relayed already"
+    assert took < reachability.FIRST_RELAY_S, "announced once attached, not at the bound"
+
+
+async def test_behind_nat_with_no_relay_it_still_announces_itself_after_a_bound(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reachability, "FIRST_RELAY_S", 0.5)
+    first, took = await _behind_nat_first_announcement(broker, relayed=False)
+    assert first.relay == "" and first.state == cpb.PEER_STATE_JOINING
+    assert 0.5 <= took < WAIT_S, took
 
 
 async def test_a_taken_relay_port_is_refused_by_its_flag() -> None:
