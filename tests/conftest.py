@@ -2,7 +2,8 @@
 (`tests.support.reaper`); `make_swarm` makes in-process swarms (`tests.support.inprocess`) and
 closes them after the test; `make_harness` makes step coordinators over in-memory replicas
 (`tests.support.coordinator`); `api` is the job API over a real store (`tests.support.api`);
-`pki` the swarm's CA and a stranger's (`tests.support.tls`). The fixtures themselves live in
+`pki` the swarm's CA and a stranger's (`tests.support.tls`); every test starts on one torch thread
+(`tests.support.threads`). The fixtures themselves live in
 `tests/support/`, one home per concept."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.support.api import api  # noqa: E402, F401
 from tests.support.coordinator import make_harness  # noqa: E402, F401
 from tests.support.inprocess import make_swarm  # noqa: E402, F401
 from tests.support.reaper import kill_leftovers  # noqa: E402, F401
+from tests.support.threads import one_torch_thread  # noqa: E402, F401
 from tests.support.tls import pki  # noqa: E402, F401
 
 
@@ -42,18 +44,3 @@ def _fork_swarm_processes() -> Iterator[None]:
     procs.launcher, netns.launcher = forked.launch, forked.launch_in
     yield
     procs.launcher, netns.launcher = procs.spawn, netns.ip_netns_exec
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The test process does its torch work on one thread, as stage servers do (`--threads 1`):
-    beside the swarm processes it starts (or anyone else's) on 2 cores, torch's second thread
-    only contends (the reference training of a 40-step job: 1 s on one thread, over 60 s on
-    two on a busy machine). At most the order of some float additions changes; every
-    comparison keeps its tolerance."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -147,11 +147,16 @@ def test_a_joining_replica_copies_parameters_and_optimizer_state(tmp_path: Path)
     assert_states_within(_state(train_replicas(job, routes=handed)), want, 1e-12)
 
 
+# `swarm local`'s default is a thread per core; the suite's torch work runs on one beside the other
+# worker (`tests.support.threads`), and the comparisons below are bit for bit with this process's.
+ONE_THREAD = ("--threads", "1")
+
+
 def test_swarm_local_trains_replicas_for_a_local_job(tmp_path: Path) -> None:
     pool = {"mode": "local", "sync_every": 2}
     job_file = write_job(tmp_path, pool=pool, runtime=RELAY, training={"steps": 4})
     out = tmp_path / "ref.pt"
-    assert main(["local", str(job_file), "--replicas", "2", "--out", str(out)]) == 0
+    assert main(["local", str(job_file), "--replicas", "2", "--out", str(out), *ONE_THREAD]) == 0
     state = torch.load(out)
     expected = train_replicas(_job(tmp_path, "again", pool=pool, training={"steps": 4}))
     assert state.keys() == expected.state_dict().keys()
@@ -159,7 +164,10 @@ def test_swarm_local_trains_replicas_for_a_local_job(tmp_path: Path) -> None:
     three = list(synthetic_routes(_job(tmp_path, "r", pool=pool), 3, 4))
     routes = _write(tmp_path / "r.jsonl", three)
     replayed = tmp_path / "replayed.pt"
-    assert main(["local", str(job_file), "--routes", str(routes), "--out", str(replayed)]) == 0
+    assert (
+        main(["local", str(job_file), "--routes", str(routes), "--out", str(replayed), *ONE_THREAD])
+        == 0
+    )
     assert not all(torch.equal(v, state[k]) for k, v in torch.load(replayed).items())
     # A step-mode job has no replicas to simulate: the flags are refused, not ignored.
     step_job = write_job(tmp_path, "step")
@@ -287,7 +295,7 @@ def test_swarm_local_runs_delayed_eager_as_replicas(tmp_path: Path) -> None:
     training = {"steps": 3, "delayed_update": True}
     job_file = write_job(tmp_path, pool={"overlap": "eager"}, training=training, runtime=RELAY)
     out = tmp_path / "ref.pt"
-    assert main(["local", str(job_file), "--replicas", "2", "--out", str(out)]) == 0
+    assert main(["local", str(job_file), "--replicas", "2", "--out", str(out), *ONE_THREAD]) == 0
     expected = train_replicas(_delayed(tmp_path, "again", True, steps=3), replicas=2)
     state = torch.load(out)
     assert all(torch.equal(v, state[k]) for k, v in expected.state_dict().items())
