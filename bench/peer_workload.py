@@ -8,7 +8,10 @@ microbatches a step, AdamW, default settings (the push plane; audits at the defa
 which with one replica a stage keep no record: issue 69 item 2). Each round runs, in turn:
   swarm        4 stage servers (one a stage, `--threads 1`) and a trainer (`--threads 1`);
   in-process   `swarm local`, the whole model in one process, `--local-threads` torch threads
-               (default 4: the compute threads the swarm's stage servers have);
+               (default 4, the compute threads the swarm's stage servers have, or one per
+               core where there are fewer: past the cores, torch's threads spin at each
+               parallel region's end for a thread that is not running; on 2 cores, 4 threads
+               ran 26.9-28.5 samples/s and 2 threads 34.0-35.9);
   torch        `torch.distributed.pipelining` (bench/torch_pipeline.py): 4 processes, gloo,
                one thread each, the faster of GPipe and 1F1B in the round.
 The order turns each round so a drifting machine weighs on all alike; the first step of each
@@ -87,11 +90,19 @@ def verdicts(rounds: list[dict[str, float]]) -> dict[str, tuple[float, bool]]:
     return out
 
 
+def local_threads(cores: int | None = None) -> int:
+    """The in-process run's default torch threads: the swarm's compute threads (4), or one per
+    core of this machine where it has fewer (`cores`: os.cpu_count())."""
+    return max(1, min(4, cores if cores is not None else os.cpu_count() or 1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1, help="rounds of the three runs")
     parser.add_argument("--steps", type=int, default=5, help="steps a run (first: warm-up)")
-    parser.add_argument("--local-threads", type=int, default=4, help="`swarm local` threads")
+    parser.add_argument(
+        "--local-threads", type=int, default=local_threads(), help="`swarm local` threads"
+    )
     parser.add_argument("--tiny", action="store_true", help="a d64 model: a smoke run")
     args = parser.parse_args()
     runs: dict[str, Callable[[Path, Path], float]] = {

@@ -61,3 +61,11 @@ def test_the_parts_keep_the_targets_sizes() -> None:
     assert int(audit.command[audit.command.index("--pairs") + 1]) >= 5
     assert peer.command[1].endswith("bench/peer_workload.py") and "--tiny" not in peer.command
     assert sum(trust_targets.SHARES.values()) <= 1.0
+
+
+def test_the_in_process_run_has_no_more_threads_than_cores() -> None:
+    """Past the cores, torch's threads spin for one another: on 2 cores 4 threads ran the peer
+    workload 20% slower than 2, and swarm/in-process read high against it."""
+    assert peer_workload.local_threads(2) == 2
+    assert peer_workload.local_threads(16) == 4, "the swarm's 4 stage servers' compute threads"
+    assert peer_workload.local_threads(1) == 1
