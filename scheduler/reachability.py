@@ -386,8 +386,8 @@ class ReachabilityChecker:
             # there). Trouble only if it stays so: the next check that fails says so at WARNING
             # (issue 68 item 4). An address that was dialled and did not answer is trouble now.
             log.info(
-                "peer %s is not reachable directly (%s): checked again in %.0f s, or at once "
-                "when it announces a relay",
+                "peer %s is not reachable directly (%s): checked again in %.0f s, or through "
+                "a relay once it announces one (its checks are the dial pace apart)",
                 report.peer,
                 report.detail,
                 self._due.get(report.peer, self._now()) - self._now(),

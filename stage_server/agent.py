@@ -17,6 +17,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
 from pathlib import Path
 
 import torch
@@ -189,7 +190,7 @@ class PeerAgent:
             tasks = []
             if self.path is not None:  # its reachability; a relay while it needs one
                 tasks.append(tg.create_task(self.path.run(self.bus, self.announce)))
-                await self.path.first_relay()  # --behind-nat: announced with its relay
+                await _unless_stopped(self.path.first_relay(), stop)  # --behind-nat: relayed
             await self.announce()
             subscription = self.bus.subscribe(topics.job("+"))
             assignments = self.bus.subscribe(topics.assign("+", self.peer))
@@ -529,6 +530,17 @@ async def run_peer(
     finally:
         await running.stop()
         identity.release()
+
+
+async def _unless_stopped(wait: Coroutine[object, object, None], stop: asyncio.Event) -> None:
+    """`await wait`, cut short by `stop` (a SIGTERM in a peer's first seconds stops it then)."""
+    waiting, stopping = asyncio.ensure_future(wait), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiting, stopping):
+            task.cancel()
+        await asyncio.gather(waiting, stopping, return_exceptions=True)
 
 
 def _check_login(peer: str, login: str | None) -> None:

@@ -230,7 +230,8 @@ class PeerPath:
 
     async def first_relay(self) -> None:
         """`--behind-nat` at its start: wait until attached to a relay, at most `FIRST_RELAY_S`, so
-        that the peer's first announcement names it (`run` must be running). Announced without
+        that the peer's first announcement names it (`run` started as a task first: nothing
+        else attaches, and without it this waits the whole bound). Announced without
         it, the scheduler's first dial-back found the peer unreachable, and the one through its
         relay, announced a moment later, came only the dial pace after it: relayed about 7 s
         after the start, not 2 (the relays' retained announcements come within milliseconds

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import logging
 import socket
 import urllib.request
@@ -562,11 +563,13 @@ async def test_a_peer_the_scheduler_cannot_dial_attaches_to_a_relay_peer_and_ann
     assert not _accepts(relaying.relay_address), "the ordered shutdown stopped the relay"
 
 
-async def _behind_nat_first_announcement(
-    broker: EmbeddedBroker, relayed: bool
-) -> tuple[cpb.PeerAnnouncement, float]:
-    """A `--behind-nat` peer started with a relay announced already (`relayed`) or none: its
-    first announcement the scheduler hears, and how long after its start that came."""
+@contextlib.asynccontextmanager
+async def _starting_peer(
+    broker: EmbeddedBroker, *, behind_nat: bool, relayed: bool
+) -> AsyncIterator[tuple[Subscription, asyncio.Event, asyncio.Task[None], float]]:
+    """A peer's agent started (`behind_nat` or not) with a relay announced already (`relayed`,
+    retained) or none: the scheduler's subscription to the announcements, the agent's stop, its
+    task and the loop's time it started at."""
     topics = Topics()
     running = await start_grpc(StageServerOptions(stage=-1, peer=PEER), _MAX_BYTES)
     stop = asyncio.Event()
@@ -576,7 +579,7 @@ async def _behind_nat_first_announcement(
                 await b.wait_connected(WAIT_S)
             peers = sch.subscribe(topics.peer("+"))
             await peers.wait_subscribed(WAIT_S)
-            if relayed:  # a relay's retained announcement, there before the peer starts
+            if relayed:
                 await sch.publish(topics.peer("r"), _relay("r", "r:1"), retain=True)
                 await _until(peers, lambda a: a.peer == "r")
             path = PeerPath(
@@ -584,36 +587,71 @@ async def _behind_nat_first_announcement(
                 running.address,
                 local=running.address,
                 token=None,
-                behind_nat=True,
+                behind_nat=behind_nat,
                 attach=FakeAttachment,
             )
             agent = PeerAgent(running, bus, peer=PEER, device="cpu", path=path)
-            started = asyncio.get_running_loop().time()
             task = asyncio.create_task(agent.run(stop))
-            first = await _until(peers, lambda a: a.peer == PEER)
-            took = asyncio.get_running_loop().time() - started
-            stop.set()
-            await asyncio.wait_for(task, WAIT_S)
-            return first, took
+            try:
+                yield peers, stop, task, asyncio.get_running_loop().time()
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, WAIT_S)
     finally:
         await running.stop()
 
 
-async def test_behind_nat_its_first_announcement_names_its_relay(broker: EmbeddedBroker) -> None:
+async def _heard(peers: Subscription, since: float) -> tuple[cpb.PeerAnnouncement, float]:
+    """The peer's next announcement, and how long after `since` it came."""
+    announced = await _until(peers, lambda a: a.peer == PEER)
+    return announced, asyncio.get_running_loop().time() - since
+
+
+async def test_behind_nat_its_first_announcement_names_its_relay_and_it_goes_on_at_once(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Announced first without its relay, the scheduler's first dial-back found the peer
     unreachable, and the one through the relay came the dial pace (5 s) after it."""
-    first, took = await _behind_nat_first_announcement(broker, relayed=True)
-    assert first.relay == "r:1", "its first announcement is relayed already"
-    assert took < reachability.FIRST_RELAY_S, "announced once attached, not at the bound"
+    monkeypatch.setattr(reachability, "FIRST_RELAY_S", WAIT_S)
+    async with _starting_peer(broker, behind_nat=True, relayed=True) as (peers, _, _, started):
+        first, _ = await _heard(peers, started)
+        assert first.relay == "r:1", "its first announcement is relayed already"
+        # The attachment's own announcement, then the agent's, which waited for the
+        # attachment, not for the bound.
+        second, took = await _heard(peers, started)
+        assert second.relay == "r:1" and took < 2.0, took
 
 
 async def test_behind_nat_with_no_relay_it_still_announces_itself_after_a_bound(
     broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(reachability, "FIRST_RELAY_S", 0.5)
-    first, took = await _behind_nat_first_announcement(broker, relayed=False)
-    assert first.relay == "" and first.state == cpb.PEER_STATE_JOINING
-    assert 0.5 <= took < WAIT_S, took
+    async with _starting_peer(broker, behind_nat=True, relayed=False) as (peers, _, _, started):
+        first, took = await _heard(peers, started)
+        assert first.relay == "" and first.state == cpb.PEER_STATE_JOINING
+        assert 0.5 <= took < WAIT_S, took
+
+
+async def test_a_peer_not_behind_nat_announces_itself_at_once(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reachability, "FIRST_RELAY_S", WAIT_S)
+    async with _starting_peer(broker, behind_nat=False, relayed=True) as (peers, _, _, started):
+        first, took = await _heard(peers, started)
+        assert first.relay == "" and took < 2.0, took
+
+
+async def test_a_peer_behind_nat_stopped_while_it_waits_for_a_relay_stops_at_once(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reachability, "FIRST_RELAY_S", WAIT_S)
+    async with _starting_peer(broker, behind_nat=True, relayed=False) as (peers, stop, task, _):
+        await asyncio.sleep(0.1)
+        stop.set()  # a SIGTERM in its first seconds, no relay announced
+        await asyncio.wait_for(asyncio.shield(task), 2.0)
+        last, _ = await _heard(peers, 0.0)
+        while last.state != cpb.PEER_STATE_OFFLINE:
+            last, _ = await _heard(peers, 0.0)
 
 
 async def test_a_taken_relay_port_is_refused_by_its_flag() -> None:
