@@ -14,10 +14,10 @@ The result is a `ReachabilityReport`:
   The peer, and status, are told a cause that says nothing of what listens at an address it
   named (`dial_causes.told`: "no answer" but for a TLS name mismatch and a private address not
   dialled); the scheduler's log keeps the whole. An address that is not public is not dialled
-  unless the operator allows private ranges (`scheduler.dial_scope`), and one peer's checks are
-  `min_interval_s` apart at least, newcomers checked first (from both ends of their line in
-  turn), at most `per_host` at once of the peers naming one host, and an unreachable peer's
-  retries ever further apart (`retry_s` doubled up to `recheck_s`).
+  unless the operator allows private ranges (`scheduler.dial_scope`); one peer's checks are
+  `min_interval_s` apart at least (a first relay aside: `DialPace`), newcomers checked first
+  (from both ends of their line in turn), at most `per_host` at once of the peers naming one
+  host, and an unreachable peer's retries ever further apart (`retry_s` doubled up to `recheck_s`).
 Each report goes to `on_report` (the registry keeps it: placement leaves an unreachable peer out,
 and every call to a relayed one goes through its relay) and is retained on
 `peers/{peer}/reachability`, where the peer reads it (its log shows the remedy); it is cleared
@@ -199,9 +199,16 @@ class ReachabilityChecker:
         target = _Target(message.address, message.relay)
         if self._targets.get(peer) == target:
             return  # the same again, as every few seconds: its re-checks are timed
-        if self._targets.get(peer) is not None and message.relay:
+        old = self._targets.get(peer)
+        if old is not None and message.relay:
             log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
-        self._targets[peer], self._due[peer] = target, self._pace.earliest(peer, self._now())
+        # A peer its first check found unreachable, announcing its first relay: attached on
+        # that report (`DialPace`: checked at once, once a peer id).
+        report = self.reports.get(peer)
+        unreachable = report is not None and report.reachability == cpb.REACHABILITY_UNREACHABLE
+        first_relay = unreachable and old == _Target(target.address, "") and bool(target.relay)
+        due = self._pace.earliest(peer, self._now(), first_relay=first_relay)
+        self._targets[peer], self._due[peer] = target, due
         self._misses.pop(peer, None)
         self._failed.pop(peer, None)
         self._wake.set()

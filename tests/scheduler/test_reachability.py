@@ -310,6 +310,33 @@ async def test_the_peer_is_told_the_cause_not_the_error_and_its_checks_are_paced
         assert dialer.calls == ["h:1", "h:29"]  # the latest only
 
 
+@pytest.mark.attack("M-scan")
+async def test_the_first_relay_of_a_peer_found_unreachable_is_checked_at_once_and_once() -> None:
+    """A peer behind NAT started without `--behind-nat` attaches to a relay when its first
+    report says unreachable, and announces it: that check waits no dial pace (it read relayed
+    about 9 s after its start, the pace's 5 s of it). Once a peer id: a new id is checked at
+    once anyway, so this gives a token holder nothing more; every later change is paced."""
+    clock = [1000.0]
+    first, second = (paths.relayed_address("a", "h:1", r) for r in ("r:1", "r:2"))
+    dialer = FakeDialer({first: "a", second: "a"})
+    async with checking(dialer, min_interval_s=60.0, now=lambda: clock[0]) as c:
+        c.checker.announced(announce("a", "h:1"))
+        assert (await c.report()).reachability == cpb.REACHABILITY_UNREACHABLE
+        c.checker.announced(announce("a", "h:1", relay="r:1"))
+        assert (await c.report()).reachability == cpb.REACHABILITY_RELAYED  # no clock moved
+        assert dialer.calls == ["h:1", "h:1", first]
+        c.checker.announced(announce("a", "h:1", relay="r:2"))  # another relay: paced
+        c.checker.announced(announce("a", "h:1"))
+        c.checker.announced(announce("a", "h:1", relay="r:1"))  # its first again: paced too
+        await asyncio.sleep(0.05)
+        assert dialer.calls == ["h:1", "h:1", first]
+        clock[0] += 61.0
+        await _calls(c, 5)
+        assert dialer.calls[3:] == ["h:1", first]
+        c.checker.announced(cpb.PeerAnnouncement(peer="a", state=cpb.PEER_STATE_OFFLINE))
+        assert c.checker._pace._unpaced == set(), "held for present peers only"
+
+
 async def test_newcomers_are_checked_before_known_peers() -> None:
     clock = [1000.0]
     dialer = FakeDialer({"h:1": "old", "h:2": "new", "h:3": "b"})
