@@ -26,7 +26,7 @@ when the peer leaves.
 The checks run off the event loop's critical path: `announced` only notes what to check, `run`
 dials at most `concurrency` peers at once. Reachable peers are checked again every `recheck_s`;
 unreachable ones after `retry_s`, then twice that, ... up to `recheck_s` (a peer that fixed its
-router is found within that; one that announces anew is checked at once). A re-check
+router is found within that; one that announces anew, once the dial pace allows). A re-check
 of a reachable peer that fails once is not believed at once: a stage server busy with a step may
 miss a 2 s deadline, and dropping a serving replica for that would cost a step; only
 `demote_after` failures in a row make it unreachable. A first check, or one of a changed address
@@ -187,7 +187,8 @@ class ReachabilityChecker:
 
     # -- what arrives (on the event loop; never waits) -------------------------------------------
     def announced(self, message: cpb.PeerAnnouncement) -> None:
-        """A peer's announcement: a new peer, or a new address or relay, is checked at once."""
+        """A peer's announcement: a new peer is checked at once, a new address or relay as soon
+        as the dial pace allows (`DialPace`)."""
         peer = message.peer
         if not peer:
             return
@@ -202,12 +203,14 @@ class ReachabilityChecker:
         old = self._targets.get(peer)
         if old is not None and message.relay:
             log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
-        # A peer its first check found unreachable, announcing its first relay: attached on
-        # that report (`DialPace`: checked at once, once a peer id).
-        report = self.reports.get(peer)
-        unreachable = report is not None and report.reachability == cpb.REACHABILITY_UNREACHABLE
-        first_relay = unreachable and old == _Target(target.address, "") and bool(target.relay)
-        due = self._pace.earliest(peer, self._now(), first_relay=first_relay)
+        # A relay, where its address alone was just found unreachable: `DialPace`'s once.
+        alone, last = _Target(target.address, ""), self.reports.get(peer)
+        found = (
+            last is not None
+            and last.reachability == cpb.REACHABILITY_UNREACHABLE
+            and _Target(last.address, last.relay) == alone == old
+        )
+        due = self._pace.earliest(peer, self._now(), first_relay=found and bool(target.relay))
         self._targets[peer], self._due[peer] = target, due
         self._misses.pop(peer, None)
         self._failed.pop(peer, None)
@@ -394,7 +397,7 @@ class ReachabilityChecker:
             # (issue 68 item 4). An address that was dialled and did not answer is trouble now.
             log.info(
                 "peer %s is not reachable directly (%s): checked again in %.0f s, or through "
-                "a relay once it announces one (its checks are the dial pace apart)",
+                "a relay as soon as it announces one",
                 report.peer,
                 report.detail,
                 self._due.get(report.peer, self._now()) - self._now(),

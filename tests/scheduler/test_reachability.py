@@ -337,6 +337,34 @@ async def test_the_first_relay_of_a_peer_found_unreachable_is_checked_at_once_an
         assert c.checker._pace._unpaced == set(), "held for present peers only"
 
 
+@pytest.mark.attack("M-scan")
+async def test_a_peer_gets_one_unpaced_relay_check_and_only_at_the_address_found_unreachable() -> (
+    None
+):
+    clock = [1000.0]
+    dialer = FakeDialer()  # nothing answers: not at its address, nor through a relay
+    async with checking(dialer, min_interval_s=60.0, now=lambda: clock[0]) as c:
+        c.checker.announced(announce("a", "h:1"))
+        await c.report()
+        c.checker.announced(announce("a", "h:2"))  # an address never checked: paced
+        c.checker.announced(announce("a", "h:2", relay="r:1"))  # so is its relay
+        await asyncio.sleep(0.05)
+        assert dialer.calls == ["h:1"]
+        clock[0] += 61.0
+        await _calls(c, 3)  # h:2 and its relay: unreachable at h:2, through r:1 too
+        c.checker.announced(announce("a", "h:2"))
+        clock[0] += 61.0
+        await _calls(c, 4)  # unreachable at h:2, alone
+        c.checker.announced(announce("a", "h:2", relay="r:2"))  # its once, unspent: at once
+        await _calls(c, 6)
+        c.checker.announced(announce("a", "h:2"))
+        clock[0] += 61.0
+        await _calls(c, 7)
+        c.checker.announced(announce("a", "h:2", relay="r:3"))  # the once is spent: paced
+        await asyncio.sleep(0.05)
+        assert len(dialer.calls) == 7, dialer.calls
+
+
 async def test_newcomers_are_checked_before_known_peers() -> None:
     clock = [1000.0]
     dialer = FakeDialer({"h:1": "old", "h:2": "new", "h:3": "b"})
