@@ -198,9 +198,9 @@ class ReachabilityChecker:
         if not message.address:
             return  # nothing to dial (a relay that serves calls at its relay listener only)
         target = _Target(message.address, message.relay)
-        if self._targets.get(peer) == target:
-            return  # the same again, as every few seconds: its re-checks are timed
         old = self._targets.get(peer)
+        if old == target:
+            return  # the same again, as every few seconds: its re-checks are timed
         if old is not None and message.relay:
             log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
         # A relay, where its address alone was just found unreachable: `DialPace`'s once.
