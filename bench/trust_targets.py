@@ -1,7 +1,7 @@
 """Issue 69's targets in one sitting, each judged PASS or FAIL, within a time budget: what a quiet
 machine is asked for (bench/trust_targets.sh installs the carried wheels first, then runs this).
 
-    python bench/trust_targets.py [--budget-s 240] [--audit-pairs 5] [--audit-steps 4]
+    python bench/trust_targets.py [--budget-s 500] [--audit-pairs 5] [--audit-steps 4]
         [--peer-rounds 1] [--peer-steps 5] [--tiny]
 
 Parts, in order, each a process group of its own (`bench.process_groups`): ended whole, its stage
@@ -12,7 +12,7 @@ before the next starts:
   peer workload  bench/peer_workload.py: one replica a stage, default settings; swarm against
                  `swarm local` (>= 0.92) and against torch pipelining (>= 1.0).
   100 Mbit/s     bench/wan.py: not run here. It builds a network namespace per host (root) and
-                 trains over shaped links, minutes a run: it fits no 240 s budget beside the
+                 trains over shaped links, minutes a run: it fits no call's budget beside the
                  others. Run it alone: `sudo python bench/wan.py` (its own docstring).
 The summary block goes to stdout and, where OUT is set, to $OUT/trust_targets.txt, each part's
 log beside it (trust_targets_logs/). Exit status 0 when every part run passed. `--tiny`: a d64
@@ -38,8 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench import process_groups  # noqa: E402
 
-# The budget's share of each part: the audit cost's ten runs of 13 processes take the most.
-SHARES = {"audit cost": 0.6, "peer workload": 0.4}
+# The budget's share of each part: the audit cost's ten runs of 13 processes take the most. On
+# a lent 16-core GPU host (2026-11-29) its first 2 pairs took 134 s and the peer workload's round
+# 95 s: 5 pairs need about 340 s, the round about 100 s. The default budget holds both, and the
+# wheels' install and the margin (bench/trust_targets.sh) keep the call under the host's 600 s.
+SHARES = {"audit cost": 0.7, "peer workload": 0.3}
+BUDGET_S = 500.0
 WAN = (
     "100 Mbit/s (bench/wan.py): not run: it needs a network namespace per host (root) and "
     "minutes a run; run it alone"
@@ -93,7 +97,7 @@ def machine() -> str:
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--budget-s", type=float, default=240.0, help="all parts, in seconds")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="all parts, in seconds")
     parser.add_argument("--audit-pairs", type=int, default=5)
     parser.add_argument("--audit-steps", type=int, default=4, help="a run's, the first warm-up")
     parser.add_argument("--peer-rounds", type=int, default=1)
