@@ -90,10 +90,13 @@ def outliers(
         allowed = bound * median if others else bound * bound * median
         if norm > allowed:
             whose = "the others'" if others else "the stage's last round (squared)"
+            # The rule is named by the caller (whom it says named the replica); the why says
+            # what a reader must not take for proof: honest data can pass the bound too.
             found.setdefault(
                 j,
                 f"its contribution, {norm:.3g} per microbatch, is past {allowed / median:g} "
-                f"times the median of {whose} ({median:.3g}): the norm bound",
+                f"times the median of {whose} ({median:.3g}), which an honest gradient spike "
+                "can pass too",
             )
     kept = [per_sample[j] for j in took if j not in found]
     return found, statistics.median(kept) if kept else None

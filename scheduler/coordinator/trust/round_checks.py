@@ -35,6 +35,7 @@ __all__ = ["LeaveOut", "RoundAnswers", "RoundChecks"]
 
 log = logging.getLogger(__name__)
 
+NORM_BOUND = "the norm bound"  # who named a replica past it, in the log and `swarm status`
 # (ledger, stage, culprit, named by, why): leave `culprit` out of its stage, its work replayed
 LeaveOut = Callable[[StepLedger, int, Replica, list[str], str], Awaitable[None]]
 
@@ -156,7 +157,7 @@ class RoundChecks:
             return True
         self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
         lines = [
-            f"stage {stage}: {members[stage][j].peer}: {why}"
+            f"stage {stage}: {members[stage][j].peer}: {why} ({NORM_BOUND})"
             for stage, refused in sorted(found.items())
             for j, why in sorted(refused.items())
         ]
@@ -166,6 +167,6 @@ class RoundChecks:
         for stage, refused in sorted(found.items()):
             for j, why in sorted(refused.items()):
                 culprit = members[stage][j]
-                await self.leave_out(ledger, stage, culprit, ["the norm bound"], why)
-                failure.left_out.append(LeftOut(stage, culprit.peer, ["the norm bound"], why))
+                await self.leave_out(ledger, stage, culprit, [NORM_BOUND], why)
+                failure.left_out.append(LeftOut(stage, culprit.peer, [NORM_BOUND], why))
         return False

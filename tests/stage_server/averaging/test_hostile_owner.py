@@ -129,6 +129,10 @@ async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
     assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
     left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
     assert any(liar.address in m and "norm bound" in m for m in left), left
+    # named once, and said to be a yardstick an honest gradient spike can pass too
+    named = [m for m in left if "named it" in m]
+    assert named and all(m.count("norm bound") == 1 for m in named), named
+    assert all("honest gradient spike" in m for m in named), named
     assert not any(liar.address not in m for m in left), left  # no honest replica named
     assert job.trust.clip == "norm_bound"  # the default
     await coordinator.close()
