@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 from bench import process_groups  # noqa: E402
 
 # The budget's share of each part: the audit cost's ten runs of 13 processes take the most. On
-# a lent 16-core GPU host (2026-11-29) its first 2 pairs took 134 s and the peer workload's round
-# 95 s: 5 pairs need about 340 s, the round about 100 s. The default budget holds both, and the
-# wheels' install and the margin (bench/trust_targets.sh) keep the call under the host's 600 s.
+# a lent 16-core GPU host (2026-11-29) it was ended at its 134 s share after 2 of its 5 pairs (at
+# most 67 s a pair: 5 need up to about 335 s), and the peer workload's round took 95 s. The
+# default budget holds both, and the wheels' install and the margin (bench/trust_targets.sh)
+# keep the call under the host's 600 s.
 SHARES = {"audit cost": 0.7, "peer workload": 0.3}
 BUDGET_S = 500.0
 WAN = (

@@ -89,14 +89,14 @@ def outliers(
         # every gradient at once): held to the bound squared.
         allowed = bound * median if others else bound * bound * median
         if norm > allowed:
-            whose = "the others'" if others else "the stage's last round (squared)"
+            factor = f"{bound:g}" if others else f"{bound * bound:g} ({bound:g}²)"
+            whose = "the others'" if others else "its stage's last round that passed"
             # The rule is named by the caller (whom it says named the replica); the why says
             # what a reader must not take for proof: honest data can pass the bound too.
             found.setdefault(
                 j,
-                f"its contribution, {norm:.3g} per microbatch, is past {allowed / median:g} "
-                f"times the median of {whose} ({median:.3g}), which an honest gradient spike "
-                "can pass too",
+                f"its contribution, {norm:.3g} per microbatch, is past {factor} times the median "
+                f"of {whose} ({median:.3g}): a bound an honest gradient spike can pass too",
             )
     kept = [per_sample[j] for j in took if j not in found]
     return found, statistics.median(kept) if kept else None

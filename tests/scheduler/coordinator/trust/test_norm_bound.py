@@ -5,7 +5,9 @@ real rounds are tests/stage_server/averaging/test_hostile_owner.py's."""
 from __future__ import annotations
 
 from scheduler.coordinator.groups import RoundGroup
+from scheduler.coordinator.round_failure import LeftOut, RoundFailure
 from scheduler.coordinator.trust.norm_bound import outliers
+from scheduler.coordinator.trust.round_checks import NORM_BOUND
 from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out
 from swarm.proto import stage_pb2 as pb
 
@@ -30,7 +32,11 @@ def test_a_contribution_far_past_the_others_is_refused_and_honest_spread_is_not(
     assert list(found) == [2]
     # its figures, and that a yardstick is no proof; the rule is named once, by its caller
     assert found[2].startswith("its contribution, 5e+03 per microbatch, is past 8 times"), found
-    assert "an honest gradient spike can pass too" in found[2] and "bound" not in found[2]
+    assert found[2].endswith(": a bound an honest gradient spike can pass too"), found
+    assert "norm bound" not in found[2]
+    # as `swarm status` and the job's history say it: the rule named once, by the caller
+    said = RoundFailure("", [LeftOut(1, "c", [NORM_BOUND], found[2])]).status(3)
+    assert said.count("norm bound") == 1 and said.startswith("step 3: stage 1: c left out"), said
     assert median is not None and 0.4 < median < 0.7  # the honest ones', per microbatch
     # Per microbatch: a replica that took 6 microbatches sends a sum 6 times larger.
     found, _ = outliers(GROUP, _checks([1.0, 1.0, 6.0]), {0: 1, 1: 1, 2: 6}, 8.0)
@@ -47,7 +53,9 @@ def test_one_that_took_every_microbatch_is_held_to_the_stage_s_last_round() -> N
     took_all = {0: 0, 1: 0, 2: 8}
     assert outliers(GROUP, _checks([0.0, 0.0, 1e4]), took_all, 8.0)[0] == {}  # nothing to go by
     found, _ = outliers(GROUP, _checks([0.0, 0.0, 1e4]), took_all, 8.0, before=0.5)
-    assert list(found) == [2] and "last round" in found[2]
+    assert list(found) == [2], found
+    said = "is past 64 (8²) times the median of its stage's last round that passed (0.5)"
+    assert said in found[2], found
     found, _ = outliers(GROUP, _checks([0.0, 0.0, 200.0]), took_all, 8.0, before=0.5)
     assert found == {}  # 25 per microbatch: within 8² of 0.5 (a step apart: a looser yardstick)
 
