@@ -92,3 +92,22 @@ def test_the_in_process_run_has_no_more_threads_than_cores() -> None:
     assert peer_workload.local_threads(2) == 2
     assert peer_workload.local_threads(16) == 4, "the swarm's 4 stage servers' compute threads"
     assert peer_workload.local_threads(1) == 1
+
+
+def test_the_bubbles_bound_sets_the_in_process_gap_beside_the_pipelines_idle_slots() -> None:
+    """At 8 microbatches and 4 stages a stage idles 3 of every 11 slots: against an in-process
+    run 4 times its 1-thread speed, swarm/in-process is at most 8/11; against 2 times, 16/11."""
+    assert peer_workload.bubble_bound(4, 8, 10.0, 40.0) == pytest.approx(8 / 11)
+    assert peer_workload.bubble_bound(4, 8, 10.0, 20.0) == pytest.approx(16 / 11)
+    assert peer_workload.bubble_bound(1, 8, 10.0, 10.0) == pytest.approx(1.0)  # no pipeline
+    one = peer_workload.ONE_THREAD
+    rounds = [
+        {"swarm": 34.92, "in-process": 49.87, "torch": 32.84, one: 16.0},  # the H200 host's
+        {"swarm": 30.0, "in-process": 50.0, "torch": 30.0, one: 20.0},
+    ]
+    bound, line = peer_workload.bubble(rounds, 4, 8)
+    first, second = (peer_workload.bubble_bound(4, 8, r[one], r["in-process"]) for r in rounds)
+    assert bound == pytest.approx((first + second) / 2)  # the median of two
+    assert line.startswith(f"the bubble's bound: swarm/in-process at most {bound:.3f} (8 ")
+    measured = peer_workload.verdicts(rounds)["swarm/in-process"][0]
+    assert line.endswith(f"measured {measured:.3f}, {measured / bound:.2f} of it"), line
