@@ -27,7 +27,9 @@ import ipaddress
 import re
 import socket
 
-__all__ = ["NOT_DIALLED", "DialPace", "DialScope", "plain", "private_swarm"]
+__all__ = ["NOT_DIALLED", "PACE_S", "DialPace", "DialScope", "plain", "private_swarm"]
+
+PACE_S = 5.0  # seconds between two checks of one peer, by default (`DialPace`)
 
 NOT_DIALLED = "not dialled"  # how a refusal's text begins (`scheduler.dial_causes`)
 # host:port and nothing else: a bracketed IPv6 address, or a name or IPv4 address of letters,

@@ -50,7 +50,7 @@ from typing import Protocol
 
 from scheduler import dial_causes
 from scheduler.dial_causes import told, verdict
-from scheduler.dial_scope import DialPace, DialScope
+from scheduler.dial_scope import PACE_S, DialPace, DialScope
 from swarm.bus.api import BusLike
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
@@ -157,7 +157,7 @@ class ReachabilityChecker:
         demote_after: int = 3,
         now: Callable[[], float] = time.monotonic,
         scope: DialScope | None = None,
-        min_interval_s: float = 5.0,
+        min_interval_s: float = PACE_S,
         per_host: int = 2,
         pace_failures: bool = True,
     ) -> None:
