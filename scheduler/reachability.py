@@ -45,12 +45,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler import dial_causes
 from scheduler.dial_causes import told, verdict
 from scheduler.dial_scope import PACE_S, DialPace, DialScope
+from scheduler.dial_target import DialTarget
 from swarm.bus.api import BusLike
 from swarm.net import paths
 from swarm.proto import control_pb2 as cpb
@@ -110,19 +110,6 @@ def path_text(report: cpb.ReachabilityReport | None) -> str:
     return f"UNREACHABLE ({report.detail}): {report.remedy}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Target:
-    """What is checked of a peer: a change of any of it is checked again at once."""
-
-    address: str
-    relay: str
-
-    @property
-    def hosts(self) -> tuple[str, str]:
-        """The hosts its check dials: its own, then its relay's."""
-        return _host(self.address), _host(self.relay)
-
-
 def _both_ends(line: list[str], newest_first: bool) -> list[str]:
     """`line` (oldest first) taken from its two ends in turn: oldest, newest, second oldest,
     ... (newest first if `newest_first`)."""
@@ -137,10 +124,6 @@ def _both_ends(line: list[str], newest_first: bool) -> list[str]:
             low += 1
         newest = not newest
     return taken
-
-
-def _host(address: str) -> str:
-    return address.rpartition(":")[0].strip("[]") or address
 
 
 class ReachabilityChecker:
@@ -176,7 +159,7 @@ class ReachabilityChecker:
         # silent host held every slot, and an honest newcomer waited behind them all).
         self._per_host = per_host
         self._dialling: Counter[tuple[str, str]] = Counter()
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, DialTarget] = {}
         self._due: dict[str, float] = {}  # peer -> when it is checked next (`now`'s clock)
         self._misses: dict[str, int] = {}  # failed re-checks in a row of a reachable peer
         self._unwarned: set[str] = set()  # first found unreachable, said at INFO only
@@ -197,21 +180,15 @@ class ReachabilityChecker:
             return
         if not message.address:
             return  # nothing to dial (a relay that serves calls at its relay listener only)
-        target = _Target(message.address, message.relay)
+        target = DialTarget(message.address, message.relay)
         old = self._targets.get(peer)
         if old == target:
             return  # the same again, as every few seconds: its re-checks are timed
         if old is not None and message.relay:
             log.info("peer %s is reached through relay %s now: checking it", peer, message.relay)
-        # A relay, where its address alone was just found unreachable: `DialPace`'s once.
-        alone, last = _Target(target.address, ""), self.reports.get(peer)
-        found = (
-            last is not None
-            and last.reachability == cpb.REACHABILITY_UNREACHABLE
-            and _Target(last.address, last.relay) == alone == old
-        )
-        due = self._pace.earliest(peer, self._now(), first_relay=found and bool(target.relay))
-        self._targets[peer], self._due[peer] = target, due
+        first_relay = target.first_relay_after(old, self.reports.get(peer))
+        self._targets[peer] = target
+        self._due[peer] = self._pace.earliest(peer, self._now(), first_relay=first_relay)
         self._misses.pop(peer, None)
         self._failed.pop(peer, None)
         self._wake.set()
@@ -277,7 +254,7 @@ class ReachabilityChecker:
     def _dialled(self, peer: str) -> int:
         return self._dialling[self._targets[peer].hosts]
 
-    async def _check(self, peer: str, target: _Target) -> None:
+    async def _check(self, peer: str, target: DialTarget) -> None:
         try:
             await self._checked(peer, target)
         finally:
@@ -287,7 +264,7 @@ class ReachabilityChecker:
             self._checking.pop(peer, None)
             self._wake.set()
 
-    async def _checked(self, peer: str, target: _Target) -> None:
+    async def _checked(self, peer: str, target: DialTarget) -> None:
         self._pace.began(peer, self._now())
         report = await self.measure(peer, target.address, target.relay)
         if self._targets.get(peer) != target:
