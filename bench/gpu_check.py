@@ -174,6 +174,9 @@ class Check:
         train = [PY, str(ROOT / "bench" / "gpu_train_check.py"), "--device", dev, *steps]
         tests_env = {
             "GPU_CHECK_TESTS_JSON": str(self.work / "tests.json"),
+            # the suite's two plugins are named (`PYTEST_ARGS`): a GPU image's own, or this
+            # venv's entry points loading pytest-asyncio a second time, are not (`_tests`)
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             **({"CUDA_VISIBLE_DEVICES": self.index} if self.cuda else {}),
         }
         parts = [
@@ -241,7 +244,8 @@ class Check:
         # need CUDA, wherever they are. A module that does not import here (a package the host
         # lacks) is named, not fatal (--continue-on-collection-errors).
         # A GPU image's own pytest plugins (benchmark, xdist, cov, ...) may not agree with the
-        # carried pytest: autoloading is off (gpu_check.sh) and the suite's two are named here.
+        # carried pytest: autoloading is off (the part's environment, whether or not
+        # gpu_check.sh started this) and the suite's two are named here.
         return [PY, "-m", "pytest", *PYTEST_ARGS, "--continue-on-collection-errors", "tests"]
 
     def _judge_tests(self, code: int, output: str) -> tuple[bool, str]:

@@ -33,5 +33,4 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case " $* " in *" --plan "*) WHEELS= ;; esac  # a plan runs nothing: no install either
 
 . bench/carried_wheels.sh  # the install: PY, WHEELS, WHEELS_S as set above
-export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the host image's plugins: see bench/gpu_check.py
 exec "$PY" bench/gpu_check.py "$@"

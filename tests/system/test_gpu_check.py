@@ -162,6 +162,25 @@ def test_a_device_that_is_not_one_is_refused_at_once(tmp_path: Path) -> None:
     assert "--device 'tpu:0': cpu or cuda:N" in done.stderr
 
 
+def test_the_cuda_tests_part_runs_from_the_python_script_alone(tmp_path: Path) -> None:
+    """`python bench/gpu_check.py` (its usage line) without gpu_check.sh: the part's pytest
+    names the suite's two plugins itself, so it turns plugin autoloading off itself too. With
+    autoloading on, pytest-asyncio loaded twice (its entry point and `-p`) and no test ran."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_DISABLE_PLUGIN_AUTOLOAD"}
+    script = str(ROOT / "bench" / "gpu_check.py")
+    done = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--quick", "--parts", "CUDA tests"],
+        cwd=ROOT,
+        env={**env, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    summary = (tmp_path / "out" / "gpu_check.txt").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"PASS    CUDA tests \(\d+ s\): \d+ skipped \(no GPU", summary), summary
+
+
 def test_the_device_check_fits_one_call_of_a_lent_machine(tmp_path: Path) -> None:
     """The plan a GPU host runs (`--plan`, nothing run): the smoke first after the versions,
     then the ratio at the long shape first, the CUDA tests, the device faults; each part's
