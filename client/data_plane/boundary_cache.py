@@ -76,9 +76,12 @@ class BoundaryCache:
         if self._epochs.get((step, index), epoch.current()) != epoch.current():
             self._forget((step, index))  # a rollback since: the bytes before it are not the run's
         self._epochs[step, index] = epoch.current()
-        self._entries.setdefault((step, index), {})[stage] = (crossing, grad)
+        stages = self._entries.setdefault((step, index), {})
+        if stage in stages:  # the stage run again (a retry): its new bytes replace the old
+            self.nbytes -= _entry_nbytes(*stages[stage])
+        stages[stage] = (crossing, grad)
         self._producers.setdefault((step, index), {})[stage] = frozenset(producers)
-        self.nbytes += _nbytes(crossing.hidden) + _nbytes(grad)
+        self.nbytes += _entry_nbytes(crossing, grad)
         if crossing.tokens is not None and (step, index) not in self._tokens:
             self._tokens[step, index] = crossing.tokens
             self.nbytes += _nbytes(crossing.tokens)
@@ -138,10 +141,16 @@ class BoundaryCache:
         self._answers.pop(key, None)
         self._epochs.pop(key, None)
         for crossing, grad in self._entries.pop(key, {}).values():
-            self.nbytes -= _nbytes(crossing.hidden) + _nbytes(grad)
+            self.nbytes -= _entry_nbytes(crossing, grad)
         tokens = self._tokens.pop(key, None)
         if tokens is not None:
             self.nbytes -= _nbytes(tokens)
+
+
+def _entry_nbytes(crossing: WireCrossing, grad: TensorLike) -> int:
+    """A stage's entry: what crossed in (its token ids apart: counted once a microbatch) and
+    its output gradient."""
+    return _nbytes(crossing.hidden) + _nbytes(grad)
 
 
 def _nbytes(value: TensorLike) -> int:
