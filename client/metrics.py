@@ -71,7 +71,8 @@ class TrainerMetrics:
         self._audits = Counter(
             "swarm_trainer_audits_total",
             "Stages of microbatches audited, by outcome: agreed, caught (a liar found), "
-            "undecided (no two answers agree, or no second auditor), skipped (no auditor answered)",
+            "undecided (no two answers agree, or no second auditor), skipped (no auditor "
+            "answered), cut (a late audit past its bound), failed (a late audit's error)",
             ["job", "outcome"],
             registry=reg,
         )

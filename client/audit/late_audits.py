@@ -86,7 +86,19 @@ class LateAudits:
         # its re-executions queue in turn at their auditors, not ahead of the pushes there
         # (`swarm.rpc.late_audit`): its bound is a step away
         late_audit.in_late_audit()
-        found = await audit()
+        try:
+            found = await audit()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # no one awaits this task for its outcome: told here, or never
+            self.metrics.audited("failed")
+            log.warning(
+                "the audit of microbatch (%d, %d) failed: %s: its microbatch unaudited",
+                step,
+                index,
+                str(e) or type(e).__name__,
+            )
+            return
         if found is None or self.report is None:
             return
         try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, WireError
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc.lease import Verdict
@@ -47,7 +47,7 @@ async def fetched_record(
 ) -> tuple[Fetched | None, list[Verdict]]:
     """The tensors of the record `c` commits to, asked of its replica (`c.peer`): None where it
     answers nothing (gone, its record dropped: no evidence either way), and with a verdict where
-    they are not what it committed to (a lie told twice by one replica)."""
+    they are not what it committed to (a lie told twice by one replica) or do not decode."""
     client = None if c is None else routes.clients.get(c.peer)
     if c is None or client is None:
         return None, []
@@ -57,10 +57,14 @@ async def fetched_record(
     except SwarmError as e:
         log.info("push audit: no record of (%d, %d) from %s: %s", step, index, c.peer, e)
         return None, []
-    decoded = {n: codec.decode(t) for n, t in tensors.items() if n in RECORDED}
+    where = f"microbatch ({step}, {index}) at stage {c.stage}"
+    try:
+        decoded = {n: codec.decode(t) for n, t in tensors.items() if n in RECORDED}
+    except WireError as e:  # its header and its bytes disagree: no honest record does
+        evidence = f"its record of {where} does not decode ({e})"
+        return None, [Verdict(c.peer, c.stage, evidence)]
     wrong = [n for n in RECORDED if getattr(c, n) != digest(decoded.get(n))]
     if again != c or wrong:
-        where = f"microbatch ({step}, {index}) at stage {c.stage}"
         what = ", ".join(wrong) or "its commitment"
         evidence = f"its record of {where} is not what it committed to ({what})"
         return None, [Verdict(c.peer, c.stage, evidence)]

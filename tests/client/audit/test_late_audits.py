@@ -107,6 +107,31 @@ async def test_a_report_that_fails_is_logged_with_its_cause(
     assert "(2, 1) was not reported: the scheduler is gone" in caplog.text
 
 
+async def test_an_audit_that_fails_is_counted_and_logged_with_its_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Its exception went to `settled`'s gather and no further: the microbatch went unaudited
+    # with no word of it.
+    metrics, sent = _metrics(), []
+
+    async def report(result: MicrobatchResult) -> None:
+        sent.append(result)
+
+    late = LateAudits(metrics, report)
+
+    async def audit() -> MicrobatchResult | None:
+        await asyncio.sleep(0)
+        raise RuntimeError("the re-execution's stage client broke")
+
+    with caplog.at_level(logging.WARNING, "client.audit.late_audits"):
+        late.start(2, 6, audit)
+        await late.settled(3)
+    assert sent == [] and late.running == []
+    assert _count(metrics, "failed") == 1
+    said = "the audit of microbatch (2, 6) failed: the re-execution's stage client broke"
+    assert said in caplog.text and "unaudited" in caplog.text, caplog.text
+
+
 async def test_nothing_found_is_not_reported_and_no_sink_defers_nothing() -> None:
     sent: list[MicrobatchResult] = []
 

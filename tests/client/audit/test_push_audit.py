@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from client.audit.audits import Audits
@@ -158,3 +159,27 @@ async def test_a_run_no_audit_can_reach_keeps_no_record(tmp_path: Path) -> None:
     assert alone.run_id([ContributionAudit(1, "s1", 12345)]) != 0
     paired, _ = _push_audits(job, [["s0"], ["s1", "t1"]])
     assert {paired.run_id([]) == 0 for _ in range(8)} == {False}
+
+
+class Malformed(Recorded):
+    """A replica whose record's first tensor is one byte short of what its header says (a
+    hostile one: an honest replica's record decodes)."""
+
+    async def record(self, step: int, index: int, run: int, *, tensors: bool) -> Any:
+        commitment, held = await super().record(step, index, run, tensors=tensors)
+        if tensors and self.stage == 0:
+            held["inputs"].data = held["inputs"].data[:-1]
+        return commitment, held
+
+
+async def test_a_record_that_does_not_decode_is_a_verdict_on_its_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It raised out of the audit: the trainer stopped (or, deferred, the audit was lost unseen).
+    monkeypatch.setitem(globals(), "Recorded", Malformed)
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, [["s0", "t0"], ["s1"]])
+    verdicts, _, _ = await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
+    assert made["s0"].asked == [False, True]  # its record was fetched (t0 could redo it)
+    assert [(v.peer, v.stage) for v in verdicts] == [("s0", 0)], verdicts
+    assert "does not decode" in verdicts[0].evidence and "payload bytes" in verdicts[0].evidence
