@@ -41,13 +41,16 @@ def _found(step: int, index: int) -> MicrobatchResult:
     return MicrobatchResult(step, index, {}, None, 0, verdicts=(verdict,), late=True)
 
 
+class Sent(list[MicrobatchResult]):
+    """The late audits' reports, as the scheduler was sent them (`report`)."""
+
+    async def report(self, result: MicrobatchResult) -> None:
+        self.append(result)
+
+
 async def test_what_a_late_audit_found_is_reported_when_it_ends() -> None:
-    sent: list[MicrobatchResult] = []
-
-    async def report(result: MicrobatchResult) -> None:
-        sent.append(result)
-
-    late = LateAudits(_metrics(), report)
+    sent = Sent()
+    late = LateAudits(_metrics(), sent.report)
     assert late.deferred
     ends = asyncio.Event()
 
@@ -66,12 +69,8 @@ async def test_what_a_late_audit_found_is_reported_when_it_ends() -> None:
 async def test_an_audit_past_its_bound_is_cut_counted_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    metrics, sent = _metrics(), []
-
-    async def report(result: MicrobatchResult) -> None:
-        sent.append(result)
-
-    late = LateAudits(metrics, report)
+    metrics, sent = _metrics(), Sent()
+    late = LateAudits(metrics, sent.report)
     never = asyncio.Event()
 
     async def audit() -> MicrobatchResult | None:
@@ -112,12 +111,8 @@ async def test_an_audit_that_fails_is_counted_and_logged_with_its_cause(
 ) -> None:
     # Its exception went to `settled`'s gather and no further: the microbatch went unaudited
     # with no word of it.
-    metrics, sent = _metrics(), []
-
-    async def report(result: MicrobatchResult) -> None:
-        sent.append(result)
-
-    late = LateAudits(metrics, report)
+    metrics, sent = _metrics(), Sent()
+    late = LateAudits(metrics, sent.report)
 
     async def audit() -> MicrobatchResult | None:
         await asyncio.sleep(0)
@@ -133,12 +128,8 @@ async def test_an_audit_that_fails_is_counted_and_logged_with_its_cause(
 
 
 async def test_nothing_found_is_not_reported_and_no_sink_defers_nothing() -> None:
-    sent: list[MicrobatchResult] = []
-
-    async def report(result: MicrobatchResult) -> None:
-        sent.append(result)
-
-    late = LateAudits(_metrics(), report)
+    sent = Sent()
+    late = LateAudits(_metrics(), sent.report)
 
     async def audit() -> MicrobatchResult | None:
         return None
