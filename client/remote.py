@@ -148,9 +148,11 @@ class RemoteCoordinator:
         )
         return lease_from_proto((await self._report(request)).lease)
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
         request = spb.SchedulerReportMicrobatchesRequest(
-            job=self.job_id, trainer=trainer, released=indices
+            job=self.job_id, trainer=trainer, released=indices, failure=failure or ""
         )
         await self._report(request)
 
@@ -190,8 +192,10 @@ class _Progress:
         self.bar.update(max(0, lease.step - self.bar.n))
         return lease
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
-        await self.inner.release(trainer, indices)
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
+        await self.inner.release(trainer, indices, failure)
 
 
 async def run_remote_trainer(

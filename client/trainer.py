@@ -275,7 +275,7 @@ class PipelineTrainer:
         # delayed_update the step before the leased one is live too.)
         live = self._leased_step - (1 if rule_of(self.job).delays else 0)
         if task.step >= live:
-            await self.coordinator.release(self.trainer_id, [task.index])
+            await self.coordinator.release(self.trainer_id, [task.index], self.failure)
 
     async def _report(self, running: dict[asyncio.Task[None], Task]) -> None:
         """Report what finished, asking for as many next tasks, one call in flight at a time:

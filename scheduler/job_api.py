@@ -1,4 +1,5 @@
-"""`SchedulerService`'s job API over a `JobStore` and the orchestration (`JobControl`).
+"""`SchedulerService`'s job API over a `JobStore` and the orchestration (`JobControl`,
+`scheduler.job_control`).
 
 The servicer is thin: validate, store, tell the orchestration, answer. Store reads and writes are
 synchronous and happen between awaits, so a call never sees a half-made change. Errors become
@@ -11,16 +12,17 @@ import asyncio
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from scheduler import data_root as roots
 from scheduler.admission import Admission
 from scheduler.callers import Callers
+from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
 from scheduler.store import JobRecord, JobStore
 from scheduler.trusted_peers import TrustMode
@@ -42,9 +44,6 @@ from swarm.job.pinning import pin, pin_data
 from swarm.net.addresses import peer_host
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.lease import (
-    Lease,
-    MicrobatchResult,
-    Working,
     lease_to_proto,
     result_from_proto,
     working_from_proto,
@@ -58,8 +57,8 @@ __all__ = [
     "LIST_PAGE_MAX",
     "LIST_PAGE_SIZE",
     "MAX_BASE_DIR_BYTES",
+    "MAX_FAILURE_CHARS",
     "JobApiServicer",
-    "JobControl",
     "job_status",
 ]
 
@@ -74,69 +73,11 @@ LIST_PAGE_BYTES = 1 * MiB
 # The longest base_dir SubmitJob takes (bytes, UTF-8): PATH_MAX. It is stored and sent with the
 # job in every GetJob and ListJobs answer.
 MAX_BASE_DIR_BYTES = 4096
+# The most of a trainer's failure (`SchedulerReportMicrobatchesRequest.failure`) the scheduler
+# keeps for the job's status: a cause is a line or a few, and status is no place for more.
+MAX_FAILURE_CHARS = 2000
 # The newest events of a job GetJob sends (`swarm status` shows them; the store keeps more).
 STATUS_EVENTS = 50
-
-
-class JobControl(Protocol):
-    """What the job API needs from the orchestration. Called on the event loop's thread; the
-    sync methods must not block. The store is the truth: `submitted` and `cancelled` are called
-    after the store has recorded the change."""
-
-    def submitted(self, job_id: str) -> None:
-        """A new job was stored (queued): place and train it."""
-
-    def cancelled(self, job_id: str) -> None:
-        """The job is now cancelled in the store: stop training it, release its peers."""
-
-    async def delete(self, job_id: str) -> None:
-        """Remove what the orchestration keeps of a finished job (its checkpoints and final model,
-        off the event loop); the job API then deletes its record. FailedPrecondition for an
-        unfinished job."""
-
-    def stages(self, job_id: str) -> list[scheduler_pb2.StageStatus]:
-        """Replicas per stage now (asked for unfinished jobs only)."""
-        ...
-
-    def samples_per_second(self, job_id: str) -> float:
-        """Recent training throughput (asked for unfinished jobs only)."""
-        ...
-
-    def health(self, job_id: str) -> tuple[float, list[str]]:
-        """Since when the job has waited for what its message says (unix seconds, 0: it does
-        not wait), and the risks to warn of (asked for unfinished jobs only)."""
-        ...
-
-    def rounds(self, job_id: str, step: int) -> scheduler_pb2.RoundStatus | None:
-        """Its rounds after `step` committed steps, where its pools meet in rounds and it
-        trains now (asked for unfinished jobs only)."""
-        ...
-
-    async def lease(
-        self,
-        job_id: str,
-        trainer: str,
-        count: int,
-        *,
-        wait_s: float = 0.0,
-        working: Sequence[Working] = (),
-    ) -> Lease:
-        """The step coordinator's `lease` (a long poll of at most `wait_s`; renews `working`)."""
-        ...
-
-    async def report(
-        self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
-    ) -> None: ...
-
-    async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        """(step, the whole model's state_dict) of one committed step. Raise FailedPrecondition
-        with a message saying why when impossible (e.g. a stage has no replica and no checkpoint).
-        """
-        ...
-
-    def routes(self, job_id: str) -> Path:
-        """Where the job's route record lies (pool.mode = "local"); it may not exist."""
-        ...
 
 
 def _unknown(job_id: str) -> NotFound:
@@ -347,7 +288,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
             self._known(request.job)
             results = [result_from_proto(r) for r in request.results]
-            await self.control.report(request.job, request.trainer, results, list(request.released))
+            failure = request.failure[:MAX_FAILURE_CHARS] or None
+            released = list(request.released)
+            await self.control.report(request.job, request.trainer, results, released, failure)
             if not request.HasField("next"):
                 return scheduler_pb2.SchedulerReportMicrobatchesResponse()
             return scheduler_pb2.SchedulerReportMicrobatchesResponse(

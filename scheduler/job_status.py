@@ -14,7 +14,7 @@ __all__ = ["LiveJobs", "job_status"]
 
 
 class LiveJobs(Protocol):
-    """What a job's status reads of the orchestration (`scheduler.job_api.JobControl`'s)."""
+    """What a job's status reads of the orchestration (`scheduler.job_control.JobControl`'s)."""
 
     def stages(self, job_id: str) -> list[scheduler_pb2.StageStatus]: ...
 

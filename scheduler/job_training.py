@@ -255,7 +255,8 @@ class JobTraining:
             counted=coordinator.replicas,
             lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
             domains=self.peer_registry.domains,
-            cause=lambda: trainer.failure,
+            # the embedded trainer's, or one of the remote trainers' as they gave work back
+            cause=lambda: trainer.failure or coordinator.trainers_failure,
             patience_s=job.runtime.patience_s,
         )
 

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Implements `scheduler.job_api.JobControl` for the job API."""
+    """Implements `scheduler.job_control.JobControl` for the job API."""
 
     def __init__(
         self,
@@ -360,13 +360,18 @@ class Scheduler:
         return await coordinator.lease(trainer, count, wait_s=wait_s, working=working)
 
     async def report(
-        self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
+        self,
+        job_id: str,
+        trainer: str,
+        results: list[MicrobatchResult],
+        released: list[int],
+        failure: str | None = None,
     ) -> None:
         coordinator = self._coordinators.get(job_id)
         if coordinator is None:
             return  # the step these belong to is gone; the ledger ignores stale reports anyway
         if released:
-            await coordinator.release(trainer, released)
+            await coordinator.release(trainer, released, failure)
         for result in results:
             await coordinator.report(trainer, result)
 

@@ -112,6 +112,9 @@ class LocalCoordinator:
         self._window = window_of(rule, job, self.steps, self.clock)
         self.finished = asyncio.Event()
         self.error: BaseException | None = None
+        # Why a trainer last gave microbatches back, until one goes through: a remote
+        # trainer's cause, for the job's status (`scheduler.stalls`)
+        self.trainers_failure: str | None = None
         self._poll = LongPoll(self.finished, self._window.commits)
         self._wake = self._poll.wake
         self._take_members(members, standing, connect)
@@ -334,6 +337,7 @@ class LocalCoordinator:
             return
         if result.late:  # an audit's own report: its verdicts acted on, no work of its own
             return
+        self.trainers_failure = None  # a microbatch went through
         if live is None or live.commit.applied:
             return
         ledger = live.ledger
@@ -370,10 +374,14 @@ class LocalCoordinator:
             await self.report(trainer, result)
         return await self.lease(trainer, count, working=working)
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
-        """A trainer gave these microbatches back (a hop failed on every replica it tried):
-        look at the members, since one may be dead or restarted empty. (Indices only: with
-        delayed_update, the live step that leased them to `trainer`.)"""
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
+        """A trainer gave these microbatches back (a hop failed on every replica it tried,
+        `failure` says how): look at the members, since one may be dead or restarted empty.
+        (Indices only: with delayed_update, the live step that leased them to `trainer`.)"""
+        if failure:
+            self.trainers_failure = failure
         ledgers = [live.ledger for live in self._window.working()]
         if ledgers:
             for ledger in ledgers:

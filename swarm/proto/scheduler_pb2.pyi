@@ -393,18 +393,20 @@ class Verdict(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., evidence: _Optional[str] = ..., auditors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
-    __slots__ = ("job", "trainer", "results", "released", "next")
+    __slots__ = ("job", "trainer", "results", "released", "failure", "next")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     NEXT_FIELD_NUMBER: _ClassVar[int]
     job: str
     trainer: str
     results: _containers.RepeatedCompositeFieldContainer[MicrobatchReport]
     released: _containers.RepeatedScalarFieldContainer[int]
+    failure: str
     next: SchedulerLeaseMicrobatchesRequest
-    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., next: _Optional[_Union[SchedulerLeaseMicrobatchesRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., failure: _Optional[str] = ..., next: _Optional[_Union[SchedulerLeaseMicrobatchesRequest, _Mapping]] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesResponse(_message.Message):
     __slots__ = ("lease",)

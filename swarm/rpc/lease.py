@@ -165,7 +165,11 @@ class LeaseSource(Protocol):
         """`report` each result, then `lease(count)` at once (no wait), in one round trip."""
         ...
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None: ...
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
+        """Give microbatches back, with why they failed (for the job's status)."""
+        ...
 
 
 # -- the wire form, shared by the scheduler's job API and the remote trainer --------------------

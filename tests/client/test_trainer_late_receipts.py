@@ -62,7 +62,9 @@ class Recorder:
         self.reports.extend(results)
         return Lease(0, [], [])  # nothing more: the tests give each task themselves
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
         self.released.append(list(indices))
 
 

@@ -64,7 +64,9 @@ class _Source:
             self.step, self.given = self.step + 1, 0
         return self._take(count)
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
         raise AssertionError("nothing fails here")
 
 
@@ -125,7 +127,9 @@ class _Releasing(_Source):
         tasks = [Task(self.step, i, frozenset({0, 1})) for i in again]
         return Lease(self.step, tasks + lease.tasks, [])
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
         self.released += len(indices)
         self.back += indices
 

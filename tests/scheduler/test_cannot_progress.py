@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from client.live import status_lines
+from client.trainer import PipelineTrainer
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.errors import FailedPrecondition
+from swarm.job.config import JobConfig
 from swarm.job.states import job_state_proto
 from swarm.proto import scheduler_pb2 as spb
 from tests.support.inprocess import Swarm
@@ -27,13 +29,18 @@ pytestmark = pytest.mark.timeout(120)
 REFUSAL = "handover refused: a malformed CUDA handover (66 bytes)"
 
 
+def _job(tmp_path: Path) -> JobConfig:
+    """One microbatch a step, and steps enough to outlast the test (it is cancelled at the
+    end); patience short, no rebalancing."""
+    training = {"stages": 2, "steps": 100_000, "target_batch_size": 4}
+    runtime = {"data_plane": "push", "patience_s": 2.0}
+    return make_job(tmp_path, training=training, runtime=runtime, rebalance={"enabled": False})
+
+
 async def test_a_job_whose_stage_always_fails_is_stalled_with_the_cause_then_carries_on(
     tmp_path: Path,
 ) -> None:
-    # one microbatch a step, and steps enough to outlast the test (it is cancelled at the end)
-    training = {"stages": 2, "steps": 100_000, "target_batch_size": 4}
-    runtime = {"data_plane": "push", "patience_s": 2.0}
-    job = make_job(tmp_path, training=training, runtime=runtime, rebalance={"enabled": False})
+    job = _job(tmp_path)
     swarm = Swarm(job)
     said: list[tuple[JobState | None, str]] = []
 
@@ -80,6 +87,55 @@ async def test_a_job_whose_stage_always_fails_is_stalled_with_the_cause_then_car
     states = [state for state, _ in said[stalled:] if state is not None]
     assert states[:2] == ["stalled", "running"], said
     assert swarm.servers[0][0].runtime.step > 0, "it trains again"
+
+
+async def test_a_remote_trainers_cause_reaches_the_stalled_status(tmp_path: Path) -> None:
+    # `--no-embedded-trainer`: the only trainer is one of the scheduler's remote ones, whose
+    # calls its job API hands to the job's coordinator (`Scheduler.report`). Its failures
+    # stayed in its own log: the job read "stalled at step 0: no step committed ...; see the
+    # scheduler's log", whose log did not have the cause either.
+    job = _job(tmp_path)
+    swarm = Swarm(job)
+    said: list[tuple[JobState | None, str]] = []
+
+    async def set_status(job_id: str, state: JobState | None, text: str) -> None:
+        said.append((state, text))
+
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create(job.name, "", str(tmp_path), job.training.steps).id
+        store.set_state(job_id, "placing")
+        training_run = job_training(store, swarm, tmp_path / "ckpt", set_status, False)
+        run: asyncio.Task[None] | None = None
+        remote: PipelineTrainer | None = None
+        try:
+            for stage in range(job.training.stages):
+                server = await swarm.add(stage)
+                server.servicer.serve(server.runtime, job_id)
+            Refusing(swarm.servers[1][0], FailedPrecondition(REFUSAL))
+            run = asyncio.create_task(training_run.run(job_id, job, []))
+            async with asyncio.timeout(30):
+                while job_id not in training_run.coordinators:
+                    await asyncio.sleep(0.05)
+            coordinator = training_run.coordinators[job_id]
+            remote = PipelineTrainer(job, coordinator, job_id=job_id, trainer_id="remote-1")
+            trains = asyncio.create_task(remote.run())
+            async with asyncio.timeout(60):
+                while not any(state == "stalled" for state, _ in said):
+                    assert not run.done(), f"the run ended: {run.exception()!r}"
+                    assert not trains.done(), f"the trainer ended: {trains.exception()!r}"
+                    await asyncio.sleep(0.05)
+            trains.cancel()
+            await asyncio.gather(trains, return_exceptions=True)
+        finally:
+            if remote is not None:
+                await remote.close()
+            if run is not None:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+            await swarm.close()
+    text = next(text for state, text in said if state == "stalled")
+    assert text.startswith("stalled at step 0: cannot progress"), text
+    assert f"FAILED_PRECONDITION: {REFUSAL}" in text, text
 
 
 def _status(record: JobRecord | None) -> spb.JobStatus:

@@ -14,7 +14,7 @@ import torch
 
 from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
-from scheduler.job_api import LIST_PAGE_BYTES, MAX_BASE_DIR_BYTES
+from scheduler.job_api import LIST_PAGE_BYTES, MAX_BASE_DIR_BYTES, MAX_FAILURE_CHARS
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
 from swarm.job.schema import MAX_SPEC_BYTES
@@ -139,6 +139,35 @@ async def test_internal_error_keeps_serving(
     assert isinstance(e.value.error, RemoteError) and e.value.error.code == "INTERNAL"
     api.control.broken = False
     assert (await client.get(job)).job == job
+
+
+async def test_a_remote_trainers_give_back_carries_its_failure_to_the_job(
+    tmp_path: Path, free_address: str
+) -> None:
+    # A remote trainer's released microbatches reached the scheduler without their cause: the
+    # job's status, without the embedded trainer, could not name it.
+    with JobStore(tmp_path / "jobs.db") as store:
+        job_id = store.create("test", render(BASE), str(tmp_path), 3).id
+    reported: list[tuple[str, list[int], str | None]] = []
+
+    async def report(
+        job: str, trainer: str, results: object, released: list[int], failure: str | None = None
+    ) -> None:
+        reported.append((trainer, released, failure))
+
+    running = await start_api(tmp_path, address=free_address)
+    running.control.report = report  # type: ignore[attr-defined]
+    remote = RemoteCoordinator(free_address, job_id, timeout_s=5.0)
+    try:
+        await remote.release("t", [2], "stage 1: FAILED_PRECONDITION: handover refused")
+        await remote.release("t", [3], "x" * (MAX_FAILURE_CHARS + 500))  # cut to its bound
+        await remote.release("t", [4])  # none said: none kept
+    finally:
+        await remote.close()
+        await running.stop()
+    assert reported[0] == ("t", [2], "stage 1: FAILED_PRECONDITION: handover refused")
+    assert reported[1] == ("t", [3], "x" * MAX_FAILURE_CHARS)
+    assert reported[2] == ("t", [4], None)
 
 
 async def test_a_remote_trainer_rides_out_a_scheduler_that_is_not_up_yet(

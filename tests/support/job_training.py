@@ -66,8 +66,10 @@ def job_training(
     swarm: Swarm,
     checkpoint_dir: Path,
     set_status: Callable[[str, JobState | None, str], Awaitable[None]],
+    embedded_trainer: bool = True,
 ) -> JobTraining:
-    """A JobTraining of `store`'s jobs over `swarm`, with an embedded trainer."""
+    """A JobTraining of `store`'s jobs over `swarm`, with an embedded trainer unless told not
+    to (`swarm scheduler --no-embedded-trainer`: the test runs its trainers)."""
 
     async def announce(job_id: str) -> None:
         pass
@@ -79,7 +81,7 @@ def job_training(
         Assignments(),  # type: ignore[arg-type]
         checkpoint_dir,
         None,
-        True,
+        embedded_trainer,
         None,
         announce,
         set_status,

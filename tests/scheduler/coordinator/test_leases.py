@@ -101,8 +101,10 @@ class _Counting:
         self.calls += 1
         return await self.inner.report_and_lease(trainer, results, count, working=working)
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
-        await self.inner.release(trainer, indices)
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
+        await self.inner.release(trainer, indices, failure)
 
 
 async def test_an_idle_trainer_asks_a_handful_of_times_not_every_20ms(

@@ -172,7 +172,9 @@ class _Releases:
     def __init__(self) -> None:
         self.released: list[list[int]] = []
 
-    async def release(self, trainer: str, indices: Sequence[int]) -> None:
+    async def release(
+        self, trainer: str, indices: Sequence[int], failure: str | None = None
+    ) -> None:
         self.released.append(list(indices))
 
 
