@@ -156,7 +156,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     "swarm's MAX_BASE_DIR_BYTES) a job's directory may have"
                 )
             base_dir = Path(request.base_dir)
-            if not base_dir.is_absolute():
+            if not base_dir.is_absolute() or "\0" in request.base_dir:  # no path holds a NUL
                 raise InvalidArgument(
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )

@@ -28,7 +28,8 @@ def position(cursor: str) -> tuple[float, int]:
         found = float.fromhex(created), int(row)
     except ValueError:
         found = (math.nan, 0)
-    if not math.isfinite(found[0]):
+    # a rowid is SQLite's 64-bit integer: a larger one overflowed at the query, as a bug
+    if not math.isfinite(found[0]) or not 0 <= found[1] < 1 << 63:
         raise InvalidArgument(
             f"page_token {cursor!r} is not one this scheduler gave; list again without one"
         )

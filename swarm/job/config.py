@@ -23,6 +23,7 @@ from typing import Any
 from swarm.errors import ConfigError
 from swarm.job.coerce import build_section, show, unknown_name
 from swarm.job.fingerprint import data_sha256, init_sha256
+from swarm.job.key_depth import check_key_depth
 from swarm.job.schema import (
     FILE_DATA,
     MAX_SPEC_BYTES,
@@ -113,10 +114,13 @@ def check_spec_size(text: str, source: str = "the job file") -> None:
 
 def _parse(text: str, base_dir: Path, name: str, source: str, check_data: bool = True) -> JobConfig:
     check_spec_size(text, source)
+    check_key_depth(text, source)  # before the parser, whose time on deep keys is quadratic
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    except RecursionError:  # arrays or inline tables nested past the parser's stack
+        raise ConfigError(f"{source}: invalid TOML: values nested too deeply") from None
     for key in doc:
         if key != "name" and key not in SECTIONS:
             raise unknown_name("section", "", key, ["name", *SECTIONS])

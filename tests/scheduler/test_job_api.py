@@ -4,6 +4,7 @@ The orchestration is not under test: `tests.support.api.FakeControl` stands in f
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from client.sdk import ClientError, SchedulerClient
 from scheduler.job_api import LIST_PAGE_BYTES, MAX_BASE_DIR_BYTES, MAX_FAILURE_CHARS
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
+from swarm.job.key_depth import check_key_depth
 from swarm.job.schema import MAX_SPEC_BYTES
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.status import status_code
@@ -196,13 +198,59 @@ async def test_a_remote_trainer_rides_out_a_scheduler_that_is_not_up_yet(
 
 
 # -- issue 27, items 12 and 14: bounds, sizes, pages, deletion ------------------------------------
-async def _refused(api: RunningApi, spec: str) -> grpc.aio.AioRpcError:
+async def _refused(api: RunningApi, spec: str, base_dir: str = "/") -> grpc.aio.AioRpcError:
     async with grpc.aio.insecure_channel(api.address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            request = scheduler_pb2.SchedulerSubmitJobRequest(spec=spec, base_dir="/")
+            request = scheduler_pb2.SchedulerSubmitJobRequest(spec=spec, base_dir=base_dir)
             await stub.SubmitJob(request, timeout=10)
     return e.value
+
+
+async def test_malformed_submissions_and_pages_are_refused_as_bad_input(
+    api: RunningApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each was an INTERNAL error with an ERROR traceback in the scheduler's log (or, the deep
+    # key, seconds of the event loop's time in the TOML parser: 20,000 parts took 6 s, and a
+    # 1 MiB spec of them hours), where each is the caller's mistake.
+    deep_key = render(BASE) + "x" + ".a" * 20_000 + " = 1\n"
+    deep_header = render(BASE) + "[x" + ".a" * 40 + "]\nk = 1\n"
+    nested = render(BASE) + "x = " + "[" * 5000 + "]" * 5000 + "\n"
+    data = {**BASE, "data": {"kind": "text", "path": "corpus.txt"}}
+    for spec, base_dir, said in [
+        (deep_key, "/", "a key of 20001 parts, over the 32 (swarm's MAX_KEY_PARTS)"),
+        (deep_header, "/", "a key of 41 parts"),
+        (nested, "/", "invalid TOML: values nested too deeply"),
+        (render(data), "/a\x00b", "base_dir must be an absolute directory"),
+    ]:
+        refused = await _refused(api, spec, base_dir)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+        assert said in (refused.details() or ""), refused.details()
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            request = scheduler_pb2.SchedulerListJobsRequest(page_token="0x1p0/" + "9" * 20)
+            await stub.ListJobs(request, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert api.store.list() == []
+
+
+def test_a_job_files_dots_in_strings_and_comments_are_no_keys_parts() -> None:
+    # The bound reads keys only: a data path, a multi-line string and a comment full of dots
+    # are no key's, and TOML's own dotted keys of a few parts pass.
+    dots = "." * 100
+    spec = (
+        render(BASE)
+        + f"# {dots}\n[trust]\naudit_fraction = 0.5 # {dots}\n"
+        + f'[data]\nkind = "text"\npath = "a{dots}txt"\n'
+        + 'note.text = """\nx'
+        + ".a" * 100
+        + ' = 1\n"""\n'
+    )
+    check_key_depth(spec)
+    with pytest.raises(ConfigError, match="line 1: a key of 33 parts"):
+        check_key_depth("k" + ".k" * 32 + " = 1\n")
 
 
 async def test_a_job_over_the_bounds_is_refused_at_submit(api: RunningApi) -> None:
