@@ -3,13 +3,12 @@ of jobs, their steps, evaluations, events, bans and members (`scheduler.store_ba
 its schema and transactions: `scheduler.store_file`).
 
 Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
-stored survives a killed process. A step record that cannot be written (a full disk) raises
-`StoreError` and is kept in memory: the job's next step record writes it first, so a passing
-write problem loses no committed step (a scheduler that dies meanwhile loses the kept rows;
-the replicas still hold the steps' state). Methods are synchronous and fast (one small
+stored survives a killed process; one the file cannot take (a full disk) raises `StoreError`.
+A step record so refused is kept in memory: the job's next step record writes it first, so a
+passing write problem loses no committed step (a scheduler that dies meanwhile loses the kept
+rows; the replicas still hold the steps' state). Methods are synchronous and fast (one small
 transaction); call them from the event loop's thread, between awaits, so a read-then-write is
-never interleaved.
-The job state machine lives here, so no caller can move a finished job again.
+never interleaved. The job state machine lives here, so no caller can move a finished job again.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from types import TracebackType
 from typing import Any, Self, cast
 
 from scheduler.store_bans import MAX_BANS, BanRow, bans_of, insert_ban, replayed, see, seen_of
-from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, transaction  # re-exported
+from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, taken, transaction
 from scheduler.store_pages import page_of, position
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
@@ -141,7 +140,8 @@ class JobStore:
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
         """Run one statement as its own committed transaction; returns the rows it changed."""
-        return self._db.execute(sql, args).rowcount  # autocommit: one statement, one commit
+        with taken(self.path):  # autocommit: one statement, one commit
+            return self._db.execute(sql, args).rowcount
 
     def close(self) -> None:
         self._db.close()
@@ -236,7 +236,7 @@ class JobStore:
         job = self._require(job_id)
         if not job.finished:
             raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
-        with transaction(self._db):
+        with taken(self.path), transaction(self._db):  # all of it or none
             for table in ("members", "bans", "events", "evals", "steps"):
                 self._db.execute(f"DELETE FROM {table} WHERE job = ?", (job_id,))
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))

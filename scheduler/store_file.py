@@ -15,11 +15,12 @@ from pathlib import Path
 from swarm.errors import SwarmError
 from swarm.ops.private import FILE_MODE
 
-__all__ = ["SCHEMA_VERSION", "StoreError", "hold", "open_store", "transaction"]
+__all__ = ["SCHEMA_VERSION", "StoreError", "hold", "open_store", "taken", "transaction"]
 
 
 class StoreError(SwarmError):
-    """The store file cannot be used (written by a newer swarm, or not a swarm store)."""
+    """The store file cannot be used (written by a newer swarm, or not a swarm store), or did
+    not take a write (a full disk)."""
 
 
 # Migration i (0-based) takes the schema from version i to i + 1; PRAGMA user_version records
@@ -123,6 +124,20 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
         if db.in_transaction:
             db.execute("ROLLBACK")
         raise
+
+
+@contextlib.contextmanager
+def taken(path: Path) -> Iterator[None]:
+    """A write the store's file at `path` must take: StoreError where it cannot (a full disk:
+    nothing changed), which the callers that wait a full disk out catch, where sqlite3's own
+    error ended them. A constraint the write breaks stays sqlite3.IntegrityError: the caller's
+    to tell (a job id taken)."""
+    try:
+        yield
+    except sqlite3.IntegrityError:
+        raise
+    except sqlite3.Error as e:
+        raise StoreError(f"the job store {str(path)!r} did not take a write: {e}") from e
 
 
 @contextlib.contextmanager

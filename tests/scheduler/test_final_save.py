@@ -5,6 +5,7 @@ line and tries again, so a full disk never throws a trained job away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +35,31 @@ def test_a_final_save_on_a_full_disk_fails_as_oserror_and_leaves_no_partial_file
         assert sorted(p.name for p in disk.rglob("*") if p.is_file()) == ["filler"]
 
 
+@pytest.mark.parametrize("status", ["stored", "on a full disk"])
 async def test_a_failed_final_save_keeps_the_job_and_its_peers_and_is_retried(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, status: str
 ) -> None:
+    # "on a full disk": the status line's store is full too (its write raised sqlite3's own
+    # error, which the retries did not catch: the save ended and the trained state went).
     training = {"stages": 2, "steps": 2, "target_batch_size": 4}  # one microbatch a step
     job = make_job(tmp_path, training=training, rebalance={"enabled": False})
     swarm = Swarm(job)
     said: list[str] = []
+    disk = contextlib.ExitStack()
+    full = None
+    if status == "on a full disk":
+        full = JobStore(disk.enter_context(tiny_disk(tmp_path / "disk")) / "status.sqlite")
+        disk.callback(full.close)
+        full_id = full.create(job.name, "", str(tmp_path), 2).id
+        fill(tmp_path / "disk")
 
     async def set_status(job_id: str, state: Any, text: str) -> None:
         assert state in (None, "running"), f"the job was set {state}: {text}"
         said.append(text)
+        if full is not None and state is None:
+            full.set_message(full_id, text)
 
-    with JobStore(tmp_path / "jobs.sqlite") as store:
+    with disk, JobStore(tmp_path / "jobs.sqlite") as store:
         job_id = store.create(job.name, "", str(tmp_path), job.training.steps).id
         final = final_path(tmp_path / "ckpt", job_id)
         final.mkdir(parents=True)  # the final name is taken: every save fails (EISDIR)

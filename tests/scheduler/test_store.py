@@ -212,6 +212,34 @@ def test_a_full_disk_fails_a_step_record_clearly_and_the_next_step_records_both(
             assert record is not None and (record.step, record.loss) == (3, 1.0)
 
 
+def test_every_write_on_a_full_disk_raises_the_stores_error_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    # A state, a message, a new job, a deletion: each raised sqlite3's own error, which the
+    # callers that wait a full disk out (the final save's retries) do not catch: the final
+    # save ended and the job's trained state was let go, the store still saying "running".
+    with tiny_disk(tmp_path / "disk") as disk, JobStore(disk / "jobs.db") as store:
+        job = store.create("j", "", "/", 9)
+        done = store.create("d", "", "/", 9)
+        store.set_state(done.id, "cancelled")
+        filler = fill(disk)
+        writes = [
+            lambda: store.set_state(job.id, "placing", message="placing"),
+            lambda: store.set_message(job.id, "saving the final model failed"),
+            lambda: store.create("k", "x" * 100_000, "/", 9),
+            lambda: store.delete(done.id),
+        ]
+        for write in writes:
+            with pytest.raises(StoreError, match=r"full"):
+                write()
+        record = store.get(job.id)
+        assert record is not None and (record.state, record.message) == ("queued", "")
+        assert {r.id for r in store.list()} == {job.id, done.id}
+        filler.unlink()
+        store.set_state(job.id, "placing", message="placing")  # room again: it writes
+        assert store.get(job.id).state == "placing"  # type: ignore[union-attr]
+
+
 def test_a_record_carries_the_loss_of_step_0(store: JobStore) -> None:
     job = store.create("a", "spec", "/d", 5)
     assert math.isnan(job.first_loss)  # before step 0 is committed
