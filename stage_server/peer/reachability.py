@@ -302,7 +302,7 @@ class PeerPath:
         self._neighbours.heard(announcement)
         known = self._relays.pop(peer, None)
         usable = announcement.state != cpb.PEER_STATE_OFFLINE and not announcement.relay
-        if announcement.relay_address and usable:
+        if announcement.relay_address and usable and self._dialable(announcement):
             self._relays[peer] = announcement.relay_address
             kept = {self._reported(), self.relay}  # a flood of relays evicts neither
             for old, address in list(self._relays.items()):
@@ -312,6 +312,18 @@ class PeerPath:
                     del self._relays[old]
             if known != announcement.relay_address:
                 await self.steer()
+
+    def _dialable(self, announcement: cpb.PeerAnnouncement) -> bool:
+        """Whether the relay address `announcement` gives is one (a port out of range ended the
+        attachment's connect); one that is not is passed over, said once a minute."""
+        try:
+            split_host_port(announcement.relay_address)
+        except ValueError as e:
+            self._failed.warning(
+                "relay address", "peer %s announces a relay: %s: passed over", announcement.peer, e
+            )
+            return False
+        return True
 
     async def steer(self) -> None:
         """Attach when a relay is wanted and none is held; let go when none is wanted."""

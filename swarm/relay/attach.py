@@ -57,8 +57,8 @@ class _Refused(Exception):
 def split_host_port(address: str) -> tuple[str, int]:
     """(host, port) of `host:port` (an IPv6 host in brackets); ValueError when it is not one."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not host:port")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
+        raise ValueError(f"{address!r} is not host:port (a port 1-65535)")
     return host.strip("[]"), int(port)
 
 
@@ -166,6 +166,12 @@ class Attachment:
                     continue
                 except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s: not attached: %s", self.peer, relay, e or type(e))
+                    self._last_failed = relay
+                    continue
+                except Exception as e:  # one relay's fault (a bug's, even) ends no attachment
+                    log.warning(
+                        "%s: relay %s: not attached: %s: %s", self.peer, relay, type(e).__name__, e
+                    )
                     self._last_failed = relay
                     continue
                 log.info("%s: attached to relay %s", self.peer, relay)

@@ -292,6 +292,21 @@ async def test_only_live_directly_reached_relays_are_kept_and_they_are_bounded()
     assert len(relays) == MAX_RELAYS and relays[0] == f"r{MAX_RELAYS * 4 - 1}:1"
 
 
+async def test_an_announced_relay_address_no_relay_can_have_is_passed_over_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Kept, it came first in the relays to try (the latest announced), and its connect's
+    # OverflowError ended the attachment's task (swarm/relay/attach.py, tested there too).
+    caplog.set_level(logging.WARNING, logger="stage_server.peer.reachability")
+    path = _path()
+    await path.on_announcement(_relay("good", "g:1"))
+    for bad in ("evil:99999", "evil:0", "evil"):
+        await path.on_announcement(_relay("evil", bad))
+    assert path.relays() == ["g:1"]
+    said = [r.getMessage() for r in caplog.records if "evil" in r.getMessage()]
+    assert len(said) == 1 and "'evil:99999' is not host:port" in said[0], said  # once a minute
+
+
 # ------------------------------------------------------------------------------ attaching
 
 

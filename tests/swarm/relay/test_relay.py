@@ -5,6 +5,7 @@ dialer (`swarm.net.dial.channel`); TLS end to end; a relay that dies is replaced
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,6 +215,35 @@ async def test_a_killed_relay_is_replaced_at_once_by_the_next_one(listed: str) -
             assert changes == [a, b, None]
         finally:
             await attachment.stop()
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:99999", "127.0.0.1:0", "no-port"])
+async def test_an_address_no_relay_can_have_is_passed_over_for_the_next(
+    bad: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relay address whose port is out of range (an announcement anyone with a peer's
+    credential can make) ended the attachment's task with an OverflowError from the connect:
+    nothing logged, no relay tried again until the process restarted."""
+    caplog.set_level(logging.INFO, logger="swarm.relay.attach")
+    async with echo_server(TOKEN) as port:
+        good = RelayServer(TOKEN)
+        address = f"127.0.0.1:{await good.start('127.0.0.1', 0)}"
+        attachment = Attachment(
+            "home-gpu",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: [bad, address],
+            lambda relay: None,
+            address=f"{NAT_HOST}:{port}",
+        )
+        await attachment.start()
+        try:
+            await wait_until(lambda: attachment.relay == address, timeout_s=20)
+        finally:
+            await attachment.stop()
+            await good.stop()
+    said = [r.getMessage() for r in caplog.records if bad in r.getMessage()]
+    assert said and "not host:port" in said[0], said
 
 
 async def test_a_relayed_host_in_no_proxy_is_named(
