@@ -126,7 +126,9 @@ class RunningStageServer:
         self.servicer.worker.close()
         self.servicer.stopped()  # its spill file goes now, not at its idle timer
         await self.servicer.channels.close()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        # What still runs there (a measurement, a stage being built) is waited for off the
+        # loop, which goes on hearing signals meanwhile: a second one exits at once.
+        await asyncio.to_thread(self.executor.shutdown, wait=True, cancel_futures=True)
 
 
 def check_device(device: str) -> torch.device:

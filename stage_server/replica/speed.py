@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,11 @@ from swarm.wire.crossing import Crossing
 __all__ = ["cache_path", "device_model", "measure_job", "measure_stage"]
 
 log = logging.getLogger(__name__)
+
+# How long a peer waits for another's measurement on its machine (seconds; a measurement is a
+# few runs of each stage), and how often it looks again meanwhile.
+LOCK_WAIT_S = 300.0
+LOCK_POLL_S = 0.1
 # Timed runs after one warm-up: at least _REPEATS, and more until they add up to _MIN_TIMED_S
 # (at most _MAX_REPEATS), so a small stage is timed over many runs, not three of a millisecond.
 _REPEATS, _MIN_TIMED_S, _MAX_REPEATS = 3, 0.1, 100
@@ -136,10 +142,35 @@ def _measuring_alone(path: Path, device: torch.device) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released with the descriptor, even if this process dies
+        _locked(fd, lock)
         yield
     finally:
         os.close(fd)
+
+
+def _locked(fd: int, lock: Path) -> None:
+    """Take the measuring lock on `fd` (released with the descriptor, even if this process
+    dies), waiting at most LOCK_WAIT_S for the peer that holds it, said at once: a measurement
+    that never ends elsewhere (hung, stopped in a debugger) would hold this one for good, and a
+    stop with it. Past the bound it measures without the lock (the figures only noisier)."""
+    deadline, said = time.monotonic() + LOCK_WAIT_S, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if not said:
+            log.warning(
+                "another stage server of this machine is measuring (%s): waiting up to %.0f s",
+                lock,
+                LOCK_WAIT_S,
+            )
+            said = True
+        if time.monotonic() >= deadline:
+            log.warning("the measuring lock %s still held: measuring without it", lock)
+            return
+        time.sleep(LOCK_POLL_S)
 
 
 def measure_job(

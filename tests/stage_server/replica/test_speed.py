@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from stage_server.cli import LIFECYCLE_LOGGERS
+from stage_server.replica import speed
 from stage_server.replica.speed import device_model, measure_job
 from swarm.job.config import load_job
 from tests.support import forked
@@ -109,3 +111,27 @@ def test_a_tf32_job_is_measured_apart_from_its_float32_twin(
         r.getMessage().split()[0] for r in caplog.records if r.name == "stage_server.replica.speed"
     ]
     assert said == ["measured", "measured"], said
+
+
+def test_a_measuring_lock_held_too_long_is_said_and_waited_for_no_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another peer's measurement that never ends (hung, or stopped in a debugger) held this
+    # one's without a bound and without a word: its agent showed "measuring" for good, and
+    # its stop waited on the thread that waited on the lock, past every signal but SIGKILL.
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(speed, "LOCK_WAIT_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="stage_server.replica.speed")
+    job = make_job(tmp_path, model={"n_layers": 2}, training={"stages": 2})
+    lock = speed.cache_path().with_name("throughput.cpu0.lock")
+    lock.parent.mkdir(parents=True)
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open of it: a lock apart, as a process's
+    try:
+        figures = measure_job(job, torch.device("cpu"))
+    finally:
+        os.close(holder)
+    assert sorted(figures) == [0, 1] and all(v > 0 for v in figures.values())
+    said = [r.getMessage() for r in caplog.records]
+    assert any(str(lock) in s and "another stage server" in s for s in said), said
+    assert any("measuring without it" in s for s in said), said
