@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from swarm.deadline import within
+from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.relay.auth import attach_proof, data_proof
 from swarm.relay.copier import splice
@@ -104,6 +105,8 @@ class Attachment:
         self._last_failed: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._tunnels: set[asyncio.Task[None]] = set()
+        # a round in which no relay took it, said at WARNING (each relay's try is INFO)
+        self._unattached = RatedLog(log, every_s=60.0)
 
     @property
     def relay(self) -> str | None:
@@ -153,6 +156,7 @@ class Attachment:
             # at once by another, with no pause and no moment announced without a relay (nobody
             # could call the peer then), still announced through the lost one meanwhile.
             tried: set[str] = set()
+            failed: dict[str, str] = {}  # why each relay of the round did not take it
             again: str | None = None  # a relay that ended a live attachment: tried first, once
             while (relay := again or self._next(tried)) is not None:
                 again = None
@@ -162,17 +166,17 @@ class Attachment:
                 except _Refused as e:  # the relay says why (a wrong key, a certificate
                     # not naming this peer, another key holding its id): the operator's to fix
                     log.warning("%s: relay %s refused it: %s", self.peer, relay, e)
-                    self._last_failed = relay
+                    self._last_failed, failed[relay] = relay, f"refused: {e}"
                     continue
                 except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s: not attached: %s", self.peer, relay, e or type(e))
-                    self._last_failed = relay
+                    self._last_failed, failed[relay] = relay, str(e or type(e).__name__)
                     continue
                 except Exception as e:  # one relay's fault (a bug's, even) ends no attachment
                     log.warning(
                         "%s: relay %s: not attached: %s: %s", self.peer, relay, type(e).__name__, e
                     )
-                    self._last_failed = relay
+                    self._last_failed, failed[relay] = relay, f"{type(e).__name__}: {e}"
                     continue
                 log.info("%s: attached to relay %s", self.peer, relay)
                 self._set(relay)
@@ -197,9 +201,18 @@ class Attachment:
                     self._pauses.reset()  # it served a while: its end is news, not a pattern
             if not tried:
                 log.debug("%s: no relay to attach to", self.peer)
+            pause = self._pauses.next()
+            if tried and failed.keys() == tried:  # none took it: nobody can call this peer
+                self._unattached.warning(
+                    "round",
+                    "%s: no relay took it (%s); trying again in %.0f s",
+                    self.peer,
+                    "; ".join(f"{r}: {why}" for r, why in failed.items()),
+                    pause,
+                )
             self._set(None)  # no relay of this round holds it
             retried.clear()
-            await asyncio.sleep(self._pauses.next())
+            await asyncio.sleep(pause)
 
     async def _attach(self, relay: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(*split_host_port(relay))

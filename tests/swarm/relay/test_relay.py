@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -244,6 +245,31 @@ async def test_an_address_no_relay_can_have_is_passed_over_for_the_next(
             await good.stop()
     said = [r.getMessage() for r in caplog.records if bad in r.getMessage()]
     assert said and "not host:port" in said[0], said
+
+
+async def test_a_round_no_relay_took_is_said_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every relay announced but none reachable from here (a port closed on the way): each try
+    was an INFO line, hidden at the default level, so the peer looked like it was attaching,
+    for good, while nobody could call it."""
+    caplog.set_level(logging.INFO, logger="swarm.relay.attach")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there: refused
+    attachment = Attachment("home-gpu", TOKEN, "127.0.0.1:1", lambda: [address], lambda r: None)
+    await attachment.start()
+    try:
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+        await wait_until(lambda: any("no relay took it" in s for s in said()), timeout_s=10)
+    finally:
+        await attachment.stop()
+    warned = [s for s in said() if "no relay took it" in s]
+    assert len(warned) == 1 and address in warned[0] and "trying again in" in warned[0], warned
 
 
 async def test_a_relayed_host_in_no_proxy_is_named(
