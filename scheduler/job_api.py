@@ -31,6 +31,7 @@ from swarm.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
 )
 from swarm.job.config import (
     FILE_DATA,
@@ -57,6 +58,7 @@ __all__ = [
     "LIST_PAGE_MAX",
     "LIST_PAGE_SIZE",
     "MAX_BASE_DIR_BYTES",
+    "MAX_EXPORTS",
     "MAX_FAILURE_CHARS",
     "JobApiServicer",
     "job_status",
@@ -73,6 +75,9 @@ LIST_PAGE_BYTES = 1 * MiB
 # The longest base_dir SubmitJob takes (bytes, UTF-8): PATH_MAX. It is stored and sent with the
 # job in every GetJob and ListJobs answer.
 MAX_BASE_DIR_BYTES = 4096
+# ExportModel calls at once: each holds a whole model in the scheduler's memory (a 1B model in
+# float32 is 4.4 GB); more are refused, RESOURCE_EXHAUSTED, until one ends.
+MAX_EXPORTS = 2
 # The most of a trainer's failure (`SchedulerReportMicrobatchesRequest.failure`) the scheduler
 # keeps for the job's status: a cause is a line or a few, and status is no place for more.
 MAX_FAILURE_CHARS = 2000
@@ -108,6 +113,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._serving = Servicing("scheduler")
         self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
         self.trust = TrustMode(trusted_peers)
+        self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
@@ -304,14 +310,23 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportModelResponse]:
             self.callers.identify(context).may_manage(self._job(request.job), "export")
-            step, state = await self.control.export(request.job)
-            if not state:
-                raise FailedPrecondition(f"job {request.job!r} has no parameters to export")
-            for name, tensor in state.items():
-                # Off the event loop: a large tensor's copy would stall every other call.
-                msg = await asyncio.to_thread(_message, name, tensor, step)
-                for part in wire.split(msg, self.chunk_bytes):
-                    yield part
+            if self._exports >= MAX_EXPORTS:  # each holds a whole model in memory
+                raise ResourceExhausted(
+                    f"{MAX_EXPORTS} model exports are under way (swarm's MAX_EXPORTS), each "
+                    "holding a whole model in the scheduler's memory: try again once one ends"
+                )
+            self._exports += 1
+            try:
+                step, state = await self.control.export(request.job)
+                if not state:
+                    raise FailedPrecondition(f"job {request.job!r} has no parameters to export")
+                for name, tensor in state.items():
+                    # Off the event loop: a large tensor's copy would stall every other call.
+                    msg = await asyncio.to_thread(_message, name, tensor, step)
+                    for part in wire.split(msg, self.chunk_bytes):
+                        yield part
+            finally:
+                self._exports -= 1
 
         async for part in self._serving.stream("ExportModel", context, body()):
             yield part

@@ -15,7 +15,12 @@ import torch
 
 from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
-from scheduler.job_api import LIST_PAGE_BYTES, MAX_BASE_DIR_BYTES, MAX_FAILURE_CHARS
+from scheduler.job_api import (
+    LIST_PAGE_BYTES,
+    MAX_BASE_DIR_BYTES,
+    MAX_EXPORTS,
+    MAX_FAILURE_CHARS,
+)
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
 from swarm.job.key_depth import check_key_depth
@@ -119,6 +124,37 @@ async def test_export(api: RunningApi, client: SchedulerClient, tmp_path: Path) 
     for name, tensor in api.control.state.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+async def test_exports_at_once_are_bounded_and_the_rest_told_to_come_back(
+    api: RunningApi, client: SchedulerClient, tmp_path: Path
+) -> None:
+    # Each export holds the whole model in the scheduler's memory (read from its checkpoint,
+    # or gathered from the replicas): any number of them at once sized its memory.
+    job = (await client.submit(write_job(tmp_path, "exp"))).job
+    held, most, ends = 0, 0, asyncio.Event()
+    export = api.control.export
+
+    async def slow(job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+        nonlocal held, most
+        held += 1
+        most = max(most, held)
+        try:
+            await ends.wait()
+            return await export(job_id)
+        finally:
+            held -= 1
+
+    api.control.export = slow  # type: ignore[method-assign]
+    asked = [asyncio.create_task(client.export(job, tmp_path / f"model-{i}.pt")) for i in range(5)]
+    await asyncio.sleep(0.5)
+    ends.set()
+    done = await asyncio.gather(*asked, return_exceptions=True)
+    assert most == MAX_EXPORTS, most
+    refused = [e for e in done if isinstance(e, ClientError)]
+    assert len(refused) == 5 - MAX_EXPORTS and done.count(7) == MAX_EXPORTS, done
+    assert all(e.code == "RESOURCE_EXHAUSTED" and "try again" in str(e) for e in refused)
+    assert await client.export(job, tmp_path / "model.pt") == 7  # their room is given back
 
 
 async def test_export_refused(client: SchedulerClient, tmp_path: Path) -> None:
