@@ -22,6 +22,7 @@ import torch
 from scheduler import data_root as roots
 from scheduler.admission import Admission
 from scheduler.callers import Callers
+from scheduler.data_hashes import DataHashes
 from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
 from scheduler.store import JobRecord, JobStore
@@ -38,7 +39,6 @@ from swarm.job.config import (
     JobConfig,
     check_spec_size,
     parse_job,
-    verify_data,
     verify_init,
 )
 from swarm.job.pinning import pin, pin_data
@@ -114,6 +114,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
         self.trust = TrustMode(trusted_peers)
         self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)
+        self.data_hashes = DataHashes()  # each data file's hash, once
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
@@ -175,9 +176,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 val = job.data.val_path
                 if val is not None:
                     val = roots.under_data_root(self.data_root, val, "data.val_path")
-                # Off the event loop: hashing a large file would stall every other call.
-                checked = await asyncio.to_thread(
-                    verify_data, replace(job, data=replace(job.data, path=real, val_path=val))
+                # Off the event loop (hashing a large file would stall every other call), and
+                # once for any number of submissions of one file (`scheduler.data_hashes`).
+                checked = await self.data_hashes.verified(
+                    replace(job, data=replace(job.data, path=real, val_path=val))
                 )
                 assert checked.data.sha256 is not None
                 # Pinned into the stored spec: a remote trainer, or this scheduler after a

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
+from scheduler import data_hashes
 from scheduler.job_api import (
     LIST_PAGE_BYTES,
     MAX_BASE_DIR_BYTES,
@@ -23,6 +26,7 @@ from scheduler.job_api import (
 )
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
+from swarm.job.config import verify_data
 from swarm.job.key_depth import check_key_depth
 from swarm.job.schema import MAX_SPEC_BYTES
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -155,6 +159,46 @@ async def test_exports_at_once_are_bounded_and_the_rest_told_to_come_back(
     assert len(refused) == 5 - MAX_EXPORTS and done.count(7) == MAX_EXPORTS, done
     assert all(e.code == "RESOURCE_EXHAUSTED" and "try again" in str(e) for e in refused)
     assert await client.export(job, tmp_path / "model.pt") == 7  # their room is given back
+
+
+async def test_a_data_file_is_hashed_once_however_many_submissions_ask(
+    api: RunningApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each submission read the whole file again, in a thread of its own: a corpus that outlasts
+    # the client's deadline was read again by each retry, and a burst of submissions held as
+    # many of the default pool's threads.
+    root = tmp_path / "data"
+    root.mkdir(exist_ok=True)
+    corpus = root / "corpus.txt"
+    corpus.write_text("hello world " * 1000)
+    model = {**BASE["model"], "vocab_size": 256}  # bytes
+    spec = render({**BASE, "model": model, "data": {"kind": "text", "path": "corpus.txt"}})
+    read: list[Path | None] = []
+
+    def slow(job: Any) -> Any:
+        read.append(job.data.path)
+        time.sleep(1.0)  # a large file's read
+        return verify_data(job)
+
+    monkeypatch.setattr(data_hashes, "verify_data", slow)
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+        def submit(timeout: float) -> Any:
+            request = scheduler_pb2.SchedulerSubmitJobRequest(spec=spec, base_dir=str(root))
+            return stub.SubmitJob(request, timeout=timeout)
+
+        answers = await asyncio.gather(*(submit(10) for _ in range(3)))
+        assert len({a.job.job for a in answers}) == 3 and read == [corpus]
+        corpus.write_text("other words " * 1000)  # changed: read again, once
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await submit(0.3)  # the client gives up as the file is read
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(1.2)
+        await submit(10)  # the retry finds the read that went on without it
+    assert read == [corpus, corpus]
+    specs = [r.spec for r in api.store.list()]
+    assert len(specs) == 4 and all("sha256" in spec for spec in specs)
 
 
 async def test_export_refused(client: SchedulerClient, tmp_path: Path) -> None:
