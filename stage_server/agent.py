@@ -17,7 +17,6 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
 from pathlib import Path
 
 import torch
@@ -57,7 +56,7 @@ from swarm.job.config import JobConfig, RuntimeConfig, parse_job
 from swarm.job.states import TERMINAL_PROTO
 from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
-from swarm.ops.lifecycle import install_signal_handlers, print_ready
+from swarm.ops.lifecycle import install_signal_handlers, print_ready, unless_stopped
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc import lan
 from swarm.rpc.init_fetch import InitSource, is_local, scheduler_init
@@ -190,7 +189,7 @@ class PeerAgent:
             tasks = []
             if self.path is not None:  # its reachability; a relay while it needs one
                 tasks.append(tg.create_task(self.path.run(self.bus, self.announce)))
-                await _unless_stopped(self.path.first_relay(), stop)  # --behind-nat: relayed
+                await unless_stopped(self.path.first_relay(), stop)  # --behind-nat: relayed
             await self.announce()
             subscription = self.bus.subscribe(topics.job("+"))
             assignments = self.bus.subscribe(topics.assign("+", self.peer))
@@ -530,17 +529,6 @@ async def run_peer(
     finally:
         await running.stop()
         identity.release()
-
-
-async def _unless_stopped(wait: Coroutine[object, object, None], stop: asyncio.Event) -> None:
-    """`await wait`, cut short by `stop` (a SIGTERM in a peer's first seconds stops it then)."""
-    waiting, stopping = asyncio.ensure_future(wait), asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (waiting, stopping):
-            task.cancel()
-        await asyncio.gather(waiting, stopping, return_exceptions=True)
 
 
 def _check_login(peer: str, login: str | None) -> None:

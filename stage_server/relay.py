@@ -236,7 +236,7 @@ async def _announced_until_stopped(
     Raises `BusRefused` where another process took the relay's id or the broker refused it."""
     from swarm.bus.connection import Bus
     from swarm.bus.topics import Topics
-    from swarm.ops.lifecycle import print_ready
+    from swarm.ops.lifecycle import print_ready, unless_stopped
     from swarm.proto import control_pb2 as cpb
 
     peer = said.peer
@@ -250,7 +250,9 @@ async def _announced_until_stopped(
         will=will,
         remedy=remedy,
     ) as bus:
-        await bus.wait_connected(connect_timeout_s)
+        if not await unless_stopped(bus.wait_connected(connect_timeout_s), stop):
+            log.info("relay %s: stopped (SIGTERM or SIGINT) before the broker answered", peer)
+            return
         await bus.publish(bus.topics.peer(peer), said.announcement(cpb.PEER_STATE_SERVING), True)
         print_ready("relay", peer=peer, address=said.address, metrics=metrics)
         if (gone := await _ended_or_stopped(bus, stop)) is not None:

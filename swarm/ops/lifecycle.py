@@ -9,8 +9,15 @@ import logging
 import os
 import re
 import signal
+from collections.abc import Awaitable
 
-__all__ = ["install_signal_handlers", "parse_ready", "print_ready", "ready_line"]
+__all__ = [
+    "install_signal_handlers",
+    "parse_ready",
+    "print_ready",
+    "ready_line",
+    "unless_stopped",
+]
 
 log = logging.getLogger(__name__)
 _READY = re.compile(r"swarm [\w-]+ ready: (.*)$")
@@ -28,6 +35,22 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+
+
+async def unless_stopped(wait: Awaitable[object], stop: asyncio.Event) -> bool:
+    """`await wait`, cut short by `stop` (a SIGTERM in a process's first seconds stops it
+    then): whether `wait` ended first (its error raised), False where `stop` came first."""
+    waiting, stopping = asyncio.ensure_future(wait), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiting, stopping):
+            task.cancel()
+        await asyncio.gather(waiting, stopping, return_exceptions=True)
+    if not waiting.done() or waiting.cancelled():
+        return False
+    waiting.result()  # its error, if it ended by one
+    return True
 
 
 def ready_line(role: str, **fields: object) -> str:
