@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from client.sdk import SchedulerClient
+from scheduler import trusted_peers
 from scheduler.cli import add_arguments
-from scheduler.trusted_peers import AUDITS_OFF, trusted
+from scheduler.trusted_peers import AUDITS_OFF, TrustMode, audits_off, trusted
 from swarm.job.config import parse_job
 from swarm.job.trust import TrustConfig
+from swarm.proto.scheduler_pb2 import JobStatus
 from tests.support.api import start_api
 from tests.support.jobs import BASE, render
 
@@ -72,3 +76,25 @@ def test_the_scheduler_says_it_trusts_its_peers_with_one_switch() -> None:
     add_arguments("scheduler", parser)
     assert parser.parse_args(["--trusted-peers"]).trusted_peers
     assert not parser.parse_args([]).trusted_peers  # secure by default
+
+
+def test_a_stored_spec_is_parsed_once_for_the_statuses_that_show_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each GetJob parsed the job's spec on the event loop to say "audits off": 0.2 s for a spec
+    # of 1 MiB, at every call, and GetJob is not rated.
+    parsed: list[str] = []
+
+    def counted(spec: str) -> bool:
+        parsed.append(spec)
+        return audits_off(spec)
+
+    monkeypatch.setattr(trusted_peers, "audits_off", counted)
+    mode, spec = TrustMode(True), trusted(render(BASE))
+    for _ in range(3):
+        assert AUDITS_OFF in mode.shown(JobStatus(spec=spec)).warnings
+    assert parsed == [spec]
+    for i in range(trusted_peers.KEPT_SPECS + 1):  # a bounded memory of them
+        mode.shown(JobStatus(spec=f"{spec}\n# {i}\n"))
+    mode.shown(JobStatus(spec=spec))
+    assert len(parsed) == trusted_peers.KEPT_SPECS + 3  # the first was forgotten: read again
