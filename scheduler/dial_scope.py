@@ -30,6 +30,9 @@ import socket
 __all__ = ["NOT_DIALLED", "PACE_S", "DialPace", "DialScope", "plain", "private_swarm"]
 
 PACE_S = 5.0  # seconds between two checks of one peer, by default (`DialPace`)
+# The longest host:port dialled: a bracketed IPv6 address with a zone, or a 253-character name,
+# and a port
+MAX_ADDRESS_CHARS = 261
 
 NOT_DIALLED = "not dialled"  # how a refusal's text begins (`scheduler.dial_causes`)
 # host:port and nothing else: a bracketed IPv6 address, or a name or IPv4 address of letters,
@@ -50,7 +53,7 @@ class DialScope:
         with `NOT_DIALLED`. Only a plain `host:port` (`plain`), whatever the scope. A name is
         resolved here (a name that resolves nowhere is dialled: the dial says it fails)."""
         if not plain(address):
-            shown = address.encode("unicode_escape").decode()[:80]
+            shown = address[:80].encode("unicode_escape").decode()[:80]
             return f"{NOT_DIALLED}: {shown!r} is not host:port (a name or an address, and a port)"
         if self.allow_private:
             return None
@@ -62,7 +65,7 @@ class DialScope:
                 infos = await asyncio.get_running_loop().getaddrinfo(
                     host, None, type=socket.SOCK_STREAM
                 )
-            except OSError:
+            except (OSError, UnicodeError):  # resolves nowhere: the dial says it fails
                 return None
             found = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
         private = [ip for ip in found if not ip.is_global]
@@ -75,9 +78,18 @@ class DialScope:
 
 
 def plain(address: str) -> bool:
-    """Whether `address` is a plain `host:port` (a port 1-65535), which gRPC dials as such."""
+    """Whether `address` is a plain `host:port` (a port 1-65535), which gRPC dials as such: a
+    name of at most 253 characters in labels of 1-63 (DNS's bounds: the resolver refuses
+    others with UnicodeError, not as a name that resolves nowhere)."""
+    if len(address) > MAX_ADDRESS_CHARS:
+        return False
     match = _PLAIN.fullmatch(address)
-    return match is not None and 0 < int(match.group(2)) < 65536
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        return False
+    host = match.group(1)
+    return host.startswith("[") or (
+        len(host) <= 253 and all(0 < len(label) < 64 for label in host.split("."))
+    )
 
 
 def private_swarm(announced_host: str) -> bool:

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.bus.api import BusNotConnected
+from swarm.bus.bounds import check_bounds
 from swarm.bus.topics import (
     MESSAGE_TYPES,
     BusError,
@@ -29,6 +30,7 @@ from swarm.bus.topics import (
     topic_matches,
 )
 from swarm.deadline import within
+from swarm.ops.rated import RatedLog
 
 __all__ = ["Subscription", "Subscriptions"]
 
@@ -150,6 +152,7 @@ class Subscriptions:
     def __init__(self, owner: str, topics: Topics, registry: CollectorRegistry) -> None:
         self._owner, self._topics = owner, topics
         self._malformed = _malformed_counter(registry)
+        self._said = RatedLog(log)
         self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
 
     def add(self, sub: Subscription) -> None:
@@ -193,15 +196,18 @@ class Subscriptions:
                 raise DecodeError(f"payload of type {type(payload).__name__}")
             info = self._topics.parse(topic)
             parsed = MESSAGE_TYPES[info.kind].FromString(bytes(payload))
+            check_bounds(parsed)
             _name_from_topic(parsed, info)
         except (TopicError, DecodeError) as exc:
-            self._malformed.inc()
-            log.warning(
-                "bus %s: dropped a malformed message on %s (%r...): %s",
+            self._malformed.inc()  # each counted; said once in a while (a stranger repeats it)
+            self._said.warning(
+                "malformed",
+                "bus %s: dropped a malformed message on %s (%r...): %s (%d so far)",
                 self._owner,
-                topic,
+                topic[:200].encode("unicode_escape").decode(),  # an id may hold a newline
                 payload[:16] if isinstance(payload, bytes | bytearray) else payload,
                 exc,
+                int(self._malformed._value.get()),
             )
             return
         targets = [sub for sub in self if topic_matches(topic, sub.pattern)]

@@ -470,6 +470,37 @@ async def test_only_a_plain_host_port_is_dialled(address: str) -> None:
         assert dialer.calls == [] and report.reachability == cpb.REACHABILITY_UNREACHABLE
 
 
+@pytest.mark.parametrize(
+    "address", ["a..example.com:7000", f"{'a' * 64}.example.com:7000", f"{'a.' * 200}com:7000"]
+)
+async def test_a_name_no_resolver_takes_is_refused_once_and_said_once(
+    address: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An empty label or one over 63 characters passed as a name, and the resolver raised
+    # UnicodeError (no OSError): an ERROR traceback, and the same check again at once, some
+    # 4,000 lines a second for one announcement, the peer never told.
+    caplog.set_level(logging.INFO, logger="scheduler.reachability")
+    refused = await DialScope().refuses(address)
+    assert refused is not None and refused.startswith(NOT_DIALLED), refused
+    dialer = FakeDialer({address: "a"})
+    async with checking(dialer) as c:
+        c.checker.announced(announce("a", address))
+        report = await c.report()
+        await asyncio.sleep(0.5)
+    assert dialer.calls == [] and report.reachability == cpb.REACHABILITY_UNREACHABLE
+    lines = [r for r in caplog.records if r.name == "scheduler.reachability"]
+    assert len(lines) < 5 and not any(r.levelno >= logging.ERROR for r in lines), lines
+
+
+async def test_an_address_longer_than_any_name_is_refused_and_not_echoed_whole() -> None:
+    # A 1 MB address went into the scheduler's retained report twice (its detail and its
+    # remedy): past the broker's packet cap, which closed the scheduler's connection, and each
+    # reconnect sent it again.
+    address = "x" * 1_050_000 + ".com:7000"
+    refused = await DialScope().refuses(address)
+    assert refused is not None and refused.startswith(NOT_DIALLED) and len(refused) < 300
+
+
 @pytest.mark.attack("64-dial")
 async def test_a_failed_dial_is_said_as_late_as_a_silent_one() -> None:
     """Issue 64, item 6: a closed port's report came 0.01 s after its check began, a silent
