@@ -80,6 +80,12 @@ Payload = Buffer | torch.Tensor
 HostCopy = Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]]
 
 
+# The most elements an empty tensor's other dimensions may describe (2^50: no tensor is near
+# it; torch.empty's int64 strides overflow past 2^63). A tensor with elements is held to the
+# payload it came with, and to `max_bytes`, instead.
+MAX_ELEMENTS = 1 << 50
+
+
 def _cpu(t: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
     return nullcontext(t.cpu())
 
@@ -192,6 +198,12 @@ def _numel(msg: tensor_pb2.Tensor) -> int:
             raise InvalidArgument(
                 f"tensor {msg.name!r} has a negative dimension: {list(msg.shape)}"
             )
+    # An empty tensor's other dimensions are held to what a tensor could hold too: with a 0
+    # among them every size check passes (its size is 0), and torch.empty's strides overflow.
+    if 0 in msg.shape and math.prod(d or 1 for d in msg.shape) > MAX_ELEMENTS:
+        raise InvalidArgument(
+            f"tensor {msg.name!r} has dimensions past {MAX_ELEMENTS} elements: {list(msg.shape)}"
+        )
     return math.prod(msg.shape)  # Python ints: a hostile shape cannot overflow
 
 

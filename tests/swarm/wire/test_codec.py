@@ -223,6 +223,15 @@ def test_decode_rejects_lossy_codec_on_integer_dtype() -> None:
         decode(make("int64", codec=CODEC_FP16, data=b"\0" * 8))
 
 
+def test_decode_rejects_an_empty_shape_whose_other_dimensions_overflow() -> None:
+    # A zero dimension made the size 0, so every size check passed, and torch.empty then
+    # raised RuntimeError (its strides overflow): INTERNAL, with an ERROR traceback.
+    empty = tensor_pb2.Tensor(name="x", dtype="float32", shape=[0, 2**62, 2**62])
+    with pytest.raises(InvalidArgument, match="dimension"):
+        decode(empty)
+    assert decode(make(shape=[0, 4], data=b"")).shape == (0, 4)
+
+
 def test_decode_rejects_negative_dimension() -> None:
     with pytest.raises(InvalidArgument, match="negative"):
         decode(make(shape=[2, -2], data=b""))
