@@ -261,6 +261,12 @@ class StageRuntime:
         need_grad_inputs: bool,
         digest_seed: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
+        if accumulate and not 0 <= index < self.job.training.microbatches_per_step:
+            # a receipt for it would read to the coordinator as work the step never leased
+            raise InvalidArgument(
+                f"microbatch {index} of step {step} is none of the step's 0.."
+                f"{self.job.training.microbatches_per_step - 1}"
+            )
         want_x = need_grad_inputs and not self.is_first
         params = self.copies.params_at(step, self.step)
         samples = int(x.shape[0])

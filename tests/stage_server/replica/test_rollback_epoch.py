@@ -41,6 +41,7 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.timeout(60)
 
 BEFORE, AFTER = 5, 6  # the epochs a task was leased in: before the rollback and after it
+MB = 3  # the microbatch of the step (its last: 4 a step) whose call comes across the rollback
 
 
 @pytest.fixture
@@ -65,23 +66,23 @@ async def test_a_backward_leased_before_a_rollback_is_refused_once_its_state_loa
     client = StageClient(server.address, job, fingerprint(job), 1)
     try:
         epoch.leased_in(BEFORE)  # a task leased between the two rollbacks
-        await client.forward(0, 7, Crossing(x))
+        await client.forward(0, MB, Crossing(x))
         await client.load_state(0, state, rollback_epoch=AFTER)  # the second rollback
         with pytest.raises(FailedPrecondition, match="leased before a rollback"):
-            await client.backward(0, 7, Crossing(x), stale)  # its Backward lands after the load
+            await client.backward(0, MB, Crossing(x), stale)  # its Backward lands after the load
         assert server.runtime.receipts(0) == {}
 
-        epoch.leased_in(AFTER)  # the replay of microbatch 7, leased after the rollback
-        done = await client.backward(0, 7, Crossing(x), replayed)
+        epoch.leased_in(AFTER)  # the replay of microbatch MB, leased after the rollback
+        done = await client.backward(0, MB, Crossing(x), replayed)
         assert not done.receipt.duplicate
-        assert server.runtime.receipts(0) == {7: 4}
+        assert server.runtime.receipts(0) == {MB: 4}
     finally:
         await client.close()
     # The step's sums are the replay's gradient alone: a replica that never saw the stale call
     # holds the same, bit for bit.
     alone = StageRuntime(job, 1)
     alone.load_state(0, state)
-    alone.backward(0, 7, Crossing(x), replayed)
+    alone.backward(0, MB, Crossing(x), replayed)
     held, expected = server.runtime.sums.accum_or_zeros(0), alone.sums.accum_or_zeros(0)
     assert all(torch.equal(a, b) for a, b in zip(held, expected, strict=True))
 

@@ -117,6 +117,26 @@ def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
     assert rt.receipts() == {0: 4}
 
 
+def test_an_accumulating_index_outside_the_step_is_refused_and_leaves_no_receipt(
+    tmp_path: Path,
+) -> None:
+    # Any caller's index was taken: a receipt for microbatch -10**12 (or one the step has
+    # not), which the coordinator took for a replica holding what it must not, and voided
+    # all its honest work of the step. An audit's re-execution or an evaluation accumulates
+    # nothing, whatever its index.
+    job = make_job(tmp_path, training={"stages": 1})
+    rt = StageRuntime(job, 0)
+    x, y = make_data(job).microbatch(0, 0)
+    steps = job.training.microbatches_per_step
+    for index in (-1, -(10**12), steps):
+        with pytest.raises(InvalidArgument, match=f"microbatch {index} of step 0"):
+            rt.forward_backward(0, index, Crossing(x), y)
+    assert rt.receipts() == {}
+    rt.forward_backward(0, steps + 3, Crossing(x), y, accumulate=False)  # no receipt to give
+    rt.forward_backward(0, steps - 1, Crossing(x), y)
+    assert rt.receipts() == {steps - 1: 4}
+
+
 def test_commit_needs_exactly_the_named_receipts(tmp_path: Path) -> None:
     job = make_job(tmp_path, training={"stages": 1})
     rt = StageRuntime(job, 0)
