@@ -171,6 +171,8 @@ async def run_trainer(
     for flag, path in (("--log", log_path), ("--routes", routes)):
         if path is not None:
             _writable(flag, path, "a").close()
+    if out is not None and out.is_dir():  # its temporary file writes, its name never replaces
+        raise SwarmError(f"--out {out}: cannot write it (a directory)")
     partial = None if out is None else out.with_name(f".{out.name}.partial")
     torch.set_num_threads(max(1, threads))
     registry = CollectorRegistry()
@@ -178,8 +180,13 @@ async def run_trainer(
         serve_metrics(registry, "127.0.0.1", metrics_port, token=metrics_token or token)
     with contextlib.ExitStack() as stack:
         model = None if out is None else stack.enter_context(_writable("--out", out, "wb", partial))
-        if partial is not None:  # gone whatever happens: the model's name gets only a whole file
-            stack.callback(partial.unlink, missing_ok=True)
+        kept = [False]  # the temporary file holds the only copy of a model written whole
+
+        def unkept() -> None:  # else gone, whatever happens: the name gets only a whole file
+            if partial is not None and not kept[0]:
+                partial.unlink(missing_ok=True)
+
+        stack.callback(unkept)
         with StepLog(
             job.training.steps, path=log_path, desc=f"swarm {job.name}", show=show_progress
         ) as steps:
@@ -197,10 +204,17 @@ async def run_trainer(
             try:
                 torch.save(state, model)
                 model.close()
-                os.replace(partial, out)
             except (OSError, RuntimeError) as e:  # a full disk (torch's writer: RuntimeError)
                 raise SwarmError(
                     f"--out {out}: cannot write it ({getattr(e, 'strerror', None) or e})"
+                ) from None
+            try:
+                os.replace(partial, out)
+            except OSError as e:  # another's file in a sticky directory, say
+                kept[0] = True
+                raise SwarmError(
+                    f"--out {out}: cannot write it ({e.strerror or e}); the model is kept at "
+                    f"{partial}"
                 ) from None
             print(f"wrote {out}")
     return 0

@@ -6,7 +6,9 @@ submissions naming the largest file under the data root) started another read of
 holding a worker thread of the default pool that every other `to_thread` waits on. Here a
 file's hashing is one task, run to its end even when the submission that asked gives up, and
 its outcome kept for the file as it is (its device, inode, size and modification time, and
-what the checks read of the job): the retry finds it. One file is hashed at a time."""
+what the checks read of the job): the retry finds it. Only a hash is kept: a file refused (not
+readable, not UTF-8) is read again by the next submission, which may follow the operator's fix
+(a permission, a disk back). One file is hashed at a time."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class DataHashes:
         done with the same files as they are now, where there is one."""
         key = await asyncio.to_thread(_identity, job)
         task = self._tasks.get(key)
-        if task is None or (task.done() and not task.cancelled() and _transient(task)):
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.create_task(self._hashed(job))
             # its outcome read even where every asker has gone (no "never retrieved" later)
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -63,10 +65,3 @@ def _identity(job: JobConfig) -> tuple[Any, ...]:
         except OSError as e:  # the check names it; a file made since is another key
             files.append(type(e).__name__)
     return (job.data, job.model.seq_len, job.model.vocab_size, *files)
-
-
-def _transient(task: asyncio.Task[JobConfig]) -> bool:
-    """Whether a done hashing failed in a way worth trying again (a read error), not by the
-    file's own fault (a ConfigError: the same file fails the same way)."""
-    error = task.exception()
-    return error is not None and isinstance(error, OSError)

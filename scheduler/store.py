@@ -380,7 +380,7 @@ class JobStore:
         kept = self._kept.get(job_id, {})
         for later in [s for s in kept if s >= step]:  # those steps are trained again
             del kept[later]
-        with transaction(self._db):
+        with taken(self.path), transaction(self._db):
             self._db.execute("DELETE FROM steps WHERE job = ? AND step >= ?", (job_id, step))
             replayed(self._db, job_id, step)  # the bans whose work starts here have none in it
             # The parameters after `step` updates are the checkpoint's: their evaluation holds.

@@ -72,3 +72,34 @@ def test_a_model_it_cannot_finish_writing_leaves_no_file_and_says_why(
     assert code == 2 and len(trained) == 1, err
     assert f"swarm trainer: error: --out {out}: cannot write it (" in err and "pos 64" in err
     assert [p.name for p in tmp_path.iterdir() if "model" in p.name] == [], "a partial file"
+
+
+def test_an_out_that_is_a_directory_is_refused_before_training(
+    tmp_path: Path, trained: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "model.pt"
+    out.mkdir()  # its temporary file could be written, its name never replaced
+    code = _trainer(tmp_path, "--out", str(out))
+    err = capsys.readouterr().err
+    assert code == 2 and trained == [], err
+    assert f"--out {out}: cannot write it (a directory)" in err, err
+
+
+def test_a_model_written_whole_whose_rename_fails_is_kept_and_named(
+    tmp_path: Path,
+    trained: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The rename failed (another user's file in a sticky directory, say) after the model was
+    # written whole, and the temporary file, its only copy, was removed with it.
+    def refused(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(standalone.os, "replace", refused)
+    out = tmp_path / "model.pt"
+    code = _trainer(tmp_path, "--out", str(out))
+    err = capsys.readouterr().err
+    kept = tmp_path / ".model.pt.partial"
+    assert code == 2 and f"the model is kept at {kept}" in err, err
+    assert torch.equal(torch.load(kept)["w"], torch.arange(3.0))

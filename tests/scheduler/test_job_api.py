@@ -32,7 +32,7 @@ from swarm.job.schema import MAX_SPEC_BYTES
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from swarm.rpc.status import status_code
 from tests.support.api import RunningApi, start_api
-from tests.support.jobs import BASE, render, write_job
+from tests.support.jobs import BASE, make_job, render, write_job
 from tests.support.ports import free_address as _free_address
 
 
@@ -199,6 +199,33 @@ async def test_a_data_file_is_hashed_once_however_many_submissions_ask(
     assert read == [corpus, corpus]
     specs = [r.spec for r in api.store.list()]
     assert len(specs) == 4 and all("sha256" in spec for spec in specs)
+
+
+async def test_a_data_file_refused_is_read_again_by_the_next_submission(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A read error (a disk's, a permission the operator then fixed: chmod moves no mtime) was
+    # kept for the file as it was, and every submission after got it until a restart.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 1000)
+    job = make_job(
+        tmp_path,
+        model={**BASE["model"], "vocab_size": 256},
+        data={"kind": "text", "path": str(corpus)},
+    )
+    answers = [ConfigError("data.path cannot be read (Input/output error)")]
+
+    def flaky(job: Any) -> Any:
+        if answers:
+            raise answers.pop()
+        return verify_data(job)
+
+    monkeypatch.setattr(data_hashes, "verify_data", flaky)
+    hashes = data_hashes.DataHashes()
+    with pytest.raises(ConfigError, match="Input/output error"):
+        await hashes.verified(job)
+    assert (await hashes.verified(job)).data.sha256 is not None  # read again, and kept now
+    assert (await hashes.verified(job)).data.sha256 is not None
 
 
 async def test_export_refused(client: SchedulerClient, tmp_path: Path) -> None:
