@@ -386,7 +386,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         async def body(held: Held) -> pb.StageRecordResponse:
             h, _, _ = await self._receive(request_iterator, held)
-            return self._push.records.answer(h)
+            return await self._push.records.answered(h)
 
         for msg in self._messages.split(await self._run_held("Record", context, body)):
             yield msg

@@ -159,9 +159,9 @@ class PushRecord:
     def commitment(self) -> pb.Commitment:
         """The commitment, its digests all in (waiting for any still being taken: a push
         `settled` its own before it answered, so `Record` finds them done)."""
-        for name, taken in self._pending.items():
+        for name, taken in list(self._pending.items()):  # the worker may add one meanwhile
             setattr(self._commitment, name, taken.result())
-        self._pending.clear()
+            self._pending.pop(name, None)
         return self._commitment
 
     async def settled(self) -> None:
@@ -261,6 +261,13 @@ class PushRecords:
         """`Record`'s answer to `h`: the commitment, and the tensors if asked."""
         r = self.get(h.microbatch.step, h.microbatch.index, h.run)
         return pb.StageRecordResponse(commitment=r.commitment, tensors=r.messages(h.tensors_too))
+
+    async def answered(self, h: pb.StageRecordRequest) -> pb.StageRecordResponse:
+        """`answer`, as the event loop asks it: the record's digests waited for here (a run
+        whose push is in flight may be asked for: they may be on the digester still), and the
+        tensors' copies made off the loop."""
+        await self.get(h.microbatch.step, h.microbatch.index, h.run).settled()
+        return await asyncio.to_thread(self.answer, h)
 
     def clear(self) -> None:
         self._records.clear()

@@ -6,6 +6,7 @@ tensors handed back as they were committed to."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -123,3 +124,25 @@ def test_bytes_handed_over_are_kept_as_they_went_and_committed_to_as_the_message
     (msg,) = handed.messages()
     assert msg.name == "outputs" and msg.data == wire.data and msg.nbytes == wire.nbytes
     assert (msg.codec, msg.block_size, msg.shape) == (wire.codec, wire.block_size, wire.shape)
+
+
+async def test_a_record_asked_while_its_digests_are_taken_waits_off_the_event_loop() -> None:
+    # A Record for a run whose push was still in flight waited on the digester with the event
+    # loop's thread (992 ms of it measured, every other call of the server waiting), and
+    # walked the pending digests the worker's thread was adding to.
+    held = threading.Event()
+    with ThreadPoolExecutor(1) as digester:
+        digester.submit(held.wait, 10)  # the digester busy with another run's digests
+        records = PushRecords("s1r0", lambda: 4, digester)
+        record = records.begin(1, 0, 0, run=5)
+        record.received("inputs", torch.ones(4))
+        request = pb.StageRecordRequest(microbatch=pb.MicrobatchId(step=0, index=0), run=5)
+        asked = asyncio.ensure_future(records.answered(request))
+        ticks = 0
+        for _ in range(20):  # 0.2 s of the loop, the digest not taken meanwhile
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not asked.done() and ticks == 20
+        held.set()
+        answer = await asyncio.wait_for(asked, 10)
+    assert answer.commitment.inputs == digest(torch.ones(4))
