@@ -153,6 +153,7 @@ class Subscriptions:
         self._owner, self._topics = owner, topics
         self._malformed = _malformed_counter(registry)
         self._said = RatedLog(log)
+        self._dropped = 0  # malformed messages dropped, for the rated line (the counter's too)
         self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
 
     def add(self, sub: Subscription) -> None:
@@ -200,6 +201,7 @@ class Subscriptions:
             _name_from_topic(parsed, info)
         except (TopicError, DecodeError) as exc:
             self._malformed.inc()  # each counted; said once in a while (a stranger repeats it)
+            self._dropped += 1
             self._said.warning(
                 "malformed",
                 "bus %s: dropped a malformed message on %s (%r...): %s (%d so far)",
@@ -207,7 +209,7 @@ class Subscriptions:
                 topic[:200].encode("unicode_escape").decode(),  # an id may hold a newline
                 payload[:16] if isinstance(payload, bytes | bytearray) else payload,
                 exc,
-                int(self._malformed._value.get()),
+                self._dropped,
             )
             return
         targets = [sub for sub in self if topic_matches(topic, sub.pattern)]
