@@ -50,10 +50,19 @@ def test_a_replica_that_bends_its_contribution_is_caught_banned_and_replayed_awa
     """Its forward and backward answers are honest; what it adds to its pool's averaging is
     its gradient sums bent (element i times 1 + cos i): finite, at most twice the honest norm,
     so the norm bound passes it, and every sum checks out. Re-executing its microbatches of the
-    step must tell."""
-    poison = Fault(HOSTILE, Point.POISON_BENT, 1)
+    step must tell.
+
+    It lies from step 0 on. What it bends is the sum of the microbatches it was routed, so it
+    lies only in a step that routes it some. Step 0's routing does, by construction: the
+    trainer tries each replica of a stage before any twice (`swarm.policy.stage_pool`), and 4
+    microbatches cross stage 1. A later step's routing goes by measured speed. Lying from step
+    1 on, a liar measured slow at step 0 on a loaded machine got no microbatch at steps 1-3:
+    its bent sums were empty, nothing was caught, and the ban count read 0 (once in a full
+    suite's run here; every time with the trainer's routing made to pass over it after its
+    first microbatch: docs/decisions.md, "A lie needs work to lie about")."""
+    poison = Fault(HOSTILE, Point.POISON_BENT, 0)
     job, state, registry, liar_log, said = train_with_a_liar(tmp_path, caplog, "relay", poison)
-    assert "fault injected: poison-bent@1" in liar_log  # it did lie
+    assert "fault injected: poison-bent@0" in liar_log  # it did lie
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1
     assert any("banned" in m and f"banned {HOSTILE} (stage 1)" in m for m in said), said

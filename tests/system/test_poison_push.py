@@ -101,16 +101,18 @@ def test_a_push_replica_that_bends_its_contribution_is_caught_banned_and_replaye
     its pool's averaging is its gradient sums bent within the norm bound, which no boundary
     check sees. Its microbatches, re-executed by the two others of its stage from the tensors
     its neighbours committed to, must tell (`client.audit.push_contributions`)."""
-    poison = Fault(HOSTILE, Point.POISON_BENT, 1)
-    # 12 microbatches a step (a batch of 48), not 4: with 4, the trainer's routing (by expected
-    # finish time, `swarm.policy.stage_pool`) left a liar slow at step 0 on a loaded machine out
-    # of every step it lied at, its bent sums empty: nothing to catch, and the test failed its
-    # ban count (1 run in 18 under load). With 12 the two others' queues grow enough each step
-    # that it is routed to, as the one-step-in-20 cases above rely on.
+    poison = Fault(HOSTILE, Point.POISON_BENT, 0)
+    # From step 0 on, with 12 microbatches a step (a batch of 48), for the reason the
+    # one-step-in-20 cases above give: step 0 routes the liar work by construction. Lying from
+    # step 1 on with 4 microbatches a step, a liar measured slow at step 0 on a loaded machine
+    # was routed nothing at any step it lied at, its bent sums empty: nothing to catch, and the
+    # ban count read 0 (1 run in 18 under load). 12 alone left it to the queues' growth; the
+    # relay plane's case failed the same way (docs/decisions.md, "A lie needs work to lie
+    # about").
     job, state, registry, liar_log, said = train_with_a_liar(
         tmp_path, caplog, "push", poison, batch=48
     )
-    assert "fault injected: poison-bent@1" in liar_log  # it did lie
+    assert "fault injected: poison-bent@0" in liar_log  # it did lie
     assert_equal_to_local(job, state, tol=1e-9)
     assert counted(registry, "swarm_coordinator_bans_total") == 1, said
     banned = [m for m in said if f"banned {HOSTILE} (stage 1)" in m]
