@@ -37,6 +37,7 @@ from stage_server.peer.links import fill_rates, reannounce
 from stage_server.peer.metrics import StageMetrics
 from stage_server.peer.moving import describe_layers, plan_move, return_memory, stage_slowdown
 from stage_server.peer.reachability import PeerPath, local_address
+from stage_server.peer.take_up import TakeUp
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.speed import measure_job
 from stage_server.server import (
@@ -125,6 +126,7 @@ class PeerAgent:
         self.speeds: dict[int, float] = {}
         self.metrics = metrics
         self._building: tuple[str, int] | None = None  # the (job, stage) being built, if any
+        self._taking = TakeUp()  # the job taken up now: its checkpoint fetched, its stages measured
         self._jobs: dict[str, JobConfig] = {}
         # The latest jobs announced finished (assignments to them are moot); a bounded memory:
         # the scheduler clears an ended job's retained assignments, and one to a job this peer
@@ -173,6 +175,8 @@ class PeerAgent:
             return "serving", self.job_id, self.stage
         if not self.job_id:
             return "idle", "", None
+        if self._taking.fetching:  # its starting checkpoint
+            return "fetching", self.job_id, None
         return ("waiting" if self.speeds else "measuring"), self.job_id, None
 
     def _show(self) -> None:
@@ -202,6 +206,7 @@ class PeerAgent:
             await stop.wait()
             for task in tasks:
                 task.cancel()
+            await self._taking.stop()
         state, job, stage = self.activity()
         doing = (
             state
@@ -298,46 +303,69 @@ class PeerAgent:
             self._active[job.job] = job
             self.running.servicer.trust(job)  # the scheduler's key, if it serves the job
             self._ended.pop(job.job, None)  # the scheduler says it runs: an earlier end is void
-        if job.state in _ACTIVE and self.job_id in ("", job.job) and not self.speeds:
+        free = self.job_id in ("", job.job) and not self.speeds and not self._taking.busy
+        if job.state in _ACTIVE and free:
             if self._still_refused(job):
                 return
             config = self._job(job)
             if config is None:
                 return
-            try:  # measuring and building the stage both load the checkpoint's weights
-                config = await self._checkpoint(job.job, config)
-            except Exception as e:  # not fetched: free for the other jobs, and said why
-                await self._refuse(job, e, failed="fetching its starting checkpoint")
-                return
-            self.job_id = job.job
-            self._show()  # measuring
-            try:
-                self.speeds = await self._compute(
-                    measure_job, config, check_device(self.device), self.throttle, self.limits
-                )
-            except Exception as e:  # too big for this peer, say: free for the other jobs
-                await self._refuse(job, e)
-                return
-            log.info(
-                "%s: measured for job %s: samples/s per stage %s; waiting for a stage",
-                self.peer,
-                job.job,
-                {k: round(v, 1) for k, v in self.speeds.items()},
-            )
-            await self.announce()
+            self.job_id = job.job  # taken up: no other job's announcement starts another
+            self._taking.start(job.job, self._take_up(job, config), self._next_waiting)
         elif job.job == self.job_id and job.state not in _ACTIVE and job.state:
             held = f"stage {self.stage} of job" if self.stage is not None else "(no stage) by job"
             why = _ENDED_WHY.get(job.state, "it ended")
+            stopped = await self._taking.stop()
+            if stopped is not None:
+                what = "'s starting checkpoint" if stopped == "fetching" else ""
+                log.info("%s: stopped %s job %s%s: %s", self.peer, stopped, job.job, what, why)
             log.info("%s: released %s %s: %s; free for another", self.peer, held, job.job, why)
             self.running.servicer.release()
             self._jobs.pop(job.job, None)
             self.job_id, self.stage, self.speeds = "", None, {}
             self.state = cpb.PEER_STATE_JOINING
             await self.announce()
-            for waiting in list(self._active.values()):  # announced while this peer was busy
-                await self._on_job(waiting)
-                if self.job_id:
-                    break
+            await self._next_waiting()
+
+    async def _next_waiting(self) -> None:
+        """Free again: take up the first job announced meanwhile that this peer may take."""
+        for waiting in list(self._active.values()):
+            await self._on_job(waiting)
+            if self.job_id:
+                break
+
+    async def _take_up(self, job: cpb.JobAnnouncement, config: JobConfig) -> bool:
+        """`job`'s starting checkpoint brought here, its stages measured and announced (True);
+        False where either failed (the job refused, said why, the peer free again)."""
+        self._taking.fetching = not is_local(config)
+        self._show()  # fetching, or measuring
+        try:  # measuring and building the stage both load the checkpoint's weights
+            config = await self._checkpoint(job.job, config)
+        except Exception as e:  # not fetched: free for the other jobs, and said why
+            await self._refuse(job, e, failed="fetching its starting checkpoint")
+            return False
+        finally:
+            self._taking.fetching = False
+        self._show()  # measuring
+        try:
+            self.speeds = await self._compute(
+                measure_job, config, check_device(self.device), self.throttle, self.limits
+            )
+        except Exception as e:  # too big for this peer, say: free for the other jobs
+            await self._refuse(job, e)
+            return False
+        log.info(
+            "%s: measured for job %s: samples/s per stage %s; waiting for a stage",
+            self.peer,
+            job.job,
+            {k: round(v, 1) for k, v in self.speeds.items()},
+        )
+        await self.announce()
+        return True
+
+    async def settled(self) -> None:
+        """Wait until no job is being taken up (its checkpoint fetched, its stages measured)."""
+        await self._taking.settled()
 
     def _still_refused(self, job: cpb.JobAnnouncement) -> bool:
         """Whether `job` was refused, with this spec, less than REFUSED_RETRY_S ago."""

@@ -179,6 +179,7 @@ async def test_agent_forgets_jobs_that_ended(monkeypatch: pytest.MonkeyPatch) ->
     for i in range(CHURN):
         job = f"job{i}"
         await agent._on_job(cpb.JobAnnouncement(job=job, spec=spec, state=cpb.JOB_STATE_PLACING))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == job
         await agent._on_job(cpb.JobAnnouncement(job=job, spec=spec, state=cpb.JOB_STATE_SUCCEEDED))
         assert agent.job_id == ""

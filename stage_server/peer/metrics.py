@@ -181,8 +181,8 @@ class StageMetrics:
         self.became("serving", job, stage)
 
     def became(self, state: str, job: str = "", stage: int | None = None) -> None:
-        """`swarm_peer_info` says the peer is in `state` (idle, measuring, waiting, building,
-        serving, moving, offline) for `job` and `stage` ("" for none)."""
+        """`swarm_peer_info` says the peer is in `state` (idle, fetching, measuring, waiting,
+        building, serving, moving, offline) for `job` and `stage` ("" for none)."""
         self.facts = (state, job, "" if stage is None else str(stage))
 
     def reached(self, reachability: str, relay: str = "") -> None:

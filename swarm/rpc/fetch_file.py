@@ -25,7 +25,7 @@ from typing import BinaryIO
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.policy.backoff import Backoff
 
-__all__ = ["FETCH_ATTEMPTS", "Source", "cache_lock", "fetch_file"]
+__all__ = ["FETCH_ATTEMPTS", "STALL_S", "Source", "cache_lock", "fetch_file"]
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,16 @@ log = logging.getLogger(__name__)
 Source = Callable[[int], AsyncIterator[bytes]]
 #: How many times one file's stream is asked for before the fetch gives up.
 FETCH_ATTEMPTS = 8
+#: Seconds a stream may send nothing before it is given up and asked again from where it
+#: stopped. A link gone silent with no reset (a home router's NAT entry dropped) would otherwise
+#: hold the fetch for its stream's whole deadline (an hour: `swarm.rpc.init_fetch`).
+STALL_S = 120.0
 _READ_CHUNK = 1 << 20
 
 
 class _Short(Exception):
-    """The stream ended before the file's size: asked again from where it stopped."""
+    """The stream ended before the file's size, or sent nothing for its stall bound: asked
+    again from where it stopped."""
 
 
 async def fetch_file(
@@ -50,16 +55,18 @@ async def fetch_file(
     what: str,
     attempts: int = FETCH_ATTEMPTS,
     backoff: Backoff | None = None,
+    stall_s: float = STALL_S,
 ) -> None:
     """The file `source` serves, kept at `kept` once its sha256 is `sha256` (and its size `size`,
     when known; at most `max_size` bytes, when bounded). ConfigError for a file that does not
-    match (its partial removed); the source's last error once `attempts` streams broke."""
+    match (its partial removed); the source's last error once `attempts` streams broke (or
+    sent nothing for `stall_s`)."""
     backoff = backoff or Backoff(first_s=0.5, cap_s=10.0)
     limit = size if size is not None else max_size
     part = await asyncio.to_thread(_resume, kept.with_name(kept.name + ".partial"), limit, what)
     for attempt in range(1, attempts + 1):
         try:
-            await _append(source, part, limit, what)
+            await _append(source, part, limit, what, stall_s)
             if size is not None and part.size < size:
                 raise _Short(f"the stream ended at {part.size} of {size} bytes")
             break
@@ -128,20 +135,39 @@ def _resume(path: Path, limit: int | None, what: str) -> _Partial:
     return part
 
 
-async def _append(source: Source, part: _Partial, limit: int | None, what: str) -> None:
+async def _append(
+    source: Source, part: _Partial, limit: int | None, what: str, stall_s: float
+) -> None:
     """Append what `source(part.size)` streams to the partial file, hashing it. Every chunk is on
     the disk before the next is asked for, so `part` always says what the file holds."""
-    with open(part.path, "ab") as f:
-        async for chunk in source(part.size):
-            if limit is not None and part.size + len(chunk) > limit:
-                part.path.unlink(missing_ok=True)
-                raise ConfigError(
-                    f"{what} from the scheduler is longer than the {limit} bytes it may have: "
-                    "refused and removed"
-                )
-            await asyncio.to_thread(_write, f, chunk)
-            part.sha.update(chunk)
-            part.size += len(chunk)
+    stream = aiter(source(part.size))
+    try:
+        with open(part.path, "ab") as f:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), stall_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise _Short(f"nothing came for {stall_s:g} s") from None
+                await _keep(f, chunk, part, limit, what)
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:  # the stream's call ends with it, not left to the collector
+            await close()
+
+
+async def _keep(f: BinaryIO, chunk: bytes, part: _Partial, limit: int | None, what: str) -> None:
+    """`chunk` on the disk and in `part`'s hash; refused (the partial removed) past `limit`."""
+    if limit is not None and part.size + len(chunk) > limit:
+        part.path.unlink(missing_ok=True)
+        raise ConfigError(
+            f"{what} from the scheduler is longer than the {limit} bytes it may have: "
+            "refused and removed"
+        )
+    await asyncio.to_thread(_write, f, chunk)
+    part.sha.update(chunk)
+    part.size += len(chunk)
 
 
 def _write(f: BinaryIO, chunk: bytes) -> None:

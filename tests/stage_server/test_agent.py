@@ -3,6 +3,8 @@ published by anyone who may publish there, must not disable a peer until it rest
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -19,6 +21,7 @@ from swarm.device.oom import out_of_memory
 from swarm.job.config import JobConfig
 from swarm.proto import control_pb2 as cpb
 from tests.support.jobs import BASE, render
+from tests.support.waiting import wait_until
 
 
 class _Bus:
@@ -72,6 +75,7 @@ async def test_an_assignment_from_the_far_future_does_not_shut_out_the_real_ones
     agent, servicer, executor = _agent(monkeypatch)
     try:
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_PLACING))
+        await agent.settled()  # its take-up (fetched, measured) done
         forged = cpb.Assignment(job="j", peer="p", stage=1, generation=2**64 - 1)
         await agent._on_assignment(forged)
         assert servicer.served == [], "a generation from the far future is refused"
@@ -88,7 +92,9 @@ async def test_an_active_announcement_undoes_a_forged_end(
     try:
         forged = cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_CANCELLED)
         await agent._on_job(forged)
+        await agent.settled()  # its take-up (fetched, measured) done
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_RUNNING))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == "j", "the peer takes the job the scheduler announces running"
         await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))
         assert servicer.served == [("j", 1)]
@@ -102,8 +108,10 @@ async def test_a_stalled_job_keeps_its_peers(monkeypatch: pytest.MonkeyPatch) ->
     agent, servicer, executor = _agent(monkeypatch)
     try:
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_RUNNING))
+        await agent.settled()  # its take-up (fetched, measured) done
         await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_STALLED))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == "j" and agent.stage == 1, "still serving the stalled job"
         assert servicer.served == [("j", 1)]
     finally:
@@ -152,6 +160,7 @@ async def test_a_job_the_peer_cannot_measure_does_not_capture_it(
     small = render({**BASE, "training": {**BASE["training"], "stages": 3}})
     try:
         await agent._consume(_Messages(_placing("big")))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == "" and agent.speeds == {}, "the refused job does not keep it"
         said = published[-1]
         assert (said.job, said.state, dict(said.samples_per_second)) == (
@@ -160,6 +169,7 @@ async def test_a_job_the_peer_cannot_measure_does_not_capture_it(
             {},
         ), "it announces itself free again, so the scheduler can place it elsewhere"
         await agent._consume(_Messages(_placing("big"), _placing("small", small)))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert measured == [2, 3], "the refused job is not measured again in a loop"
         assert agent.job_id == "small" and published[-1].job == "small"
     finally:
@@ -187,21 +197,27 @@ async def test_a_refused_job_is_tried_again_after_a_while_or_with_a_new_spec_and
     big = _placing("big", _spec("big"))
     try:
         await agent._consume(_Messages(big, big))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert measured == ["big"]
         clock.advance(REFUSED_RETRY_S + 1)  # a while later: perhaps memory was freed since
         await agent._consume(_Messages(big))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert measured == ["big", "big"]
         changed = _placing("big", _spec("big", steps=9))  # a new spec: tried at once
         await agent._consume(_Messages(changed))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert measured == ["big", "big", "big"] and agent.job_id == ""
         # Busy with job "a" while "big" and then "small" are announced: when "a" ends, the peer
         # refuses "big" and goes on to "small".
         await agent._consume(_Messages(_placing("a", _spec("a"))))
+        await agent.settled()  # its take-up (fetched, measured) done
         clock.advance(REFUSED_RETRY_S + 1)
         await agent._consume(_Messages(big, _placing("small", _spec("small"))))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == "a" and measured[3:] == ["a"]
         ended = cpb.JobAnnouncement(job="a", spec=_spec("a"), state=cpb.JOB_STATE_SUCCEEDED)
         await agent._consume(_Messages(ended))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert measured[4:] == ["big", "small"] and agent.job_id == "small"
     finally:
         executor.shutdown()
@@ -225,6 +241,7 @@ async def test_a_build_out_of_memory_returns_the_peer_to_idle_with_its_reason(
     monkeypatch.setattr(agent.bus, "publish", publish)
     try:
         await agent._on_job(_placing("j"))
+        await agent.settled()  # its take-up (fetched, measured) done
         if moving:
             await agent._on_assignment(
                 cpb.Assignment(job="j", peer="p", stage=0, generation=_now_us())
@@ -292,6 +309,7 @@ async def test_a_checkpoint_not_here_is_fetched_before_the_stages_are_measured(
     agent.init = fetched
     try:
         await agent._on_job(_placing("j", _FINETUNE))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert measured == [tmp_path / "j"] and agent.job_id == "j"
         assert agent._jobs["j"].model.init_from == tmp_path / "j"  # what an assignment builds
     finally:
@@ -304,8 +322,64 @@ async def test_a_checkpoint_not_here_with_no_scheduler_refuses_the_job_with_the_
     agent, _, executor = _agent(monkeypatch)
     try:
         await agent._on_job(_placing("j", _FINETUNE))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == "" and agent.speeds == {}
         assert "give it --scheduler HOST:PORT" in caplog.text
         assert "fetching its starting checkpoint failed" in caplog.text
     finally:
+        executor.shutdown()
+
+
+# -- a job's take-up (its checkpoint fetched, its stages measured) holds no job message -----------
+class _Subscription:
+    """A bus subscription: each message as it is published, until the test ends."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[str, cpb.JobAnnouncement]] = asyncio.Queue()
+
+    def publish(self, message: cpb.JobAnnouncement) -> None:
+        self.queue.put_nowait((Topics().job(message.job), message))
+
+    def __aiter__(self) -> _Subscription:
+        return self
+
+    async def __anext__(self) -> tuple[str, cpb.JobAnnouncement]:
+        return await self.queue.get()
+
+
+async def test_a_cancel_reaches_a_peer_while_it_fetches_the_jobs_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A friend's peer fetching a fine-tune's checkpoint (hours of it on a home link) read no
+    job message meanwhile: it showed "idle", a cancel of the job waited for the whole fetch
+    (then the peer measured the cancelled job), and a job announced meanwhile waited too. Now
+    it shows "fetching", a cancel stops the fetch at once, and the peer goes on to the next."""
+    caplog.set_level(logging.INFO, "stage_server.agent")
+    agent, _, executor = _agent(monkeypatch)
+    fetching, stopped = asyncio.Event(), []
+
+    async def stalled(job_id: str, job: JobConfig) -> JobConfig:  # the scheduler's stream
+        fetching.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            stopped.append(job_id)
+            raise
+        raise AssertionError("never fetched")
+
+    agent.init = stalled
+    bus = _Subscription()
+    consuming = asyncio.create_task(agent._consume(bus))
+    try:
+        bus.publish(_placing("j", _FINETUNE))
+        await asyncio.wait_for(fetching.wait(), 5)
+        assert agent.activity() == ("fetching", "j", None)
+        bus.publish(cpb.JobAnnouncement(job="j", spec=_FINETUNE, state=cpb.JOB_STATE_CANCELLED))
+        bus.publish(_placing("k"))
+        await wait_until(lambda: agent.speeds, "the next job measured", timeout_s=5)
+        assert stopped == ["j"] and agent.job_id == "k"
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "stopped fetching job j's starting checkpoint: it was cancelled" in said, said
+    finally:
+        consuming.cancel()
         executor.shutdown()

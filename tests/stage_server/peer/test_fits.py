@@ -96,6 +96,7 @@ async def test_an_idle_peer_refuses_the_job_and_announces_its_memory(
     try:
         spec = render({**BASE, "model": {**BASE["model"], **HUGE}}, name="huge")
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=spec, state=cpb.JOB_STATE_PLACING))
+        await agent.settled()  # its take-up (fetched, measured) done
         assert agent.job_id == "" and agent.speeds == {}, "refused: free for other jobs"
         assert "ResourceExhausted: stage 0 of job 'huge'" in caplog.text  # not a stage built
         said = bus.sent[-1]

@@ -81,6 +81,7 @@ async def _move(monkeypatch: pytest.MonkeyPatch, free: int) -> list[str]:
     agent.facts = FakeFacts(host=free)  # the host's available memory, as the peer reads it
     try:
         await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_PLACING))
+        await agent.settled()  # its take-up (fetched, measured) done
         await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=0, generation=_now_us()))
         events.clear()
         await agent._on_assignment(cpb.Assignment(job="j", peer="p", stage=1, generation=_now_us()))

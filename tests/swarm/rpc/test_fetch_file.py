@@ -5,6 +5,7 @@ continued; bytes that do not match the pin are refused and their partial removed
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator
@@ -22,12 +23,20 @@ PIN = hashlib.sha256(BYTES).hexdigest()
 
 class _Scheduler:
     """A file served in 1000-byte chunks: each stream asked for (its offset) is kept, and the
-    first `breaks` streams break after `after` bytes (a dropped link), or end there (`short`)."""
+    first `breaks` streams break after `after` bytes (a dropped link), end there (`short`), or
+    send nothing more from there on (`stall`: a link gone silent, no reset ever coming)."""
 
     def __init__(
-        self, served: bytes = BYTES, *, breaks: int = 0, after: int = 0, short: bool = False
+        self,
+        served: bytes = BYTES,
+        *,
+        breaks: int = 0,
+        after: int = 0,
+        short: bool = False,
+        stall: bool = False,
     ) -> None:
         self.served, self.breaks, self.after, self.short = served, breaks, after, short
+        self.stall = stall
         self.asked: list[int] = []
 
     async def source(self, offset: int) -> AsyncIterator[bytes]:
@@ -37,6 +46,8 @@ class _Scheduler:
             if broken and at >= offset + self.after:
                 if self.short:
                     return
+                if self.stall:
+                    await asyncio.Event().wait()
                 raise PeerUnavailable("UNAVAILABLE: Connection reset by peer")
             yield self.served[at : at + 1000]
 
@@ -114,3 +125,27 @@ async def test_a_file_longer_than_it_may_be_is_refused_as_it_comes(tmp_path: Pat
     with pytest.raises(ConfigError, match="longer than the 10240 bytes"):
         await fetch_file(scheduler.source, tmp_path / "kept", sha256=PIN, size=len(BYTES), what="f")
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_stream_gone_silent_is_asked_again_after_its_stall_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link that goes silent with no reset (a home router's NAT entry dropped, say): each
+    stream had one deadline for its whole length (an hour), so a fetch sat that long on a
+    stream sending nothing. Now a stream that sends nothing for `stall_s` is given up and asked
+    again from the partial file's size."""
+    kept, scheduler = tmp_path / "kept", _Scheduler(breaks=1, after=4000, stall=True)
+    with caplog.at_level(logging.WARNING, "swarm.rpc.fetch_file"):
+        fetching = fetch_file(
+            scheduler.source,
+            kept,
+            sha256=PIN,
+            size=len(BYTES),
+            what="f",
+            backoff=_quick(),
+            stall_s=0.2,
+        )
+        await asyncio.wait_for(fetching, 10)
+    assert kept.read_bytes() == BYTES and scheduler.asked == [0, 4000]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "nothing came for 0.2 s" in said[0], said

@@ -1,0 +1,84 @@
+"""The job a peer takes up (its starting checkpoint fetched, its stages measured), as a task of
+its own beside the bus's job messages (`stage_server.agent`).
+
+Run inline in the loop that reads the job messages, a fetch of hours (a fine-tune's checkpoint
+over a home link) held every one of them: the peer showed "idle", a cancel of the job waited for
+the whole fetch and the measuring after it, and so did every job announced meanwhile. Now the
+messages are read as they come: the job's end stops its take-up at once (a fetch's partial file
+is kept, the next fetch goes on from it: `swarm.rpc.fetch_file`), and the peer shows what it
+does ("fetching", "measuring")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+__all__ = ["TakeUp"]
+
+log = logging.getLogger(__name__)
+
+
+class TakeUp:
+    """At most one job's take-up under way."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self.job = ""  # the job under way ("": none)
+        self.fetching = False  # its starting checkpoint is being fetched (else: measured)
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(
+        self,
+        job: str,
+        work: Coroutine[Any, Any, bool],
+        refused: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Take up `job` with `work` (True: taken up; False: refused, the peer free again, when
+        `refused` is awaited: the next job a free peer turns to starts its own take-up)."""
+        if self.busy:
+            raise RuntimeError(f"job {self.job} is being taken up: one at a time")
+        self.job = job
+        self._task = asyncio.create_task(self._run(work, refused), name=f"take up job {job}")
+
+    async def _run(
+        self, work: Coroutine[Any, Any, bool], refused: Callable[[], Awaitable[None]]
+    ) -> None:
+        try:
+            taken = await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug: said, and the peer's other work goes on
+            log.exception("taking up job %s failed", self.job)
+            return
+        finally:
+            self.fetching = False
+        if not taken:
+            self._task = None  # over: the job it turns to next is a take-up of its own
+            await refused()
+
+    async def stop(self) -> str | None:
+        """End the take-up under way, if any: what it was doing then ("fetching", "measuring"),
+        None where none was."""
+        task = self._task
+        if task is None or task.done():
+            return None
+        doing = "fetching" if self.fetching else "measuring"
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():  # the caller's own cancel: not swallowed
+                raise
+        self._task = None
+        return doing
+
+    async def settled(self) -> None:
+        """Wait until no take-up is under way (one refused may have started the next)."""
+        while (task := self._task) is not None and not task.done():
+            await asyncio.wait({task})
