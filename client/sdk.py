@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,11 @@ MiB = 1 << 20
 # scheduler is silent: with `status --watch`'s 1 s interval, an outage shows within 10 s
 # (issue 68 item 5), while the ask itself keeps its whole deadline.
 NOTICE_S = 5.0
+# How many times one submission is sent while its answer does not come within the deadline
+# (the scheduler may have taken it: each time with its request id, so it makes one job at most),
+# and the pause before the next.
+SUBMIT_ATTEMPTS = 3
+SUBMIT_PAUSE_S = 1.0
 JobStatus = scheduler_pb2.JobStatus
 _Statuses = list[JobStatus]  # inside SchedulerClient, `list` names its method
 
@@ -118,9 +124,26 @@ class SchedulerClient:
         if "name" not in tomllib.loads(text):  # keep the file-stem default load_job applied
             text = f'name = "{job.name}"\n{text}'
         request = scheduler_pb2.SchedulerSubmitJobRequest(
-            spec=text, base_dir=str(path.resolve().parent)
+            spec=text, base_dir=str(path.resolve().parent), request_id=secrets.token_hex(16)
         )
-        return (await self._unary(self._stub.SubmitJob, request)).job  # type: ignore[no-any-return]
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            try:
+                answer = await self._unary(self._stub.SubmitJob, request)
+                return answer.job  # type: ignore[no-any-return]
+            except ClientError as e:
+                if e.code != "DEADLINE_EXCEEDED":  # refused, or never reached: not taken
+                    raise
+                if attempt == SUBMIT_ATTEMPTS:
+                    raise ClientError(
+                        e.code,
+                        e.details,
+                        f"{e} ({attempt} times); it may have taken the job all the same: "
+                        "`swarm jobs` lists it if so",
+                        e.error,
+                        unanswered=True,
+                    ) from None
+                await asyncio.sleep(SUBMIT_PAUSE_S * attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def get(self, job: str) -> JobStatus:
         request = scheduler_pb2.SchedulerGetJobRequest(job=job)

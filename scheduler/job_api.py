@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +61,7 @@ __all__ = [
     "MAX_BASE_DIR_BYTES",
     "MAX_EXPORTS",
     "MAX_FAILURE_CHARS",
+    "MAX_REQUEST_ID_CHARS",
     "JobApiServicer",
     "job_status",
 ]
@@ -81,8 +83,21 @@ MAX_EXPORTS = 2
 # The most of a trainer's failure (`SchedulerReportMicrobatchesRequest.failure`) the scheduler
 # keeps for the job's status: a cause is a line or a few, and status is no place for more.
 MAX_FAILURE_CHARS = 2000
+# A submission's request id (`SchedulerSubmitJobRequest.request_id`): a client's own token for
+# it (swarm's are 32 hex digits), stored with the job it made; anything else is refused.
+MAX_REQUEST_ID_CHARS = 64
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._-]{{0,{MAX_REQUEST_ID_CHARS}}}")
 # The newest events of a job GetJob sends (`swarm status` shows them; the store keeps more).
 STATUS_EVENTS = 50
+
+
+def _request_id(request: scheduler_pb2.SchedulerSubmitJobRequest) -> str:
+    if not _REQUEST_ID.fullmatch(request.request_id):
+        raise InvalidArgument(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} of A-Z, a-z, 0-9, '.', '_' and "
+            f"'-' (swarm's MAX_REQUEST_ID_CHARS), got {request.request_id[:80]!r}"
+        )
+    return request.request_id
 
 
 def _unknown(job_id: str) -> NotFound:
@@ -152,6 +167,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerSubmitJobResponse:
         async def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
             caller = self.callers.identify(context)
+            request_id = _request_id(request)
+            made = self._made(caller.name, request_id)
+            if made is not None:  # asked again (its answer lost): the job it made then
+                return made
             self.admission.check_submit(self.store, caller.name)  # before any work for it
             # The request's free-form strings are stored and sent back with the job: each has a
             # bound (the spec's, MAX_SPEC_BYTES, is parse_job's), or one large job would make
@@ -198,10 +217,13 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             spec = self.trust.stored(spec)  # audits off under --trusted-peers, unless it asks
             check_spec_size(spec, "the job file with the hashes pinned")  # as trainers parse it
             # Again after the awaits, and with no await before the store has it: two calls of
-            # one submitter at once cannot both take its last place.
+            # one submitter at once cannot both take its last place, nor one request make two.
+            made = self._made(caller.name, request_id)
+            if made is not None:
+                return made
             self.admission.check_count(self.store, caller.name)
             record = self.store.create(
-                job.name, spec, str(base_dir), job.training.steps, caller.name
+                job.name, spec, str(base_dir), job.training.steps, caller.name, request_id
             )
             log.info(
                 "scheduler: job %s submitted by %r (%d steps)", record.id, caller.name, record.steps
@@ -210,6 +232,21 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
 
         return await self._serving.run("SubmitJob", context, body)
+
+    def _made(
+        self, submitter: str, request_id: str
+    ) -> scheduler_pb2.SchedulerSubmitJobResponse | None:
+        """The answer to a submission `submitter` made already by `request_id`, if it did."""
+        record = self.store.by_request(submitter, request_id)
+        if record is None:
+            return None
+        log.info(
+            "scheduler: submission %s of %r asked again: job %s, made by it before",
+            request_id,
+            submitter,
+            record.id,
+        )
+        return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
 
     async def GetJob(
         self, request: scheduler_pb2.SchedulerGetJobRequest, context: Any

@@ -18,7 +18,6 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
@@ -26,6 +25,8 @@ from typing import Any, Self, cast
 from scheduler.store_bans import MAX_BANS, BanRow, bans_of, insert_ban, replayed, see, seen_of
 from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, taken, transaction
 from scheduler.store_pages import page_of, position
+from scheduler.store_requests import job_of, remember
+from scheduler.store_rows import EventRow, JobRecord, StepRow  # re-exported
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
 
@@ -76,47 +77,6 @@ MAX_EVENTS = 1000
 MAX_EVENT_TEXT = 500
 
 
-@dataclass(frozen=True)
-class JobRecord:
-    id: str
-    name: str
-    spec: str  #: the job file's TOML text as submitted
-    base_dir: str  #: absolute directory relative data paths resolve against
-    state: JobState
-    step: int  #: committed steps so far (the next step to train)
-    steps: int  #: steps to train in total
-    loss: float  #: loss of the last committed step; NaN before the first
-    error: str  #: why, when failed ("" otherwise)
-    message: str  #: what it is doing or waiting for, for people
-    created: float  #: unix seconds
-    updated: float  #: unix seconds
-    first_loss: float = math.nan  #: loss of step 0; NaN before it
-    val_loss: float = math.nan  #: validation loss at the newest evaluation; NaN before one
-    val_step: int = -1  #: the updates the evaluated parameters had; -1 before an evaluation
-    submitter: str = ""  #: who submitted it (`scheduler.callers`); "": the swarm token alone
-
-    @property
-    def finished(self) -> bool:
-        return self.state in TERMINAL
-
-
-@dataclass(frozen=True)
-class EventRow:
-    time: float  #: unix seconds
-    kind: str  #: join, leave, restart, move, replay, stall, resume, rollback, state, checkpoint
-    text: str  #: for people
-
-
-@dataclass(frozen=True)
-class StepRow:
-    job: str
-    step: int
-    loss: float  #: mean loss over the step's samples (NaN if it was NaN)
-    samples: int  #: samples the step consumed
-    seconds: float  #: wall time of the step
-    time: float  #: unix seconds of the commit
-
-
 # Aliases: inside JobStore, `list` names its method, not the builtin.
 Records = list[JobRecord]
 Ids = list[str]
@@ -156,23 +116,37 @@ class JobStore:
 
     # -- jobs -----------------------------------------------------------------------------------
     def create(
-        self, name: str, spec: str, base_dir: str, steps: int, submitter: str = ""
+        self,
+        name: str,
+        spec: str,
+        base_dir: str,
+        steps: int,
+        submitter: str = "",
+        request: str = "",
     ) -> JobRecord:
-        """Store a new queued job of `submitter`; its id is `{name}-{6 random hex digits}`."""
+        """Store a new queued job of `submitter`, made by its `request` ("": none;
+        `by_request`); its id is `{name}-{6 random hex digits}`."""
         now = self._clock()
         for _ in range(8):  # 16M ids per name: a collision is rare, and retried
             job_id = f"{name}-{secrets.token_hex(3)}"
             try:
-                self._write(
-                    "INSERT INTO jobs (id, name, spec, base_dir, state, step, steps, loss, error,"
-                    " message, created, updated, submitter)"
-                    " VALUES (?, ?, ?, ?, 'queued', 0, ?, NULL, '', '', ?, ?, ?)",
-                    (job_id, name, spec, base_dir, steps, now, now, submitter),
-                )
+                with taken(self.path), transaction(self._db):  # the job and its request, or none
+                    self._db.execute(
+                        "INSERT INTO jobs (id, name, spec, base_dir, state, step, steps, loss,"
+                        " error, message, created, updated, submitter)"
+                        " VALUES (?, ?, ?, ?, 'queued', 0, ?, NULL, '', '', ?, ?, ?)",
+                        (job_id, name, spec, base_dir, steps, now, now, submitter),
+                    )
+                    remember(self._db, submitter, request, job_id)
             except sqlite3.IntegrityError:
                 continue
             return self._require(job_id)
         raise StoreError(f"could not find a free job id for {name!r}")
+
+    def by_request(self, submitter: str, request: str) -> JobRecord | None:
+        """The job `submitter`'s submission `request` made, while it is kept."""
+        job_id = job_of(self._db, submitter, request)
+        return None if job_id is None else self.get(job_id)
 
     def get(self, job_id: str) -> JobRecord | None:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
@@ -237,7 +211,7 @@ class JobStore:
         if not job.finished:
             raise FailedPrecondition(f"job {job_id!r} is {job.state}; cancel it first")
         with taken(self.path), transaction(self._db):  # all of it or none
-            for table in ("members", "bans", "events", "evals", "steps"):
+            for table in ("requests", "members", "bans", "events", "evals", "steps"):
                 self._db.execute(f"DELETE FROM {table} WHERE job = ?", (job_id,))
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         self._kept.pop(job_id, None)

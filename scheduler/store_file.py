@@ -69,6 +69,13 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (job, peer)
         )""",
     ),
+    (  # which job each submission made, by its request id (`scheduler.store_requests`)
+        """CREATE TABLE requests (
+            submitter TEXT NOT NULL, request TEXT NOT NULL,
+            job TEXT NOT NULL REFERENCES jobs (id), PRIMARY KEY (submitter, request)
+        )""",
+        "CREATE INDEX requests_job ON requests (job)",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 

@@ -131,12 +131,14 @@ class JobEvent(_message.Message):
     def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SchedulerSubmitJobRequest(_message.Message):
-    __slots__ = ("spec", "base_dir")
+    __slots__ = ("spec", "base_dir", "request_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     BASE_DIR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     spec: str
     base_dir: str
-    def __init__(self, spec: _Optional[str] = ..., base_dir: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, spec: _Optional[str] = ..., base_dir: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class SchedulerSubmitJobResponse(_message.Message):
     __slots__ = ("job",)

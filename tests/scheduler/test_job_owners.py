@@ -5,7 +5,6 @@ holder of the swarm token still reads it; retention counts each submitter's fini
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -15,24 +14,13 @@ from client.sdk import ClientError, SchedulerClient
 from scheduler.callers import Callers
 from scheduler.retention import Retention
 from swarm.job.states import TERMINAL_PROTO
-from swarm.net.submitters import SUBMITTER_KEY, admin_credential, submitter_token
+from swarm.net.submitters import SUBMITTER_KEY, submitter_token
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import write_job
-
-TOKEN = "swarm-token"
-ADMIN_TOKEN = "admin-token-of-the-scheduler"
-ALICE, BOB = submitter_token(ADMIN_TOKEN, "alice"), submitter_token(ADMIN_TOKEN, "bob")
-ADMIN = admin_credential(ADMIN_TOKEN)  # the admin's credential; the admin token stays home
+from tests.support.owners import ADMIN, ADMIN_TOKEN, ALICE, BOB, TOKEN, owned_api  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[RunningApi]:
-    running = await start_api(tmp_path, token=TOKEN, callers=Callers(ADMIN_TOKEN, mutual=False))
-    yield running
-    await running.stop()
 
 
 def _client(api: RunningApi, submitter: str | None) -> SchedulerClient:

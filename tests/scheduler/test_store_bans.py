@@ -73,6 +73,7 @@ def test_a_store_of_the_schema_before_gains_the_bans(tmp_path: Path) -> None:
     with JobStore(path) as store:
         job = store.create("j", "spec", "/data", 9).id
     db = sqlite3.connect(path)  # as a swarm before kept bans left it
+    db.execute("DROP TABLE requests")  # kept since (tests/scheduler/test_submit_once.py)
     db.execute("DROP TABLE members")  # kept since (issue 64)
     db.execute("DROP TABLE bans")
     db.execute("PRAGMA user_version = 4")
