@@ -109,7 +109,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             limit_name=self._limit_name,
         )
         h: pool_pb2.PoolReduceRequest = received.header
-        tensors = wire.decode_named(
+        tensors = await wire.decode_named_async(  # a lossy part widened off the loop
             received, device="cpu", max_bytes=max_bytes, reserve=held.reserve
         )
         if set(tensors) != {"part"}:

@@ -239,7 +239,9 @@ class Messages:
         # the link's rate: of the bytes that crossed it (none of a handed-over tensor's)
         linked = sum(t.nbytes for t in received.header.tensors if not t.HasField("handover"))
         self.metrics.moved("down", linked, seconds)
-        tensors = wire.decode_named(received, device="cpu", max_bytes=limit, reserve=held.reserve)
+        tensors = await wire.decode_named_async(  # lossy values widened off the loop
+            received, device="cpu", max_bytes=limit, reserve=held.reserve
+        )
         self.metrics.received(
             wire_bytes,
             sum(t.numel() * t.element_size() for t in tensors.values()),

@@ -43,6 +43,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
 from swarm.rpc.push_call import PushCall
+from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.crossing import Crossing
 
@@ -201,7 +202,7 @@ class PushPlane:
             self.messages.took(header, grad_outputs)
         else:
             msg = grad_outputs
-            grad_outputs = codec.decode(msg, max_bytes=self.limits.max_bytes)
+            grad_outputs = await wire.decode_async(msg, max_bytes=self.limits.max_bytes)
             self.messages.took(msg, grad_outputs)
         record.received("grad_outputs", grad_outputs, msg)  # kept as it came
         done = await self._backward_here(

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -24,16 +25,20 @@ from swarm.deadline import within
 from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from swarm.proto import framing, tensor_pb2
 from swarm.proto.framing import MAX_TENSORS_PER_MESSAGE  # counted before a header is parsed
-from swarm.wire.codec import CODEC_NONE, decode, decoded_nbytes, dtype_name
+from swarm.wire.codec import CODEC_HADAMARD3, CODEC_NONE, decode, decoded_nbytes, dtype_name
 from swarm.wire.reassembly import Body, Handed, Into, buffer, tensor_bytes
 
 __all__ = [
+    "HADAMARD_WEIGHT",
     "MAX_TENSORS_PER_MESSAGE",
+    "OFF_LOOP_VALUES",
     "TENSOR_OVERHEAD_BYTES",
     "EndOfStream",
     "Received",
     "buffer",
+    "decode_async",
     "decode_named",
+    "decode_named_async",
     "grpc_options",
     "read_to_end",
     "receive",
@@ -51,6 +56,12 @@ M = TypeVar("M", bound=Message)
 # is kept under): charged to a message's size and to what it reserves, so that many tiny tensors
 # do not pass a byte limit meant for their memory.
 TENSOR_OVERHEAD_BYTES = 512
+# A request's lossy tensors are widened on a thread from this much work on (`decode_named_async`),
+# counted in values of a cheap widening (int8_blockwise's: 4 ms for 4M values here); hadamard3's
+# inverse rotation costs about 20 times as much a value (98 ms for 4M), so it counts 16. Below
+# it (about a millisecond) the loop decodes in place: a thread's hop would cost as much.
+OFF_LOOP_VALUES = 1 << 20
+HADAMARD_WEIGHT = 16
 
 _SKIP_MSG = frozenset({"tensors", "chunk"})
 _SKIP_TENSOR = frozenset({"data"})
@@ -345,6 +356,48 @@ def decode_named(
     caller's own (a chunked tensor's buffer as it is, an inline one copied out of its message),
     to keep and write to, without a copy of what came chunked.
     """
+    _admit_named(received, max_bytes, reserve)
+    return _decoded(received, device, owned)
+
+
+async def decode_named_async(
+    received: Received[Any],
+    *,
+    device: torch.device | str = "cpu",
+    max_bytes: int | None = None,
+    reserve: Callable[[int], None] | None = None,
+    owned: bool = False,
+) -> dict[str, torch.Tensor]:
+    """`decode_named` for a caller on an event loop: checked and reserved there, and decoded on
+    a thread where that is work (`OFF_LOOP_VALUES`), else in place."""
+    _admit_named(received, max_bytes, reserve)
+    if _widening(received.header.tensors) < OFF_LOOP_VALUES:
+        return _decoded(received, device, owned)
+    return await asyncio.to_thread(_decoded, received, device, owned)
+
+
+async def decode_async(msg: tensor_pb2.Tensor, *, max_bytes: int | None = None) -> torch.Tensor:
+    """`swarm.wire.codec.decode` of one tensor on the CPU, for a caller on an event loop: on a
+    thread where that is work (`OFF_LOOP_VALUES`), else in place."""
+    if _widening([msg]) < OFF_LOOP_VALUES:
+        return decode(msg, max_bytes=max_bytes)
+    return await asyncio.to_thread(decode, msg, max_bytes=max_bytes)
+
+
+def _widening(tensors: Iterable[tensor_pb2.Tensor]) -> int:
+    """The decoding work of `tensors`, in values of a cheap widening: a lossy codec's values,
+    hadamard3's counted `HADAMARD_WEIGHT` times; nothing for CODEC_NONE (shared, no work)."""
+    work = 0
+    for t in tensors:
+        if t.codec != CODEC_NONE:
+            weight = HADAMARD_WEIGHT if t.codec == CODEC_HADAMARD3 else 1
+            work += weight * math.prod(t.shape)
+    return work
+
+
+def _admit_named(
+    received: Received[Any], max_bytes: int | None, reserve: Callable[[int], None] | None
+) -> None:
     _check_count(received.header)
     tensors: list[tensor_pb2.Tensor] = list(received.header.tensors)
     counts = Counter(t.name for t in tensors)
@@ -361,8 +414,13 @@ def decode_named(
             )
     if reserve is not None:
         reserve(sum(decoded_nbytes(t) for t in tensors if t.codec != CODEC_NONE))
+
+
+def _decoded(
+    received: Received[Any], device: torch.device | str, owned: bool
+) -> dict[str, torch.Tensor]:
     decoded = {}
-    for t, payload in zip(tensors, received.payloads, strict=True):
+    for t, payload in zip(received.header.tensors, received.payloads, strict=True):
         tensor = decode(t, payload, device=device)
         shared = isinstance(payload, bytes) or (
             isinstance(payload, memoryview) and payload.readonly
