@@ -126,6 +126,9 @@ ATTACKS: dict[str, str] = {
     "stage at one step boundary",
     "64-credential": "an invite's holder banned under one peer id comes back under another id "
     "its certificate certifies (ids bound to certificates)",
+    # Found since (docs/decisions.md, "A microbatch's activations serve their own caller")
+    "cache-caller": "another token holder's Forward of a microbatch replaces the activations the "
+    "trainer's Backward then differentiates: a wrong gradient, the honest replica banned",
 }
 
 

@@ -313,6 +313,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 index,
                 given,
                 evaluate=h.evaluate,
+                holder=_caller(context),
             )
             return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
@@ -335,6 +336,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 grad_outputs,
                 accumulate=h.accumulate,
                 digest_seed=0 if h.accumulate else h.digest_seed,
+                holder=_caller(context),
             )
             return pb.StageBackwardResponse(**done.answer())
 
@@ -512,3 +514,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         return info_reply(self.peer, self.job_id, self._runtime)
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """Whose data-plane call this is, for the activations its Forward keeps
+    (`stage_server.replica.activation_cache`): its connection (`peer()`, the caller's address
+    and port). A trainer's Forward and Backward of a microbatch ride its one channel to this
+    replica; another token holder's Forward of the same microbatch comes on a connection of its
+    own. A channel that reconnects between the two costs its Backward a recompute (it is asked
+    for the inputs again), never a wrong gradient."""
+    return str(context.peer() or "")

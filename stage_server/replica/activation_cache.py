@@ -13,6 +13,12 @@ autocast are: made once per step (`swarm.model.cast_once`), the hooks count them
 microbatch that saved them (an upper bound), the allocator in the one that made them.
 
 On CUDA the allocator counts it instead (`swarm.device.activation_bytes`).
+
+Kept by whose Forward made them as well as by microbatch: any token holder may call a stage's
+Forward, and one that named another's `(step, index)` replaced the activations that caller's
+Backward then differentiated (a wrong gradient in the step, and an audit of it banning the
+honest replica). Each caller's Backward finds its own Forward's only (`holder`), and recomputes
+what it does not find.
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ __all__ = ["ActivationCache"]
 log = logging.getLogger(__name__)
 _rated = RatedLog(log, every_s=60.0)
 
-Key = tuple[int, int]  # (step, index)
+Key = tuple[int, int, str]  # (step, index, holder: whose Forward made them)
 Entry = tuple[torch.Tensor, torch.Tensor]  # (leaf input, output with its graph)
 Saved = tuple[torch.Tensor, int]  # a tensor the graph saved, detached, and its version then
 
 
 class ActivationCache:
-    """`(step, index)` -> `(leaf input, output)`, oldest first, within its bounds (`keep`)."""
+    """`(step, index, holder)` -> `(leaf input, output)`, oldest first, within its bounds
+    (`keep`)."""
 
     def __init__(self) -> None:
         self._entries: OrderedDict[Key, tuple[Entry, int]] = OrderedDict()

@@ -117,6 +117,7 @@ class Answering:
         receipt: bool = True,
         into: tensor_pb2.Handover | None = None,
         digest_seed: int = 0,
+        holder: str = "",
     ) -> Answered:
         """The one way a call accumulates here: `fn` (the replica's compute's `backward`, or the
         last stage's `forward_backward`: `stage_server.replica.lying.Compute`) of `h`'s
@@ -124,7 +125,8 @@ class Answering:
         here) and `grad_outputs` (the last stage's: the targets), the BACKWARD fault point, then
         the input gradient in codec `reply` (into a co-located caller's slot `into`, when it
         opens: `stage_server.replica.handing`) and (unless `receipt` is False) the receipt; ahead of
-        the calls queued where it is an audit's re-execution (`run`)."""
+        the calls queued where it is an audit's re-execution (`run`). `holder`: whose Forward's
+        activations it may use (`stage_server.replica.activation_cache`)."""
         step, index = h.microbatch.step, h.microbatch.index
 
         def on_host(
@@ -157,6 +159,7 @@ class Answering:
             need_grad_inputs=h.need_grad_inputs,
             # an audit of a contribution (`stage_server.replica.gradient_digest`)
             digest_seed=digest_seed,
+            holder=holder,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         digest = done.digest  # an audit's (`stage_server.replica.gradient_digest`)

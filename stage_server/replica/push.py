@@ -135,7 +135,10 @@ class PushPlane:
                 reply = codec.codec_from_name(rt.job.compression.backward)
                 slot = h.HasField("reply") and _slot_kept(record, self.messages.handing, reply)
                 into = h.reply if slot else None
-                here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate)
+                # its own activations only (another's Push or Forward of the microbatch keeps
+                # its own: `stage_server.replica.activation_cache`), by this call's request
+                holder = f"push {id(h)}"
+                here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate, holder=holder)
                 if rt.is_last:
                     answer = await self._last_stage(here, call, record, came)
                 else:
@@ -173,7 +176,9 @@ class PushPlane:
         stage accumulates, or its caller asked for the input gradient) the backward here with
         the gradient of its outputs that came back."""
         need_grad = here.accumulate or call.need_grad_inputs
-        pushed, queued = await self._forward_on(call, time_remaining, need_grad, record)
+        pushed, queued = await self._forward_on(
+            call, time_remaining, need_grad, record, here.holder
+        )
         receipts, grad = pushed.receipts, list[tensor_pb2.Tensor]()
         if need_grad:
             done = await self._backward_after(here, call, pushed, record)
@@ -230,6 +235,7 @@ class PushPlane:
             accumulate=here.accumulate,
             receipt=here.accumulate,
             into=here.into,
+            holder=here.holder,
         )
 
     async def _evaluation(
@@ -254,6 +260,7 @@ class PushPlane:
         time_remaining: Callable[[], float | None],
         need_grad: bool,
         record: Recording = NO_RECORD,
+        holder: str = "",
     ) -> tuple[Pushed, float]:
         """Forward here, then on to the next stage (`NextHop`): what came back, and how long the
         forward waited for the worker."""
@@ -282,6 +289,7 @@ class PushPlane:
                 index,
                 call.crossing,
                 evaluate=call.evaluate,
+                holder=holder,
             )
             beside = self.messages.beside  # what goes on with the outputs: counted as sent too
             crossing = call.crossing.carrying(outputs).tokens_as(lambda t: beside(t, "tokens"))
@@ -319,12 +327,14 @@ class PushPlane:
 class _Here:
     """How this replica answers a push's backward here: request `h` (its microbatch, the epoch
     it was leased in), its input gradient in codec `reply` (into a co-located caller's slot
-    `into`, where there is one), accumulated with a receipt where `accumulate`."""
+    `into`, where there is one), accumulated with a receipt where `accumulate`; `holder`: whose
+    activations its forward kept (this call's)."""
 
     h: pb.StagePushRequest
     reply: int
     into: tensor_pb2.Handover | None
     accumulate: bool
+    holder: str = ""
 
 
 def _slot_kept(record: Recording, handing: Handing, reply: int) -> bool:

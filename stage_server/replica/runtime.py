@@ -143,11 +143,13 @@ class StageRuntime:
         given: Given,
         *,
         evaluate: bool = False,
+        holder: str = "",
     ) -> torch.Tensor:
         """The stage's outputs of what crossed into it (`given`: its inputs, and the token ids
         a subspace boundary, `model.boundary_rank`, needs at every stage after the first); kept
-        with their graph for this microbatch's Backward, unless `evaluate` (a validation
-        microbatch: no Backward follows, no graph is built)."""
+        with their graph for this microbatch's Backward by the same `holder` (the caller:
+        `stage_server.replica.activation_cache`), unless `evaluate` (a validation microbatch:
+        no Backward follows, no graph is built)."""
         self._check_step(step, next_ok=True)
         if evaluate:
             with torch.no_grad(), self._precision(step), self._named("Forward", given.hidden):
@@ -161,7 +163,8 @@ class StageRuntime:
         ):
             inject(Point.FORWARD_OOM, step)
             out = self._run(step, given.carrying(x))
-        self._cache.keep((step, index), x, out, held, self.activation_cache, self.window)
+        key = (step, index, holder)
+        self._cache.keep(key, x, out, held, self.activation_cache, self.window)
         return out.detach()
 
     @property
@@ -183,12 +186,13 @@ class StageRuntime:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         digest_seed: int = 0,
+        holder: str = "",
     ) -> tuple[torch.Tensor | None, Receipt]:
         """Backward of microbatch `(step, index)`. What crossed in (`given`, as for `forward`)
-        may be None when this replica did the forward: then its cached activations must still
-        be here."""
+        may be None when this replica did the forward for the same `holder`: then its cached
+        activations must still be here."""
         self._check_step(step, next_ok=True)
-        cached = self._cache.take((step, index))
+        cached = self._cache.take((step, index, holder))
         if cached is None and given is None:
             raise ActivationsNotCached(
                 f"{ActivationsNotCached.PREFIX} for microbatch ({step}, {index}) at stage "
@@ -217,7 +221,9 @@ class StageRuntime:
         accumulate: bool = True,
         need_grad_inputs: bool = True,
         digest_seed: int = 0,
+        holder: str = "",  # as `backward`'s: nothing is cached between two calls here
     ) -> tuple[float, torch.Tensor | None, Receipt]:
+        del holder
         if not self.is_last:
             raise InvalidArgument(
                 f"ForwardBackward is for the last stage; this is stage {self.stage}"

@@ -93,7 +93,7 @@ def test_replicas_on_one_device_say_their_part_of_it_and_keep_within_its_free_me
     assert len(rt._cache) == 6 and rt.cache_evictions == 0
     memory.used_elsewhere = memory.total - 2 * one  # the device filled up meanwhile
     rt.forward(0, 6, Crossing(inputs))
-    assert 0 < len(rt._cache) < 6 and list(rt._cache)[-1] == (0, 6)
+    assert 0 < len(rt._cache) < 6 and list(rt._cache)[-1] == (0, 6, "")
     other.release()  # the other server stops serving: its part comes back
     assert alone.capacity(rt) > 0 and len(list((tmp_path / "claims").rglob("*.claim"))) == 1
 

@@ -38,7 +38,7 @@ def test_the_graphs_of_forwards_dropped_past_the_bound_are_freed(tmp_path: Path)
     assert len(graph) > 2  # the saved activations, not only the leaf input and the output
     for index in range(2, 6):  # (0, 1) is dropped by the count bound
         rt.forward(0, index, Crossing(inputs))
-    assert sorted(rt._cache) == [(0, 4), (0, 5)]
+    assert sorted(rt._cache) == [(0, 4, ""), (0, 5, "")]
     assert rt.cache_evictions == 4  # (0, 0)..(0, 3), each dropped to the count bound
     gc.collect()
     alive = [r() for r in graph if r() is not None]
@@ -171,5 +171,5 @@ def test_on_cuda_the_allocator_counts_what_the_hooks_would_with_no_python_per_te
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         rt.forward(0, 1, Crossing(inputs))  # counted by the allocator: no hook of the cache's runs
     assert packed > 0  # the innermost hooks win: had the cache set its own, none came here
-    measured = rt._cache._entries[(0, 1)][1]
+    measured = rt._cache._entries[(0, 1, "")][1]
     assert measured == pytest.approx(counted.nbytes, rel=0.25), (measured, counted.nbytes)

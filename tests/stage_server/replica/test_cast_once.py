@@ -25,7 +25,7 @@ def _casts(rt: StageRuntime, step: int, index: int, x: torch.Tensor) -> dict[tup
     stage's matmul weights, each shape its own); held, so their memory is not reused."""
     weights = {tuple(p.shape) for p in rt.module.parameters() if p.dim() == 2}
     rt.forward(step, index, Crossing(x))
-    kept = rt._cache._entries[(step, index)][0][1]
+    kept = rt._cache._entries[(step, index, "")][0][1]
     seen: dict[tuple, torch.Tensor] = {}
     todo, done = [kept.grad_fn], set()
     while todo:

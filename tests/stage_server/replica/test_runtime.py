@@ -341,7 +341,7 @@ def test_activation_cache_is_bounded(tmp_path: Path) -> None:
     rt = StageRuntime(job, 1)
     for index in range(5):
         rt.forward(0, index, Crossing(torch.randn(4, 16, 32, dtype=torch.float64)))
-    assert sorted(rt._cache) == [(0, 3), (0, 4)]
+    assert sorted(rt._cache) == [(0, 3, ""), (0, 4, "")]
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.05])

@@ -114,7 +114,7 @@ def test_an_entry_is_not_kept_when_the_free_memory_read_again_is_short(tmp_path:
     def forward(index: int) -> None:
         memory.allocate(one)  # what its graph holds on the device: here, its output
         out = torch.empty(one, dtype=torch.uint8, device="meta")
-        cache.keep((0, index), out, out, Footprint(), 64, window)
+        cache.keep((0, index, ""), out, out, Footprint(), 64, window)
 
     for index in range(4):
         forward(index)
@@ -125,7 +125,7 @@ def test_an_entry_is_not_kept_when_the_free_memory_read_again_is_short(tmp_path:
     assert memory.reads > reads  # read again before the entry was kept
     free = memory.total - memory.used_elsewhere - cache.bytes
     assert free >= one, "room for one more forward"
-    assert len(cache) == 3 and list(cache)[-1] == (0, 4)  # within half of what is left
+    assert len(cache) == 3 and list(cache)[-1] == (0, 4, "")  # within half of what is left
     cache.clear()
     memory.used_elsewhere = memory.total  # no room beside it, nothing to drop: not kept
     forward(5)
