@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from swarm.deadline import within
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.policy.backoff import Backoff
 
@@ -145,7 +146,7 @@ async def _append(
         with open(part.path, "ab") as f:
             while True:
                 try:
-                    chunk = await asyncio.wait_for(anext(stream), stall_s)
+                    chunk = await within(anext(stream), stall_s)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:

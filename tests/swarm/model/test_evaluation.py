@@ -162,6 +162,7 @@ def test_a_store_of_the_first_schema_gains_the_evaluations(tmp_path: Path) -> No
     db.execute("DROP TABLE events")
     db.execute("DROP TABLE bans")  # a later schema's table (issue 55's kept bans)
     db.execute("DROP TABLE members")  # and another (issue 64's kept first steps)
+    db.execute("DROP TABLE requests")  # and another (the jobs submissions made)
     db.execute("DROP INDEX jobs_submitter")  # a later schema's column (issue 44's submitters)
     db.execute("ALTER TABLE jobs DROP COLUMN submitter")
     db.execute("PRAGMA user_version = 1")
