@@ -74,6 +74,9 @@ class TwoPhaseCommit:
         self.voids, self.void, self.bans = voids, voids.void, bans
         self.checks = RoundChecks(context, bans, self._leave_out)  # of each PREPARE's answers
         self._tried: StepLedger | None = None  # the ledger of the last attempt
+        # (step, peer) of each replica voided for receipts the ledger did not hold: one still
+        # unmatched at the next look is dropped (`_receipts_match`)
+        self._unmatched: set[tuple[int, str]] = set()
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
         self.apply_again = ApplyAgain()  # a lost APPLY of a stage none of whose replicas applied
@@ -203,7 +206,12 @@ class TwoPhaseCommit:
 
     async def _receipts_match(self, ledger: StepLedger, members: list[list[Replica]]) -> bool:
         """Receipts a replica holds beyond what the ledger accepted (a straggling trainer's, or a
-        failed microbatch's) would poison its pool's round: void that replica first."""
+        failed microbatch's) would poison its pool's round: void that replica first. One whose
+        receipts still do not match at the next look of the same step (it lists a receipt its
+        Discard did not clear: a hostile replica, or one refusing its Discard) is dropped,
+        said at WARNING; it rejoins at a step boundary. Voided again and again, it held the
+        step's commit in a loop with no bound."""
+        self._unmatched = {(step, peer) for step, peer in self._unmatched if step == ledger.step}
         stages = range(len(members))
         before = [ledger.holdings(stage) for stage in stages]
         checked = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
@@ -222,7 +230,20 @@ class TwoPhaseCommit:
             elif isinstance(info, BaseException) or list(info.receipts) != holdings[stage].get(
                 r.peer, []
             ):
-                await self.void(ledger, stage, r.peer)
+                if (ledger.step, r.peer) in self._unmatched:
+                    said = info if isinstance(info, BaseException) else list(info.receipts)[:8]
+                    log.warning(
+                        "step %d: %s (stage %d) still holds receipts the ledger does not after "
+                        "its void (%s): dropped; it rejoins at a step boundary",
+                        ledger.step,
+                        r.peer,
+                        stage,
+                        said,
+                    )
+                    self.membership.drop(r.peer)
+                else:
+                    self._unmatched.add((ledger.step, r.peer))
+                    await self.void(ledger, stage, r.peer)
                 matched = False
         # A void that landed while the receipts were gathered (a straggler's report) emptied a
         # replica's holdings and its receipts alike: everything matches, but the ledger no

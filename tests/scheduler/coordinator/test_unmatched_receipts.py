@@ -1,0 +1,56 @@
+"""A replica whose receipts still do not match the ledger after it was voided is dropped, not
+voided again at every retry: one that lists a receipt no trainer reported, whatever it is told
+to discard (a hostile stage server, or an honest one whose Discard keeps being refused), held
+its step's commit in a loop of voids, a WARNING each, with no bound (`max_commit_rounds` counts
+failed PREPARE rounds, and none was reached). In-memory replicas (`tests.support.replicas`)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from swarm.job.fingerprint import fingerprint
+from swarm.proto import stage_pb2 as pb
+from tests.support.coordinator import LEASE_S, MakeHarness, job_of
+from tests.support.replicas import FakeSwarm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_replica_whose_receipts_never_match_is_dropped_and_the_step_commits(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = job_of(tmp_path)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    honest = a.honest_info
+
+    def phantom() -> pb.StageInfoResponse:  # a receipt nobody reported, never discarded
+        info = honest()
+        info.receipts.append(7)
+        return info
+
+    a.honest_info = phantom  # type: ignore[method-assign]
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    first, second = await h.lease()
+    await h.run(first, {0: "a"})
+    h.clock.advance(LEASE_S + 1)  # the other lease ran out: the step is suspect, looked at
+    (again,) = await h.lease("u")
+    await h.run(again, {0: "b"}, trainer="u")
+    for _ in range(200):  # what a's voids give back is replayed on b, as trainers would
+        if not h.steps.empty():
+            break
+        for task in (await h.coordinator.lease("u", 8)).tasks:
+            await h.run(task, {0: "b"}, trainer="u")
+        await asyncio.sleep(0.05)
+    record = await asyncio.wait_for(h.steps.get(), 15)
+    assert record.step == 0 and record.samples == 8
+    assert not a.called("prepare"), "the step committed without it (it may rejoin after)"
+    assert b.called("prepare")[-1].microbatches == [0, 1]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    dropped = [m for m in said if "a (stage 0)" in m and "dropped" in m]
+    assert len(dropped) == 1 and "receipts" in dropped[0], said
+    del second, c
