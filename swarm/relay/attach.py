@@ -107,6 +107,8 @@ class Attachment:
         self._tunnels: set[asyncio.Task[None]] = set()
         # a round in which no relay took it, said at WARNING (each relay's try is INFO)
         self._unattached = RatedLog(log, every_s=60.0)
+        # a relayed call's data connection back to the relay that failed (its caller got a 504)
+        self._no_data = RatedLog(log, every_s=60.0)
 
     @property
     def relay(self) -> str | None:
@@ -270,8 +272,16 @@ class Attachment:
             return
         try:
             remote = await within(asyncio.open_connection(*split_host_port(relay)), self.timeout_s)
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError) as e:
             await close(local[1])
+            self._no_data.warning(
+                relay,
+                "%s: a relayed call's data connection to relay %s failed (%s): its caller got no "
+                "answer; the relay takes the attachment but not new connections from here",
+                self.peer,
+                relay,
+                e or type(e).__name__,
+            )
             return
         remote[1].write(
             f"DATA {call} {PROTOCOL}\r\nAuthorization: Swarm {data_proof(self.token, call)}"
