@@ -27,6 +27,7 @@ from scheduler.data_hashes import DataHashes
 from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
 from scheduler.store import JobRecord, JobStore
+from scheduler.trainer_calls import trainer_call
 from scheduler.trusted_peers import TrustMode
 from swarm.errors import (
     ConfigError,
@@ -316,6 +317,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def _lease(
         self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
+        trainer_call(request.trainer, working=request.working)
         if not math.isfinite(request.wait_s) or request.wait_s < 0:
             raise InvalidArgument(f"wait_s must be a number >= 0, got {request.wait_s}")
         lease = await self.control.lease(
@@ -332,6 +334,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
             self._known(request.job)
+            trainer_call(request.trainer, results=request.results, released=request.released)
+            if request.HasField("next"):  # all of it refused before any of it is taken
+                trainer_call(request.next.trainer, working=request.next.working)
             results = [result_from_proto(r) for r in request.results]
             failure = request.failure[:MAX_FAILURE_CHARS] or None
             released = list(request.released)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from swarm.errors import ConfigError
-from swarm.job.coerce import GE0, GE1, GT0, UNIT, Section, not_allowed
+from swarm.job.coerce import GE0, GE1, GT0, UNIT, Check, Section, not_allowed
 from swarm.job.coerce import checked_field as _f  # short: nearly every field uses it
 from swarm.job.small_boundary import DEFAULT_TABLE, check_small_boundary
 from swarm.job.trust import TrustConfig
@@ -60,6 +60,12 @@ MAX_STAGES = 512  #: training.stages at most
 MAX_SPEC_BYTES = MiB  #: a job file's size at most (bytes of UTF-8): data belongs in data.path
 # Not 0: without a checkpoint a lost stage sends the whole job back to step 0.
 CHECKPOINT_EVERY = 100  #: training.checkpoint_every when unset (steps)
+
+
+# A trainer's window at most: what one of its leases or reports may name (the job API refuses
+# more, `scheduler.trainer_calls.MAX_REPORTED`, since any token holder may call it).
+MAX_IN_FLIGHT = 1 << 16
+IN_FLIGHT: Check = (lambda v: 1 <= v <= MAX_IN_FLIGHT, f"in 1..{MAX_IN_FLIGHT}")
 
 
 @dataclass(frozen=True)
@@ -323,7 +329,7 @@ class RuntimeConfig(Section):
     section: ClassVar[str] = "runtime"
     #: microbatches a trainer keeps in flight (count); "auto": what the stages' activation caches
     #: hold, within 8 where they say nothing and 64 at most (`swarm.policy.window`)
-    max_in_flight: int | Literal["auto"] = _f("auto", GE1)
+    max_in_flight: int | Literal["auto"] = _f("auto", IN_FLIGHT)
     #: "push": stages send activations and gradients straight to each other; "relay": the
     #: trainer carries every one (the carry plane, the first; its link carries 3x a server's)
     data_plane: Literal["push", "relay"] = "push"

@@ -231,7 +231,7 @@ BAD: list[tuple[Sections, bytes | None, list[str]]] = [
         ['compression.error_feedback = "yes"', "true or false"],
     ),
     ({"training": {"delayed_update": "1"}}, None, ["training.delayed_update = 1", "true or false"]),
-    ({"runtime": {"max_in_flight": "0"}}, None, ["runtime.max_in_flight = 0", ">= 1"]),
+    ({"runtime": {"max_in_flight": "0"}}, None, ["runtime.max_in_flight = 0", "in 1..65536"]),
     ({"runtime": {"rpc_timeout_s": "0"}}, None, ["runtime.rpc_timeout_s = 0", "a number > 0"]),
     ({"runtime": {"commit_timeout_s": "-1"}}, None, ["runtime.commit_timeout_s = -1", "> 0"]),
     ({"runtime": {"chunk_bytes": "0"}}, None, ["runtime.chunk_bytes = 0", ">= 1"]),

@@ -1,0 +1,35 @@
+"""A trainer's calls to the job API (LeaseMicrobatches, ReportMicrobatches), bounded where they
+enter it: any token holder may make them."""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+
+from swarm.errors import InvalidArgument
+from swarm.job.schema import MAX_IN_FLIGHT
+
+__all__ = ["MAX_REPORTED", "MAX_TRAINER_ID_CHARS", "trainer_call"]
+
+# A trainer's calls, which any token holder may make: its id (kept by the coordinator a minute
+# after its last call, and with each of its leases) is at most this long (swarm's own are under
+# 100 characters), and a lease or report names at most this many microbatches in each of its
+# lists (no more than a trainer's window may hold): 200,000 results in one
+# report held the event loop 1.5 s in their conversion alone.
+MAX_TRAINER_ID_CHARS = 256
+MAX_REPORTED = MAX_IN_FLIGHT  # what a window may hold: `[runtime] max_in_flight`'s bound
+
+
+def trainer_call(trainer: str, **lists: Sized) -> None:
+    """InvalidArgument where a trainer's call is past its bounds (`MAX_TRAINER_ID_CHARS`,
+    `MAX_REPORTED`), before any of it is read."""
+    if len(trainer) > MAX_TRAINER_ID_CHARS:
+        raise InvalidArgument(
+            f"a trainer id of {len(trainer)} characters, over the {MAX_TRAINER_ID_CHARS} "
+            "(swarm's MAX_TRAINER_ID_CHARS)"
+        )
+    for name, items in lists.items():
+        if len(items) > MAX_REPORTED:
+            raise InvalidArgument(
+                f"{name}: {len(items)} microbatches in one call, over the {MAX_REPORTED} "
+                "(swarm's MAX_REPORTED)"
+            )
