@@ -203,13 +203,16 @@ class ButterflyRound:
         # A device's gradient crosses to the host and back a chunk at a time (`staging`).
         on_device = (copies or TorchChunkCopies()).on_device(flat)
         self.staging = staging(settings.chunk_bytes, copies) if on_device else None
-        self._off = OffLoop(on_device, flat.device)  # where its copies (and what reads them) run
+        self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
+        # Where its copies (and what reads them) run; a lossy codec's encoding and decoding
+        # too, on a CPU as well: hadamard3's rotation of a part held the event loop (every other
+        # call of the server waited) as a device's copy would
+        self._off = OffLoop(on_device or self.lossy, flat.device)
         # Every part's sum lands in its place here, as its bytes arrive: no part is held twice.
         self.in_place = settings.in_place and flat.is_contiguous()
         # Not in place: a total beside `flat`, on its device (no host copy to move over after).
         self.total = self.src if self.in_place else torch.empty_like(flat)
         self.sent = self.received = 0  # wire bytes, as `on_bytes` counts them
-        self.lossy = settings.codec != CODEC_NONE and flat.is_floating_point()
         self.feedback = residuals if self.lossy else None
         self.checks = checks
         self._on_sum = on_sum if self.lossy else None  # each part's sum as it was encoded
@@ -300,7 +303,7 @@ class ButterflyRound:
         sent: torch.Tensor | None = None  # what was sent as the owner reads it
         if self.lossy:
             msg = await self._off(self._encoded, k, where)
-            sent = decode(msg) if check is not None else None
+            sent = await self._off(decode, msg) if check is not None else None
             header.tensors.append(msg)
             messages, nbytes = iter(wire.split(header, s.chunk_bytes)), msg.nbytes
         else:
@@ -323,12 +326,17 @@ class ButterflyRound:
         reply: wire.Received[Any] = await wire.receive_reply(
             call, max_bytes=s.max_bytes, into=self._into(where)
         )
-        tensors = wire.decode_named(reply, device="cpu", max_bytes=s.max_bytes)
-        got = tensors.get("sum")
-        length = where.stop - where.start
-        if got is None or got.dtype != flat.dtype or tuple(got.shape) != (length,):
-            shapes = {name: (t.dtype, list(t.shape)) for name, t in tensors.items()}
+        # The owner's answer, checked by its header before a value of it is decoded (a hostile
+        # owner's lossy "sum" of max_bytes would be seconds of widening), then widened off the
+        # loop where that is work.
+        length, said = where.stop - where.start, list(reply.header.tensors)
+        if [(t.name, t.dtype, list(t.shape)) for t in said] != [
+            ("sum", dtype_name(flat.dtype), [length])
+        ]:
+            shapes = {t.name: (t.dtype, list(t.shape)) for t in said[:4]}
             raise InvalidArgument(f"expected a 'sum' of {flat.dtype}[{length}], got {shapes}")
+        tensors = await wire.decode_named_async(reply, device="cpu", max_bytes=s.max_bytes)
+        got = tensors["sum"]
         if got.data_ptr() != self.total[where].data_ptr():  # not received in place
             await self._off(self._place, where, got)
         if self._on_sum is not None:  # a lossy part is one slice: its sum whole

@@ -300,7 +300,9 @@ class _Bounded:
             received = await wire.receive(
                 self.stream, max_bytes=bound, tensor_overhead=self.overhead
             )
-            tensors = wire.decode_named(received, device="cpu", max_bytes=bound, owned=True)
+            tensors = await wire.decode_named_async(  # a lossy update widened off the loop
+                received, device="cpu", max_bytes=bound, owned=True
+            )
         except wire.EndOfStream:
             return None
         except InvalidArgument as e:  # a header of too many tensors, or bytes that do not fit

@@ -110,3 +110,23 @@ async def test_a_pushed_gradient_that_came_back_lossy_is_decoded_off_the_event_l
     lossy = decoded_on.get("lossy", [])
     # stage 1's inputs, stage 2's inputs (stage 1's outputs) and the gradient back at stage 1
     assert len(lossy) >= 3 and loop_thread not in lossy, decoded_on
+
+
+async def test_a_lossy_rounds_parts_and_sums_are_decoded_off_the_event_loop(
+    decoded_on: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool's round under hadamard3 (`[compression] averaging`): each owner's part as it came
+    (the Reduce's body), and each sum an owner answers. A hostile owner's answer is the
+    attacker's to size: its header is checked before a value of it is decoded."""
+    from stage_server.averaging import butterfly
+    from tests.support.pools import reduce_all, replicas
+
+    monkeypatch.setattr(butterfly, "decode", chunking.decode)  # seen as the others are
+    gen = torch.Generator().manual_seed(5)
+    flats = [torch.randn(1 << 18, generator=gen) for _ in range(2)]
+    loop_thread = threading.current_thread().name
+    async with replicas(2) as pool:
+        results = await reduce_all(pool, flats, codec=codec.CODECS["hadamard3"], timeout_s=60.0)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    lossy = decoded_on.get("lossy", [])
+    assert len(lossy) >= 4 and loop_thread not in lossy, decoded_on
