@@ -6,6 +6,7 @@ for."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -76,19 +77,27 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pool_pb2.PoolReduceResponse]:
         requests = incoming(request_iterator, self._link)
-        replies = await self._serving.run(
+        replies, held = await self._serving.run(
             "Reduce", context, lambda: self._reduce(requests, context)
         )
-        with outgoing(self._link) as sending:
+        with held, outgoing(self._link) as sending:
             for msg in replies:
                 sending(msg)
                 yield msg
 
     async def _reduce(
         self, requests: Any, context: grpc.aio.ServicerContext
-    ) -> Iterator[pool_pb2.PoolReduceResponse]:
-        with self._budget.hold() as held:
-            return await self._reduce_held(requests, context, held)
+    ) -> tuple[Iterator[pool_pb2.PoolReduceResponse], contextlib.ExitStack]:
+        """The call's replies, and its hold on the receive budget, which stays until they are
+        sent: the sum (and a lossy codec's encoding beside it) lives as long as the reply, which
+        a caller that does not read keeps for as long as it keeps the stream."""
+        hold = contextlib.ExitStack()
+        held = hold.enter_context(self._budget.hold())
+        try:
+            return await self._reduce_held(requests, context, held), hold
+        except BaseException:
+            hold.close()
+            raise
 
     async def _reduce_held(
         self, requests: Any, context: grpc.aio.ServicerContext, held: Held

@@ -330,3 +330,28 @@ async def test_open_slices_of_every_round_together_are_bounded() -> None:
     await averager.reduce(("job", 0, "c"), 0, 0, 1, torch.zeros(0), timeout_s=30)
     averager.close()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_reduce_holds_its_budget_until_its_sum_is_sent(
+    server: RunningStageServer, job: JobConfig
+) -> None:
+    """The receive budget was given back once the sum was made, before it was sent: a caller
+    that never reads its reply (its sum, and under a lossy codec its encoding beside) kept that
+    memory outside every bound, for as long as it kept the stream. Now the call's part stays
+    charged until its reply is sent."""
+    budget, part = server.servicer.budget, 64 * MiB
+    header = pool_pb2.PoolReduceRequest(
+        job=fingerprint(job), stage=1, round="solo", part=0, sender=0, group_size=1
+    )
+    options = wire.grpc_options(job.runtime.max_message_bytes)  # a sum's chunks, as a peer's
+    async with grpc.aio.insecure_channel(server.address, options=options) as channel:
+        call = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=60)
+        for m in wire.split_tensor(header, "part", torch.ones(part // 4), 1 * MiB):
+            await call.write(m)
+        await call.done_writing()
+        first = await call.read()  # the sum is made and on its way: the rest unread
+        assert first is not grpc.aio.EOF
+        assert budget.in_use >= part, f"{budget.in_use} bytes charged while the sum is sent"
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    await wait_until(lambda: budget.in_use == 0, "the budget given back", timeout_s=10)
