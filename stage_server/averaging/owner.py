@@ -196,6 +196,10 @@ class Averager:
         except TimeoutError:
             missing = slot.missing()
             where = _where(part, slice)
+            if slot.summing:  # every sender came: this caller's own deadline ended, no round's
+                raise AveragingAborted(
+                    f"{round_name(round)}: {where} timed out while its sum was made", []
+                ) from None
             self.abort(round, f"{where} timed out after {timeout_s:.3g} s", missing)
             raise AveragingAborted(f"{round_name(round)}: {where} timed out", missing) from None
         except AveragingAborted as e:
@@ -396,7 +400,7 @@ class Averager:
         part = key[0]
         values = [slot.values[i] for i in range(slot.contributors)]  # in sender order
         owned = [slot.owned[i] for i in range(slot.contributors)]
-        slot.values, slot.owned = {}, {}
+        slot.values, slot.owned, slot.summing = {}, {}, True
         try:
             # Off the event loop: a large part's sum would hold up every other call.
             self._measured(round, part, await asyncio.to_thread(squares, values))

@@ -34,8 +34,12 @@ class Slot:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     owned: dict[int, bool] = field(default_factory=dict)
     waiting: int = 0  # contributions waiting for the sum now (each a call, or the owner's own)
+    # every contribution came and the sum is being made (`values` handed to it): none missing
+    summing: bool = False
 
     def missing(self) -> list[int]:
+        if self.summing:
+            return []
         return [i for i in range(self.contributors) if i not in self.values]
 
 
