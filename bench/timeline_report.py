@@ -196,7 +196,7 @@ def _evictions(
         role = roles.get(pid, str(pid))
         keeps = [e for e in evs if e["n"] == "keep"]
         for e in keeps:
-            for _step, _index, why in e["evicted"]:
+            for *_key, why in e["evicted"]:  # (step, index, holder), then why
                 by[f"{role}: {why}"] += 1
         if keeps:
             seen[role] = {

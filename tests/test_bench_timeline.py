@@ -46,17 +46,17 @@ def test_a_worker_s_calls_and_a_cache_s_evictions_are_written_with_their_causes(
     assert asyncio.run(worker.run(forward, 3, 1)) == 4
     cache, x = ActivationCache(), torch.zeros(256)  # 1 KiB a microbatch
     for index in range(3):
-        cache.keep((3, index), x, x, Footprint(), 2, FixedWindow(1 << 20))
-    assert cache.take((3, 0)) is None  # evicted: its Backward recomputes
-    assert cache.take((3, 1)) is not None
+        cache.keep((3, index, "h"), x, x, Footprint(), 2, FixedWindow(1 << 20))
+    assert cache.take((3, 0, "h")) is None  # evicted: its Backward recomputes
+    assert cache.take((3, 1, "h")) is not None
     events = [e for evs in timeline_report.load(tmp_path / "lines").values() for e in evs]
     call = next(e for e in events if e["n"] == "compute")
     assert call["fn"] == "forward" and call["at"] == [3, 1]
     assert call["q"] <= call["t0"] <= call["t1"] <= call["t2"]
     keeps = [e for e in events if e["n"] == "keep"]
-    assert [k["evicted"] for k in keeps] == [[], [], [[3, 0, "count"]]]
+    assert [k["evicted"] for k in keeps] == [[], [], [[3, 0, "h", "count"]]]
     assert keeps[-1]["bound"] == 1 << 20 and keeps[-1]["entries"] == 2
-    assert [e["at"] for e in events if e["n"] == "recompute"] == [[3, 0]]
+    assert [e["at"] for e in events if e["n"] == "recompute"] == [[3, 0, "h"]]
 
 
 def test_a_step_is_cut_into_computing_and_idle_and_the_idle_into_where_it_falls() -> None:
@@ -85,7 +85,7 @@ def test_a_step_is_cut_into_computing_and_idle_and_the_idle_into_where_it_falls(
                 "bound": 4,
                 "share": 4,
                 "entries": 0,
-                "evicted": [[1, 0, "bytes"]],
+                "evicted": [[1, 0, "h", "bytes"]],
             },
         ],
         s1: [

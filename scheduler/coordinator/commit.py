@@ -74,9 +74,9 @@ class TwoPhaseCommit:
         self.voids, self.void, self.bans = voids, voids.void, bans
         self.checks = RoundChecks(context, bans, self._leave_out)  # of each PREPARE's answers
         self._tried: StepLedger | None = None  # the ledger of the last attempt
-        # (step, peer) of each replica voided for receipts the ledger did not hold: one still
-        # unmatched at the next look is dropped (`_receipts_match`)
-        self._unmatched: set[tuple[int, str]] = set()
+        # (step, peer) -> what each replica voided at the last look was voided for: the
+        # receipts the ledger did not hold (None: its Info failed); `_receipts_match`
+        self._voided: dict[tuple[int, str], frozenset[int] | None] = {}
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
         self.apply_again = ApplyAgain()  # a lost APPLY of a stage none of whose replicas applied
@@ -206,12 +206,13 @@ class TwoPhaseCommit:
 
     async def _receipts_match(self, ledger: StepLedger, members: list[list[Replica]]) -> bool:
         """Receipts a replica holds beyond what the ledger accepted (a straggling trainer's, or a
-        failed microbatch's) would poison its pool's round: void that replica first. One whose
-        receipts still do not match at the next look of the same step (it lists a receipt its
-        Discard did not clear: a hostile replica, or one refusing its Discard) is dropped,
-        said at WARNING; it rejoins at a step boundary. Voided again and again, it held the
-        step's commit in a loop with no bound."""
-        self._unmatched = {(step, peer) for step, peer in self._unmatched if step == ledger.step}
+        failed microbatch's) would poison its pool's round: void that replica first. One that
+        at the next look still lists a receipt its void was for (its Discard did not clear it:
+        a hostile replica, or one refusing its Discard), or whose Info failed at both, is
+        dropped, said at WARNING; it rejoins at a step boundary. Voided again and again, it
+        held the step's commit in a loop with no bound. A straggler's new receipt is voided
+        anew, as before."""
+        voided, self._voided = self._voided, {}
         stages = range(len(members))
         before = [ledger.holdings(stage) for stage in stages]
         checked = [(stage, r) for stage, replicas in enumerate(members) for r in replicas]
@@ -230,19 +231,20 @@ class TwoPhaseCommit:
             elif isinstance(info, BaseException) or list(info.receipts) != holdings[stage].get(
                 r.peer, []
             ):
-                if (ledger.step, r.peer) in self._unmatched:
-                    said = info if isinstance(info, BaseException) else list(info.receipts)[:8]
+                held = frozenset(holdings[stage].get(r.peer, []))
+                stray = None if isinstance(info, BaseException) else frozenset(info.receipts) - held
+                why = _voided_again(voided, (ledger.step, r.peer), stray, info)
+                if why is not None:
                     log.warning(
-                        "step %d: %s (stage %d) still holds receipts the ledger does not after "
-                        "its void (%s): dropped; it rejoins at a step boundary",
+                        "step %d: %s (stage %d): %s: dropped; it rejoins at a step boundary",
                         ledger.step,
                         r.peer,
                         stage,
-                        said,
+                        why,
                     )
                     self.membership.drop(r.peer)
                 else:
-                    self._unmatched.add((ledger.step, r.peer))
+                    self._voided[(ledger.step, r.peer)] = stray
                     await self.void(ledger, stage, r.peer)
                 matched = False
         # A void that landed while the receipts were gathered (a straggler's report) emptied a
@@ -351,3 +353,22 @@ class TwoPhaseCommit:
         )
         await self.void(ledger, stage, culprit.peer)
         self.membership.drop(culprit.peer)
+
+
+def _voided_again(
+    voided: dict[tuple[int, str], frozenset[int] | None],
+    key: tuple[int, str],
+    stray: frozenset[int] | None,
+    info: object,
+) -> str | None:
+    """Why the replica of `key` (step, peer), unmatched at this look with `stray` receipts (None:
+    its Info failed), is dropped rather than voided again: it was voided at the last look for
+    one it still lists, or its Info failed then too. None: void it (again)."""
+    if key not in voided:
+        return None
+    last = voided[key]
+    if stray is None and last is None:
+        return f"its Info failed again ({info})"
+    if stray is not None and last is not None and stray & last:
+        return f"it still lists {sorted(stray & last)[:8]} after its void"
+    return None

@@ -48,7 +48,7 @@ class Voids:
             except GONE as e:
                 log.warning("discard on %s failed: %s", peer, e)
                 self.membership.drop(peer)
-            except SwarmError as e:  # it refused: the next commit's receipt check voids it again
+            except SwarmError as e:  # refused: the next receipt check drops it (`commit.py`)
                 log.warning("discard on %s failed: %s", peer, e)
 
     async def void_duplicate(self, ledger: StepLedger, stage: int, peer: str) -> None:

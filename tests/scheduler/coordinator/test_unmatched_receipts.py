@@ -52,5 +52,44 @@ async def test_a_replica_whose_receipts_never_match_is_dropped_and_the_step_comm
     assert b.called("prepare")[-1].microbatches == [0, 1]
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     dropped = [m for m in said if "a (stage 0)" in m and "dropped" in m]
-    assert len(dropped) == 1 and "receipts" in dropped[0], said
+    assert len(dropped) == 1 and "still lists [7] after its void" in dropped[0], said
     del second, c
+
+
+async def test_a_stragglers_new_receipt_at_the_next_look_is_voided_not_dropped(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica voided for one stray receipt that lists another at the next look (a straggling
+    trainer's second microbatch, landed meanwhile) is voided again: its void took."""
+    job = job_of(tmp_path)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a = swarm.add(0, "a")
+    swarm.add(0, "b")
+    swarm.add(1, "c")
+    honest, strays = a.honest_info, list[list[int]]()
+
+    def straggling() -> pb.StageInfoResponse:  # one stray at each of two looks, then none
+        info = honest()
+        info.receipts.extend(strays.pop(0) if strays else [])
+        return info
+
+    a.honest_info = straggling  # type: ignore[method-assign]
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    first, second = await h.lease()
+    await h.run(first, {0: "a"})
+    h.clock.advance(LEASE_S + 1)
+    (again,) = await h.lease("u")
+    strays.extend([[7], [8]])  # from the commit's looks on
+    await h.run(again, {0: "b"}, trainer="u")
+    for _ in range(200):
+        if not h.steps.empty():
+            break
+        for task in (await h.coordinator.lease("u", 8)).tasks:
+            await h.run(task, {0: "b"}, trainer="u")
+        await asyncio.sleep(0.05)
+    assert (await asyncio.wait_for(h.steps.get(), 15)).step == 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert not [m for m in said if "dropped" in m], said
+    assert len(a.called("discard")) >= 2, "voided at each of the two looks"
+    del second
