@@ -40,9 +40,9 @@ MiB = 1 << 20
 # scheduler is silent: with `status --watch`'s 1 s interval, an outage shows within 10 s
 # (issue 68 item 5), while the ask itself keeps its whole deadline.
 NOTICE_S = 5.0
-# How many times one submission is sent while its answer does not come within the deadline
-# (the scheduler may have taken it: each time with its request id, so it makes one job at most),
-# and the pause before the next.
+# How many times one submission is sent while it goes unanswered (no answer within the
+# deadline, a broken or refused connection: the scheduler may have taken it; each time with its
+# request id, so it makes one job at most), and the pause before the next.
 SUBMIT_ATTEMPTS = 3
 SUBMIT_PAUSE_S = 1.0
 JobStatus = scheduler_pb2.JobStatus
@@ -131,7 +131,10 @@ class SchedulerClient:
                 answer = await self._unary(self._stub.SubmitJob, request)
                 return answer.job  # type: ignore[no-any-return]
             except ClientError as e:
-                if e.code != "DEADLINE_EXCEEDED":  # refused, or never reached: not taken
+                # Unanswered (no answer in time, a connection that broke or was refused): the
+                # scheduler may have taken it, and asking again with its id makes no second job.
+                # A refusal, or TLS on one side only, is said at once.
+                if not e.unanswered:
                     raise
                 if attempt == SUBMIT_ATTEMPTS:
                     raise ClientError(

@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 Source = Callable[[int], AsyncIterator[bytes]]
 #: How many times one file's stream is asked for before the fetch gives up.
 FETCH_ATTEMPTS = 8
-#: Seconds a stream may send nothing before it is given up and asked again from where it
-#: stopped. A link gone silent with no reset (a home router's NAT entry dropped) would otherwise
-#: hold the fetch for its stream's whole deadline (an hour: `swarm.rpc.init_fetch`).
+#: Seconds a stream may send nothing between two chunks before it is given up and asked again
+#: from where it stopped. A link gone silent with no reset (a home router's NAT entry dropped)
+#: would otherwise hold the fetch for its stream's whole deadline (an hour:
+#: `swarm.rpc.init_fetch`). The wait for the first chunk is that deadline's alone.
 STALL_S = 120.0
 _READ_CHUNK = 1 << 20
 
@@ -142,15 +143,20 @@ async def _append(
     """Append what `source(part.size)` streams to the partial file, hashing it. Every chunk is on
     the disk before the next is asked for, so `part` always says what the file holds."""
     stream = aiter(source(part.size))
+    # The first chunk's wait is the stream's own deadline's: the scheduler hashes a whole
+    # checkpoint before a file's first byte (100 GB outlast any stall bound). Between chunks,
+    # a link gone silent is given up after `stall_s`.
+    bound: float | None = None
     try:
         with open(part.path, "ab") as f:
             while True:
                 try:
-                    chunk = await within(anext(stream), stall_s)
+                    chunk = await within(anext(stream), bound)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
                     raise _Short(f"nothing came for {stall_s:g} s") from None
+                bound = stall_s
                 await _keep(f, chunk, part, limit, what)
     finally:
         close = getattr(stream, "aclose", None)

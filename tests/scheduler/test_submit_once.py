@@ -103,3 +103,30 @@ def test_a_store_of_the_schema_before_gains_the_requests(tmp_path: Path) -> None
         store.set_state(made, "cancelled")
         store.delete(made)  # its request goes with it
         assert store.by_request("alice", "r-1") is None
+
+
+async def test_a_submission_whose_connection_broke_after_it_was_taken_makes_one_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler takes the job and the connection then breaks (it restarted, a router
+    dropped the connection): the answer is UNAVAILABLE, the job made. The client asks again with
+    the same request id, as for an answer that did not come in time."""
+    original = JobApiServicer.SubmitJob
+    asked: list[str] = []
+
+    async def broken_once(self: JobApiServicer, request: Any, context: Any) -> Any:
+        answer = await original(self, request, context)
+        asked.append(request.request_id)
+        if len(asked) == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer")
+        return answer
+
+    monkeypatch.setattr(JobApiServicer, "SubmitJob", broken_once)
+    api = await start_api(tmp_path)
+    try:
+        async with SchedulerClient(api.address, timeout_s=5.0) as client:
+            status = await client.submit(write_job(tmp_path, "once"))
+        assert [r.id for r in api.store.list()] == [status.job]
+        assert len(asked) == 2 and asked[0] == asked[1] != "", asked
+    finally:
+        await api.stop()

@@ -149,3 +149,22 @@ async def test_a_stream_gone_silent_is_asked_again_after_its_stall_bound(
     assert kept.read_bytes() == BYTES and scheduler.asked == [0, 4000]
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "nothing came for 0.2 s" in said[0], said
+
+
+async def test_a_stream_slow_to_begin_is_not_given_up_by_the_stall_bound(tmp_path: Path) -> None:
+    """The scheduler hashes a whole checkpoint before a file's first byte (a restarted one has
+    no cache of it): 100 GB take longer than the stall bound. That wait is the stream's own
+    deadline's; the stall bound is between bytes, once they come."""
+    kept, asked = tmp_path / "kept", []
+
+    async def slow_to_begin(offset: int) -> AsyncIterator[bytes]:
+        asked.append(offset)
+        await asyncio.sleep(0.5)  # hashing, past the stall bound
+        for at in range(offset, len(BYTES), 1000):
+            yield BYTES[at : at + 1000]
+
+    fetching = fetch_file(
+        slow_to_begin, kept, sha256=PIN, size=len(BYTES), what="f", backoff=_quick(), stall_s=0.2
+    )
+    await asyncio.wait_for(fetching, 10)
+    assert kept.read_bytes() == BYTES and asked == [0]
