@@ -316,8 +316,8 @@ class PeerAgent:
             held = f"stage {self.stage} of job" if self.stage is not None else "(no stage) by job"
             why = _ENDED_WHY.get(job.state, "it ended")
             stopped = await self._taking.stop()
-            if stopped is not None:
-                what = "'s starting checkpoint" if stopped == "fetching" else ""
+            if stopped is not None:  # a measurement under way ends on the worker, unread
+                what = "'s starting checkpoint" if stopped == "fetching" else " (dropped)"
                 log.info("%s: stopped %s job %s%s: %s", self.peer, stopped, job.job, what, why)
             log.info("%s: released %s %s: %s; free for another", self.peer, held, job.job, why)
             self.running.servicer.release()

@@ -5,8 +5,9 @@ Run inline in the loop that reads the job messages, a fetch of hours (a fine-tun
 over a home link) held every one of them: the peer showed "idle", a cancel of the job waited for
 the whole fetch and the measuring after it, and so did every job announced meanwhile. Now the
 messages are read as they come: the job's end stops its take-up at once (a fetch's partial file
-is kept, the next fetch goes on from it: `swarm.rpc.fetch_file`), and the peer shows what it
-does ("fetching", "measuring")."""
+is kept, the next fetch goes on from it: `swarm.rpc.fetch_file`; a measurement under way ends on
+the worker thread, its figures dropped), and the peer shows what it does ("fetching",
+"measuring")."""
 
 from __future__ import annotations
 
