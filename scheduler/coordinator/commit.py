@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from scheduler.coordinator.apply_again import ApplyAgain, apply_again
-from scheduler.coordinator.failures import NonFiniteStep, failed_its_part, judge
+from scheduler.coordinator.failures import Failed, NonFiniteStep, failed_its_part, judge
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.listed import while_listed
@@ -77,6 +77,9 @@ class TwoPhaseCommit:
         # (step, peer) -> what each replica voided at the last look was voided for: the
         # receipts the ledger did not hold (None: its Info failed); `_receipts_match`
         self._voided: dict[tuple[int, str], frozenset[int] | None] = {}
+        # (step, peer) of each member voided for refusing a PREPARE: a second refusal of the
+        # same step leaves it out (`_prepare`)
+        self._refused: set[tuple[int, str]] = set()
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
         self.apply_again = ApplyAgain()  # a lost APPLY of a stage none of whose replicas applied
@@ -312,6 +315,20 @@ class TwoPhaseCommit:
         if not failed:  # a check failed: the retry goes without whom it named
             self.failure = self.checks.failure
             return None
+        await self._failed_round(ledger, round_id, failed, members, groups)
+        return None
+
+    async def _failed_round(
+        self,
+        ledger: StepLedger,
+        round_id: str,
+        failed: list[Failed],
+        members: list[list[Replica]],
+        groups: dict[int, RoundGroup],
+    ) -> None:
+        """A PREPARE round some members failed: who failed by itself (gone: dropped; could not
+        do its part: left out; refused: voided, and left out where it refuses again after its
+        void), and whom the others named (left out); said in `failure`."""
         self.metrics.aborted_rounds.inc(len({stage for stage, _, _ in failed}))
         judged = judge(f"step {ledger.step}: round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)
@@ -322,7 +339,13 @@ class TwoPhaseCommit:
             elif failed_its_part(error):  # out of memory, say: it would again, in the retry
                 await self._leave_out(ledger, stage, r, [r.peer])
                 failure.left_out.append(LeftOut(stage, r.peer, [r.peer], AVERAGE))
+            elif (ledger.step, r.peer) in self._refused:  # voided, and it refuses again
+                why = f"it refused PREPARE again after its void ({error})"
+                await self._leave_out(ledger, stage, r, [r.peer], why)
+                failure.left_out.append(LeftOut(stage, r.peer, [r.peer], why))
             else:
+                self._refused = {k for k in self._refused if k[0] == ledger.step}
+                self._refused.add((ledger.step, r.peer))
                 await self.void(ledger, stage, r.peer)  # it holds what it must not
         explained = {stage for stage, _, _ in judged.alone}  # a member failed by itself there
         for stage, culprit, by in judged.named(members, ledger.holdings):
@@ -330,7 +353,6 @@ class TwoPhaseCommit:
                 continue  # the member that failed by itself is gone or voided already
             await self._leave_out(ledger, stage, culprit, by)
             failure.left_out.append(LeftOut(stage, culprit.peer, by, AVERAGE))
-        return None
 
     async def _leave_out(
         self,
