@@ -135,10 +135,7 @@ class PushPlane:
                 reply = codec.codec_from_name(rt.job.compression.backward)
                 slot = h.HasField("reply") and _slot_kept(record, self.messages.handing, reply)
                 into = h.reply if slot else None
-                # its own activations only (another's Push or Forward of the microbatch keeps
-                # its own: `stage_server.replica.activation_cache`), by this call's request
-                holder = f"push {id(h)}"
-                here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate, holder=holder)
+                here = _Here(h, reply, into, accumulate=rt.stage in call.accumulate)
                 if rt.is_last:
                     answer = await self._last_stage(here, call, record, came)
                 else:
@@ -327,14 +324,18 @@ class PushPlane:
 class _Here:
     """How this replica answers a push's backward here: request `h` (its microbatch, the epoch
     it was leased in), its input gradient in codec `reply` (into a co-located caller's slot
-    `into`, where there is one), accumulated with a receipt where `accumulate`; `holder`: whose
-    activations its forward kept (this call's)."""
+    `into`, where there is one), accumulated with a receipt where `accumulate`."""
 
     h: pb.StagePushRequest
     reply: int
     into: tensor_pb2.Handover | None
     accumulate: bool
-    holder: str = ""
+
+    @property
+    def holder(self) -> str:
+        """Whose activations its forward keeps: this call's, by its request (another's Push or
+        Forward of the microbatch keeps its own: `stage_server.replica.activation_cache`)."""
+        return f"push {id(self.h)}"
 
 
 def _slot_kept(record: Recording, handing: Handing, reply: int) -> bool:

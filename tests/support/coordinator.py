@@ -97,6 +97,19 @@ class Harness:
         await within(self.coordinator.flush(), 10)
         return record
 
+    async def replayed(self, at: dict[int, str], trainer: str = "t") -> StepRecord:
+        """Run what the coordinator gives out (on the peers `at` names) until a step commits,
+        as trainers replay what voids and drops give back; that step's record. A job that
+        failed meanwhile fails the test with its error."""
+        for _ in range(400):
+            if not self.steps.empty() or self.coordinator.error is not None:
+                break
+            for task in (await self.coordinator.lease(trainer, 8)).tasks:
+                await self.run(task, at, trainer=trainer)
+            await asyncio.sleep(0.05)
+        assert self.coordinator.error is None, self.coordinator.error
+        return await within(self.steps.get(), 15)
+
 
 class MakeHarness(Protocol):
     def __call__(self, job: JobConfig, swarm: FakeSwarm, **kwargs: Any) -> Harness: ...

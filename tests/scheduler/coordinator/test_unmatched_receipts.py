@@ -6,7 +6,6 @@ failed PREPARE rounds, and none was reached). In-memory replicas (`tests.support
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -40,13 +39,7 @@ async def test_a_replica_whose_receipts_never_match_is_dropped_and_the_step_comm
     h.clock.advance(LEASE_S + 1)  # the other lease ran out: the step is suspect, looked at
     (again,) = await h.lease("u")
     await h.run(again, {0: "b"}, trainer="u")
-    for _ in range(200):  # what a's voids give back is replayed on b, as trainers would
-        if not h.steps.empty():
-            break
-        for task in (await h.coordinator.lease("u", 8)).tasks:
-            await h.run(task, {0: "b"}, trainer="u")
-        await asyncio.sleep(0.05)
-    record = await asyncio.wait_for(h.steps.get(), 15)
+    record = await h.replayed({0: "b"}, trainer="u")  # what a's voids give back, on b
     assert record.step == 0 and record.samples == 8
     assert not a.called("prepare"), "the step committed without it (it may rejoin after)"
     assert b.called("prepare")[-1].microbatches == [0, 1]
@@ -82,13 +75,7 @@ async def test_a_stragglers_new_receipt_at_the_next_look_is_voided_not_dropped(
     (again,) = await h.lease("u")
     strays.extend([[7], [8]])  # from the commit's looks on
     await h.run(again, {0: "b"}, trainer="u")
-    for _ in range(200):
-        if not h.steps.empty():
-            break
-        for task in (await h.coordinator.lease("u", 8)).tasks:
-            await h.run(task, {0: "b"}, trainer="u")
-        await asyncio.sleep(0.05)
-    assert (await asyncio.wait_for(h.steps.get(), 15)).step == 0
+    assert (await h.replayed({0: "b"}, trainer="u")).step == 0
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert not [m for m in said if "dropped" in m], said
     assert len(a.called("discard")) >= 2, "voided at each of the two looks"
