@@ -151,6 +151,11 @@ def _served_pool(servicer: StageServicer) -> tuple[int, int, float] | None:
     return servicer.limits.chunk_bytes, servicer.limits.max_bytes, timeout_s
 
 
+def _placed_by(servicer: StageServicer) -> bytes | None:
+    """The key of the scheduler that placed the stage `servicer` serves (None: none did)."""
+    return servicer.commit_auth.public if servicer.commit_auth is not None else None
+
+
 async def start_grpc(
     opts: StageServerOptions, max_message_bytes: int, throttle: float = 1.0
 ) -> RunningStageServer:
@@ -204,6 +209,7 @@ async def start_grpc(
         limit_name=served.max_bytes_name,
         link=metrics.link,  # an owner's streams: its link's rates too
         observe=metrics.observe,  # the calls it answers as an owner, in swarm_stage_requests_total
+        scheduler_key=lambda job: _placed_by(servicer),
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     health_servicer = health.aio.HealthServicer()

@@ -124,6 +124,8 @@ class PoolJobs:
         self._running: dict[str, tuple[str, RuntimeConfig, int]] = {}
         self._ended: dict[str, str] = {}  # job -> why its calls are refused (the last 256)
         self._bad: dict[str, str] = {}  # job -> its spec that did not parse (said once)
+        # job -> the key of the scheduler that announced it: a member's round tickets are its
+        self._keys: dict[str, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._running)
@@ -132,6 +134,7 @@ class PoolJobs:
         job = message.job
         if message.state not in _RUNNING:
             self._bad.pop(job, None)
+            self._keys.pop(job, None)
             if self._running.pop(job, None) is not None:
                 log.info("job %s is no longer running: its pools are left", job)
             self._ended[job] = f"job {job} is {_state_name(message.state)}"
@@ -139,6 +142,8 @@ class PoolJobs:
                 del self._ended[next(iter(self._ended))]
             return
         self._ended.pop(job, None)
+        if message.scheduler_key:
+            self._keys[job] = message.scheduler_key
         known = self._running.get(job)
         if (known is not None and known[0] == message.spec) or self._bad.get(job) == message.spec:
             return  # announced again at every step: parsed (and said) once
@@ -168,6 +173,11 @@ class PoolJobs:
         stages = known[2]
         if not 0 <= stage < stages:
             raise NotFound(f"job {job} has stages 0..{stages - 1}, not {stage}")
+
+    def scheduler_key(self, job: str) -> bytes | None:
+        """The key of the scheduler that announced `job`, whose round tickets its members'
+        contributions carry (`swarm.net.round_tickets`); None: announced with none."""
+        return self._keys.get(job)
 
     def served(self) -> tuple[int, int, float] | None:
         """`(chunk_bytes, max_bytes, timeout_s)` for every job's pool at once: the smallest
@@ -318,6 +328,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
         link=metrics.link,  # what its streams moved: its link's rates
         budget=budget,
         limit_name="--max-memory-bytes",
+        scheduler_key=jobs.scheduler_key,
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     add_info(server, peer)  # the dial-back finds it by its peer id

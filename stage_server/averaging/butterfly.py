@@ -53,6 +53,7 @@ from stage_server.averaging.owner import Averager, AveragingAborted, RoundKey, r
 from stage_server.averaging.staging import ChunkCopies, OffLoop, TorchChunkCopies, staging
 from swarm.device.oom import is_out_of_memory
 from swarm.errors import Aborted, ConfigError, InvalidArgument
+from swarm.net.round_tickets import RoundPass
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import pool_pb2, tensor_pb2
 from swarm.rpc import client_stream
@@ -94,6 +95,9 @@ class RoundSettings:
     window: int = WINDOW
     in_place: bool = False
     parts: Parts = EQUAL_PARTS
+    # What proves this replica a member to each owner (its PREPARE's round ticket); None: a
+    # pool its owner coordinates, whose owners ask for none (`swarm.net.round_tickets`).
+    proof: RoundPass | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group", tuple(self.group))  # frozen: not the caller's list
@@ -298,6 +302,8 @@ class ButterflyRound:
             slice=j,
             contributors=s.parts.contributors,
         )
+        if s.proof is not None:
+            header.proof.CopyFrom(s.proof.to(k))
         messages: Iterator[Any]
         check = self.checks  # every part is checked, a replica's as an aggregator's (issue 55)
         sent: torch.Tensor | None = None  # what was sent as the owner reads it

@@ -15,6 +15,7 @@ import grpc
 from stage_server.averaging.owner import Averager
 from stage_server.peer.links import LinkMeter, incoming, outgoing
 from swarm.errors import InvalidArgument
+from swarm.net.round_tickets import RoundTickets
 from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.rpc.servicing import Observe, Servicing
 from swarm.wire import chunking as wire
@@ -41,7 +42,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     part's bytes come from `budget` (the process's, shared with the stage's calls) as they
     arrive, held until its sum is answered: a part declared past what is free, or bytes past
     it, and the call is refused with RESOURCE_EXHAUSTED. `limit_name` names the
-    setting behind `max_bytes` in refusals.
+    setting behind `max_bytes` in refusals. `scheduler_key(job)` is the key of the scheduler
+    that placed the job's replicas (None: none did), whose round tickets a contribution must
+    carry then.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         limit_name: str = "",
         link: LinkMeter | None = None,
         observe: Observe | None = None,
+        scheduler_key: Callable[[str], bytes | None] = lambda job: None,
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
         self._link = link  # where its streams record their bytes (`stage_server.peer.links`)
@@ -67,11 +71,25 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         # No budget given (a pool on its own, in tests): bounded by max_bytes per call only.
         self._budget, self._limit_name = budget or ReceiveBudget(1 << 62), limit_name
         self._serving = Servicing(peer, observe)  # the server's request metrics, if any
+        self._scheduler_key = scheduler_key
+        self._tickets: RoundTickets | None = None  # of the last key a job was placed with
 
     def settings(self) -> tuple[int, int, float]:
         """`(chunk_bytes, max_bytes, timeout_s)` a call is served with now."""
         served = self._served() if self._served is not None else None
         return served if served is not None else (self._chunk, self._max_bytes, self._timeout_s)
+
+    def _admit(self, first: pool_pb2.PoolReduceRequest) -> None:
+        """A contribution is taken for a job and stage this owner serves, and, where a scheduler
+        placed it, from the member its round's ticket places at `sender`
+        (`swarm.net.round_tickets`): before a byte of its part is held."""
+        self._route(first.job, first.stage)
+        key = self._scheduler_key(first.job)
+        if key is None:
+            return  # its owner coordinates the pool: the token, as before
+        if self._tickets is None or self._tickets.public != key:
+            self._tickets = RoundTickets(key, self.peer)
+        self._tickets.check(first)
 
     async def Reduce(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
@@ -113,7 +131,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         received = await wire.receive(
             body,
             max_bytes=max_bytes,
-            admit=lambda first: self._route(first.job, first.stage),
+            admit=self._admit,
             reserve=held.expect,
             limit_name=self._limit_name,
         )

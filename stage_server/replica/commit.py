@@ -52,6 +52,7 @@ from stage_server.replica.worker import Worker
 from swarm.device.oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
 from swarm.job.rule import EagerOp
+from swarm.net.round_tickets import RoundPass
 from swarm.ops import allocator
 from swarm.ops.faults import Point, maybe_die
 from swarm.policy.parts import EQUAL_PARTS, Parts
@@ -88,6 +89,9 @@ class Commit:
     check_seed: int = 0  # the checksum of every part asked (0: none)
     # other contributors' contributions audited: the same checksums, a seed each
     audit_seeds: tuple[int, ...] = ()
+    # the scheduler's round ticket: what proves this replica a member to the round's owners
+    # (`swarm.net.round_tickets`); None: a pool its owner coordinates
+    proof: RoundPass | None = None
 
     @classmethod
     def of(cls, request: pb.StageCommitRequest) -> Commit:
@@ -109,6 +113,7 @@ class Commit:
             parts=Parts(request.part_weights, request.contributors),
             check_seed=request.check_seed,
             audit_seeds=tuple(request.audit_seeds),
+            proof=RoundPass.of(request.round_ticket if request.HasField("round_ticket") else None),
         )
 
 
@@ -463,6 +468,7 @@ class Committer:
             max_bytes=self.limits.max_bytes,
             in_place=in_place,
             parts=c.parts,
+            proof=c.proof,
         )
         total = await all_reduce(
             flat,

@@ -38,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from google.protobuf.message import Message
 
 from swarm.net.follow_tickets import issue_ticket
+from swarm.net.round_tickets import issue_round_ticket
 from swarm.proto import stage_pb2 as pb
 
 __all__ = [
@@ -106,6 +107,27 @@ class CallSigner:
         signature = self._key.sign(_signed(method, self.peer, head, request, extra))
         return ((SIGNATURE_KEY, head + signature),)
 
+    def with_round_ticket(self, request: pb.StageCommitRequest) -> pb.StageCommitRequest:
+        """`request`, a commit call of a round with others, with the ticket that proves this
+        replica a member of it to the round's owners (`swarm.net.round_tickets`)."""
+        if len(request.group) < 2 or not request.round or request.HasField("round_ticket"):
+            return request
+        ticketed = pb.StageCommitRequest()
+        ticketed.CopyFrom(request)
+        ticketed.round_ticket.CopyFrom(
+            issue_round_ticket(
+                self._key,
+                job=request.job,
+                stage=request.stage,
+                round=request.round,
+                sender=request.group_index,
+                group_size=len(request.group),
+                contributors=request.contributors,
+                now=time.time(),
+            )
+        )
+        return ticketed
+
 
 class SchedulerKey:
     """The scheduler's signing key."""
@@ -159,6 +181,7 @@ class SignedStub:
         return getattr(self._stub, name)
 
     def Commit(self, request: pb.StageCommitRequest, **kwargs: Any) -> Any:
+        request = self._signer.with_round_ticket(request)  # signed with the call
         return self._stub.Commit(
             request, metadata=self._signer.metadata("Commit", request), **kwargs
         )

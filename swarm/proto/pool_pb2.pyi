@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PoolReduceRequest(_message.Message):
-    __slots__ = ("job", "stage", "round", "part", "sender", "group_size", "tensors", "chunk", "slice", "contributors")
+    __slots__ = ("job", "stage", "round", "part", "sender", "group_size", "tensors", "chunk", "slice", "contributors", "proof")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class PoolReduceRequest(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     round: str
@@ -29,7 +30,18 @@ class PoolReduceRequest(_message.Message):
     chunk: _tensor_pb2.Chunk
     slice: int
     contributors: int
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., round: _Optional[str] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., slice: _Optional[int] = ..., contributors: _Optional[int] = ...) -> None: ...
+    proof: MemberProof
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., round: _Optional[str] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., slice: _Optional[int] = ..., contributors: _Optional[int] = ..., proof: _Optional[_Union[MemberProof, _Mapping]] = ...) -> None: ...
+
+class MemberProof(_message.Message):
+    __slots__ = ("ticket", "digests", "secret")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    secret: bytes
+    def __init__(self, ticket: _Optional[bytes] = ..., digests: _Optional[_Iterable[bytes]] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class PoolReduceResponse(_message.Message):
     __slots__ = ("tensors", "chunk")

@@ -273,7 +273,7 @@ class StageRecordResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., commitment: _Optional[_Union[Commitment, _Mapping]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed", "audit_seeds")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed", "audit_seeds", "round_ticket")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class StageCommitRequest(_message.Message):
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     CHECK_SEED_FIELD_NUMBER: _ClassVar[int]
     AUDIT_SEEDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TICKET_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -306,7 +307,16 @@ class StageCommitRequest(_message.Message):
     contributors: int
     check_seed: int
     audit_seeds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ..., audit_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
+    round_ticket: RoundTicket
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ..., audit_seeds: _Optional[_Iterable[int]] = ..., round_ticket: _Optional[_Union[RoundTicket, _Mapping]] = ...) -> None: ...
+
+class RoundTicket(_message.Message):
+    __slots__ = ("ticket", "secrets")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    SECRETS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    secrets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ticket: _Optional[bytes] = ..., secrets: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StageCommitResponse(_message.Message):
     __slots__ = ("step", "already_committed", "grad_sq_norm", "sum_checks", "audit_checks")

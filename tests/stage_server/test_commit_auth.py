@@ -15,8 +15,10 @@ import torch
 from swarm.errors import RemoteError
 from swarm.job.config import parse_job
 from swarm.net.commit_auth import SchedulerKey, SignedStub
+from swarm.proto import pool_pb2, pool_pb2_grpc
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
+from swarm.wire import chunking as wire
 from tests.support.scheduled import AMQTT_LEAKS, LONG_SPEC, WAIT_S, scheduled_swarm
 from tests.support.waiting import wait_until
 
@@ -51,6 +53,23 @@ async def _refused(client: StageClient, step: int) -> set[str]:
     return codes
 
 
+async def _reduce_code(address: str, job_id: str, stage: int, step: int) -> grpc.StatusCode:
+    """What a token holder's `Reduce` as sender 0 of the stage's next round is answered."""
+    header = pool_pb2.PoolReduceRequest(
+        job=job_id, stage=stage, round=f"{step + 1}/0", part=1, sender=0, group_size=2
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=10)
+        for m in wire.split_tensor(header, "part", torch.zeros(4), 1 << 20):
+            await call.write(m)
+        await call.done_writing()
+        try:
+            await wire.receive_reply(call, max_bytes=1 << 20)
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
 async def test_only_the_scheduler_speaks_the_commit_protocol(tmp_path: Path) -> None:
     async with scheduled_swarm(tmp_path) as swarm:
         job_id = await swarm.start_job(LONG_SPEC, tmp_path)
@@ -72,6 +91,10 @@ async def test_only_the_scheduler_speaks_the_commit_protocol(tmp_path: Path) -> 
             assert await _refused(stranger, step) == {"UNAUTHENTICATED"}
             assert await _refused(forger, step) == {"PERMISSION_DENIED"}
             assert await _refused(replayer, step) == {"PERMISSION_DENIED"}
+            # Only a round's members reduce (`swarm.net.round_tickets`): the stranger's part as
+            # a member of the next round is refused; the members' own rounds go on (below).
+            denied = grpc.StatusCode.PERMISSION_DENIED
+            assert await _reduce_code(address, job_id, stage, step) == denied
         finally:
             for client in (stranger, forger, replayer):
                 await client.close()

@@ -56,14 +56,21 @@ def _route(job: str, stage: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def replicas(n: int) -> AsyncIterator[list[Replica]]:
+async def replicas(n: int, scheduler_key: bytes | None = None) -> AsyncIterator[list[Replica]]:
+    """`scheduler_key`: the key of the scheduler that placed them, whose round tickets their
+    owners ask for (`swarm.net.round_tickets`); None: a pool its owner coordinates."""
     made: list[Replica] = []
     try:
         for _ in range(n):
             server = grpc.aio.server(options=OPTIONS)
             averager = Averager()
             servicer = PoolServicer(
-                averager, route=_route, chunk_bytes=4 * MiB, max_bytes=64 * MiB, timeout_s=30
+                averager,
+                route=_route,
+                chunk_bytes=4 * MiB,
+                max_bytes=64 * MiB,
+                timeout_s=30,
+                scheduler_key=lambda job: scheduler_key,
             )
             pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
@@ -82,7 +89,7 @@ async def reduce_all(
 ) -> list[Any]:
     """Every replica's all_reduce, concurrently; results or exceptions in group order. `copies`:
     each replica's `ChunkCopies` (a fake device's), in group order; `on_sum`: each replica's
-    (`all_reduce`'s), in group order."""
+    (`all_reduce`'s), in group order; `proofs`: each member's `RoundPass`, in group order."""
     opts: dict[str, Any] = {
         "round": "r0",
         "job": JOB,
@@ -95,10 +102,11 @@ async def reduce_all(
     on_bytes = opts.pop("on_bytes", None)
     copies = opts.pop("copies", [None] * len(pool))  # each replica's device copies, or torch's
     on_sum = opts.pop("on_sum", [None] * len(pool))  # each replica's, in group order
+    proofs = opts.pop("proofs", [None] * len(pool))  # each member's round ticket, in group order
     calls = [
         all_reduce(
             f,
-            RoundSettings(group=group, index=i, **opts),
+            RoundSettings(group=group, index=i, proof=proofs[i], **opts),
             averager=r.averager,
             channels=r.channels,
             on_bytes=on_bytes,

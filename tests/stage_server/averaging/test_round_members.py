@@ -1,0 +1,155 @@
+"""Only a round's members reduce (`swarm.net.round_tickets`): an owner whose replicas a scheduler
+placed takes a contribution as sender i only with the scheduler's round ticket placing the caller
+there. Before, any token holder could send a part as any sender of any round, begun or not:
+plant what an owner sums and reports, abort a round naming its honest members, or hold every
+open round of an owner on made-up ids."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from stage_server.averaging.owner import Averager
+from swarm.net.round_tickets import RoundPass, issue_round_ticket
+from swarm.proto import pool_pb2, pool_pb2_grpc
+from swarm.wire import chunking as wire
+from tests.support import pools
+from tests.support.pools import JOB, MiB, Replica
+
+pytestmark = [pytest.mark.attack("round-members"), pytest.mark.timeout(120)]
+
+N, PART = 300, 100  # three members, equal parts of 100 values each
+ROUND = "7/0"
+
+
+def _passes(key: Ed25519PrivateKey, n: int = 3, round: str = ROUND) -> list[RoundPass]:
+    """Each member's side of the ticket its PREPARE would give it."""
+    made = [
+        issue_round_ticket(
+            key,
+            job=JOB,
+            stage=0,
+            round=round,
+            sender=i,
+            group_size=n,
+            contributors=0,
+            now=time.time(),
+        )
+        for i in range(n)
+    ]
+    return [RoundPass(t) for t in made]
+
+
+def _stranger(
+    owner: Replica,
+    *,
+    part: int,
+    sender: int,
+    values: torch.Tensor,
+    timeout: float,
+    round: str = ROUND,
+    proof: pool_pb2.MemberProof | None = None,
+) -> asyncio.Task[Any]:
+    """A contribution to `owner` as `sender` of `round`, the swarm token its only credential
+    (`proof`: one it holds of another's); its task ends with the answer or the call's error."""
+
+    async def call() -> Any:
+        async with grpc.aio.insecure_channel(owner.address) as channel:
+            header = pool_pb2.PoolReduceRequest(
+                job=JOB, stage=0, round=round, part=part, sender=sender, group_size=3
+            )
+            if proof is not None:
+                header.proof.CopyFrom(proof)
+            reduce = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=timeout)
+            for m in wire.split_tensor(header, "part", values, MiB):
+                await reduce.write(m)
+            await reduce.done_writing()
+            return await wire.receive_reply(reduce, max_bytes=64 * MiB)
+
+    return asyncio.create_task(call())
+
+
+async def _code(task: asyncio.Task[Any]) -> grpc.StatusCode | None:
+    try:
+        await task
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return None
+
+
+def _flats() -> list[torch.Tensor]:
+    return [torch.arange(N, dtype=torch.float64) * (i + 1) for i in range(3)]
+
+
+def _norms(flats: Sequence[torch.Tensor], part: int) -> list[float]:
+    return [float((f[part * PART : (part + 1) * PART] ** 2).sum()) for f in flats]
+
+
+@pytest.mark.parametrize(
+    "deadline", [10.0, 0.05], ids=["plants-its-values", "aborts-on-its-deadline"]
+)
+async def test_a_stranger_cannot_reduce_as_a_member(deadline: float) -> None:
+    # Before: the stranger's part as sender 0 was taken. With a long deadline its values were
+    # what the owner held of sender 0 (and reported: the norm bound's evidence); with 50 ms it
+    # opened the round's slot, timed out and aborted the round naming the others.
+    key = Ed25519PrivateKey.generate()
+    flats = _flats()
+    async with pools.replicas(3, scheduler_key=key.public_key().public_bytes_raw()) as pool:
+        planted = torch.full((PART,), 1e6, dtype=torch.float64)
+        stranger = _stranger(pool[1], part=1, sender=0, values=planted, timeout=deadline)
+        await asyncio.sleep(0.3)  # its call is in (and, with 50 ms, over) before the round
+        results = await pools.reduce_all(pool, flats, round=ROUND, proofs=_passes(key))
+        assert await _code(stranger) == grpc.StatusCode.PERMISSION_DENIED
+        assert torch.equal(pools.assert_identical(results), pools.ordered_sum(flats))
+        assert pool[1].averager.received((JOB, 0, ROUND), 1) == _norms(flats, 1)
+
+
+async def test_made_up_rounds_hold_no_place_of_an_owner() -> None:
+    # Before: 64 contributions on made-up round ids held every open round of the owner, and
+    # the honest round was refused (RESOURCE_EXHAUSTED) until they timed out.
+    key = Ed25519PrivateKey.generate()
+    flats = _flats()
+    async with pools.replicas(3, scheduler_key=key.public_key().public_bytes_raw()) as pool:
+        owner = pool[0]
+        assert owner.averager._max_open == 64  # the default every replica runs with
+        values = torch.zeros(PART, dtype=torch.float64)
+        fakes = [
+            _stranger(owner, part=0, sender=1, values=values, timeout=30, round=f"{900 + i}/0")
+            for i in range(64)
+        ]
+        await asyncio.sleep(1.0)  # every one of them in before the round
+        results = await pools.reduce_all(pool, flats, round=ROUND, proofs=_passes(key))
+        assert torch.equal(pools.assert_identical(results), pools.ordered_sum(flats))
+        codes = {await _code(f) for f in fakes}
+        assert codes == {grpc.StatusCode.PERMISSION_DENIED}, codes
+
+
+async def test_a_members_proof_is_for_its_owner_only_and_the_schedulers_alone() -> None:
+    # An owner learns the secret meant for it: replayed to another owner it is refused, and so
+    # is a ticket signed by anyone but the scheduler.
+    key = Ed25519PrivateKey.generate()
+    async with pools.replicas(3, scheduler_key=key.public_key().public_bytes_raw()) as pool:
+        values = torch.zeros(PART, dtype=torch.float64)
+        seen_by_1 = _passes(key)[0].to(1)  # member 0's proof, as owner 1 received it
+        replayed = _stranger(pool[2], part=2, sender=0, values=values, timeout=10, proof=seen_by_1)
+        assert await _code(replayed) == grpc.StatusCode.PERMISSION_DENIED
+        forged = _passes(Ed25519PrivateKey.generate())[0].to(2)
+        forger = _stranger(pool[2], part=2, sender=0, values=values, timeout=10, proof=forged)
+        assert await _code(forger) == grpc.StatusCode.PERMISSION_DENIED
+        assert isinstance(pool[2].averager, Averager)
+        assert pool[2].averager.received((JOB, 0, ROUND), 2) == []  # nothing of them summed
+
+
+async def test_an_owner_no_scheduler_placed_takes_the_token_as_before() -> None:
+    # `swarm trainer --stage-servers`: its owner coordinates the pool, and no ticket is asked.
+    flats = _flats()
+    async with pools.replicas(3) as pool:
+        results = await pools.reduce_all(pool, flats)
+        assert torch.equal(pools.assert_identical(results), pools.ordered_sum(flats))
