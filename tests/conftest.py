@@ -3,8 +3,8 @@
 closes them after the test; `make_harness` makes step coordinators over in-memory replicas
 (`tests.support.coordinator`); `api` is the job API over a real store (`tests.support.api`);
 `pki` the swarm's CA and a stranger's (`tests.support.tls`); every test starts on one torch thread
-(`tests.support.threads`). The fixtures themselves live in
-`tests/support/`, one home per concept."""
+(`tests.support.threads`) and writes nothing into the repository (`tests.support.tree`). The
+fixtures themselves live in `tests/support/`, one home per concept."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from tests.support.inprocess import make_swarm  # noqa: E402, F401
 from tests.support.reaper import kill_leftovers  # noqa: E402, F401
 from tests.support.threads import one_torch_thread  # noqa: E402, F401
 from tests.support.tls import pki  # noqa: E402, F401
+from tests.support.tree import untouched_tree  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)

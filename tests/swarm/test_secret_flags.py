@@ -92,6 +92,7 @@ def test_a_real_command_warns_of_a_token_on_its_command_line(tmp_path: Path) -> 
     (tmp_path / "data").mkdir()
     args = ["scheduler", "--host", "0.0.0.0", "--port", "0", "--token", "s3cret"]
     args += ["--store", str(tmp_path / "s.sqlite"), "--data-root", str(tmp_path / "data")]
+    args += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
     done = swarm(*args, env={"SWARM_TOKEN": ""}, check=False, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--token-file" in done.stderr and "s3cret" not in done.stderr, done.stderr

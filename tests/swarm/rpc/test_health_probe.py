@@ -25,6 +25,7 @@ def test_health_says_serving_then_nothing_once_the_scheduler_stops(tmp_path: Pat
     data = tmp_path / "data"
     data.mkdir()
     args = ["scheduler", "--data-root", str(data), "--port", "0"]
+    args += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
     scheduler = start_process([*args, "--store", str(tmp_path / "jobs.sqlite")], log_dir=tmp_path)
     try:
         address = scheduler.wait_ready(120)["address"]
