@@ -26,7 +26,8 @@ def untouched_tree() -> Iterator[None]:
     made = [name for name in DEFAULT_OUTPUTS if name not in before and (ROOT / name).exists()]
     if made:
         pytest.fail(
-            f"the test wrote {made} into the repository ({ROOT}): give the command the "
-            "folder or file to write (--checkpoint-dir, --store, --dir) under tmp_path",
+            f"{made} appeared in the repository ({ROOT}) during this test (written by it, or by "
+            "one running beside it in another worker): give the command the folder or file to "
+            "write (--checkpoint-dir, --store, --dir) under tmp_path",
             pytrace=False,
         )

@@ -24,6 +24,7 @@ def test_sigterm_stops_each_process_without_an_error_line(tmp_path: Path) -> Non
     (tmp_path / "data").mkdir()
     env = {"SWARM_CACHE_DIR": str(tmp_path / "cache")}
     flags = ["--data-root", str(tmp_path / "data"), "--store", str(tmp_path / "jobs.sqlite")]
+    flags += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
     scheduler = start_process(
         ["scheduler", *flags, "--port", "0", "--metrics-port", "0"],
         log_dir=tmp_path,

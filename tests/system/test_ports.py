@@ -28,7 +28,8 @@ def taken() -> Iterator[int]:
 def _scheduler(tmp_path: Path, *flags: str) -> list[str]:
     (tmp_path / "data").mkdir(exist_ok=True)
     store = str(tmp_path / "jobs.sqlite")
-    return ["scheduler", "--data-root", str(tmp_path / "data"), "--store", store, *flags]
+    kept = ["--store", store, "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    return ["scheduler", "--data-root", str(tmp_path / "data"), *kept, *flags]
 
 
 CASES = {

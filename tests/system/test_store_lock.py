@@ -20,6 +20,7 @@ def test_a_second_scheduler_on_the_same_store_is_refused(tmp_path: Path) -> None
     data.mkdir()
     store = tmp_path / "swarm-jobs.sqlite"
     args = ["scheduler", "--data-root", str(data), "--port", "0", "--store", str(store)]
+    args += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
     first = start_process(args, log_dir=tmp_path, name="first")
     try:
         first.wait_ready(120)
