@@ -55,6 +55,7 @@ from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient
+from swarm.rpc.state_streams import whole_state_s
 from swarm.wire import chunking as wire
 from swarm.wire.budget import ReceiveBudget
 
@@ -89,9 +90,11 @@ class StateTransfer:
         self._scheduler_key = scheduler_key
         self._tickets: FollowTickets | None = None  # of the scheduler key last seen
         self.copy: Copy | None = None  # a joining replica's background copy of a member
-        # The downloads served now (their calls' tasks) -> when their reader last took a part
-        # (the loop's clock).
-        self._served: dict[asyncio.Task[Any], float] = {}
+        # The downloads served now (their calls' tasks) -> (when each began, when its reader
+        # last took a part), on the loop's clock.
+        self._served: dict[asyncio.Task[Any], tuple[float, float]] = {}
+        # Downloads ended for another past their whole bound, and why: said at their next part.
+        self._ending: dict[asyncio.Task[Any], str] = {}
 
     @property
     def _downloads(self) -> int:
@@ -102,18 +105,27 @@ class StateTransfer:
         """End the downloads whose reader took nothing for `rpc_timeout_s`, after which the
         reader's own client gives up (`swarm.rpc.stage_client`): a caller that stops reading
         without hanging up must not keep a place of `--max-state-downloads` from a joiner
-        (issue 44, N7)."""
-        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        (issue 44, N7). So also a download past the whole transfer's bound its receiver keeps
+        (`whole_state_s`): a reader that takes a chunk just inside every idle bound kept its
+        place for as long as it liked."""
+        rt = self._runtime()
+        stall_s, whole_s = rt.job.runtime.rpc_timeout_s, whole_state_s(rt.max_state_bytes())
         now = asyncio.get_running_loop().time()
-        for task, heard in list(self._served.items()):
+        for task, (began, heard) in list(self._served.items()):
             if now - heard > stall_s:
                 del self._served[task]  # its place is free now; its call ends as it is cancelled
                 task.cancel()
-                log.info(
-                    "%s: a state download whose reader took nothing for %.3g s ended for another",
-                    self.peer,
-                    now - heard,
-                )
+                why = f"whose reader took nothing for {now - heard:.3g} s"
+            elif now - began > whole_s:
+                # Its reader reads: told why at its next part. Cancelled (told nothing) if it
+                # stops reading now, or its snapshot would be held by a call that never ends.
+                del self._served[task]
+                why = f"still read after {now - began:.3g} s (its bound: {whole_s:.3g} s)"
+                self._ending[task] = why
+                asyncio.get_running_loop().call_later(stall_s, task.cancel)
+            else:
+                continue
+            log.info("%s: a state download %s ended for another", self.peer, why)
 
     def _named(self, job_id: str, follower: str, ticket: bytes, *, fresh: bool) -> None:
         """PermissionDenied unless `follower` is one the scheduler named, by `ticket` (fresh:
@@ -232,12 +244,13 @@ class StateTransfer:
             )
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         assert task is not None  # a call's handler
-        self._served[task] = loop.time()
+        began = loop.time()
+        self._served[task] = (began, began)
         log_, registered, sent = self._runtime().updates, None, False
         off: OffLoop | None = None
         try:
             snapshot, registered = await self.snapshot(follower, include_optimizer)
-            self._served[task] = loop.time()
+            self._served[task] = (began, loop.time())
             # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
             off = OffLoop(snapshot.on_device, snapshot.device)
             # A joiner's or a standby's copy (or a checkpoint's) taken mid-job waits, part by
@@ -253,7 +266,12 @@ class StateTransfer:
                 await lane.before()
                 yield part
                 nbytes += payload_bytes(part)
-                self._served[task] = loop.time()  # its reader took a part
+                if (why := self._ending.pop(task, None)) is not None:
+                    raise ResourceExhausted(
+                        f"{self.peer} ended this state download for another: {why} "
+                        "(--max-state-downloads are served at once)"
+                    )
+                self._served[task] = (began, loop.time())  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
@@ -263,6 +281,7 @@ class StateTransfer:
             if off is not None:
                 off.shutdown()  # its thread ends with its last copy (nothing waits on it)
             self._served.pop(task, None)
+            self._ending.pop(task, None)
             # A follower's place is held by a copy that goes on: one whose download ended
             # early (a caller that named itself a follower and hung up) has none (N7).
             if registered is not None:

@@ -32,6 +32,7 @@ __all__ = [
     "ReplicaStreams",
     "StateSink",
     "Update",
+    "whole_state_s",
 ]
 
 # A state download's whole-transfer deadline: the stage's state bound (`max_state_bytes`, about
@@ -40,6 +41,15 @@ __all__ = [
 # deadline) reaches it.
 STATE_MIN_RATE = 1 << 20  # bytes a second
 STATE_FLOOR_S = 60.0
+
+
+def whole_state_s(limit: int, min_rate: float | None = None, floor_s: float | None = None) -> float:
+    """The longest a state transfer of at most `limit` bytes may take: the receiver gives up
+    then, and the sender frees its place (`stage_server.replica.state_transfer`). The module's
+    rate and floor by default, read at each call."""
+    rate = STATE_MIN_RATE if min_rate is None else min_rate
+    return max(STATE_FLOOR_S if floor_s is None else floor_s, limit / rate)
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -132,7 +142,7 @@ class ReplicaStreams:
         limit = expect.max_state_bytes()
         rate = STATE_MIN_RATE if self.min_rate is None else self.min_rate
         floor_s = STATE_FLOOR_S if self.floor_s is None else self.floor_s
-        whole_s = max(floor_s, limit / rate)
+        whole_s = whole_state_s(limit, rate, floor_s)
         within = (
             whole_s,
             f"{self._sender} did not send its state within {whole_s:g}s (its bound of {limit} "

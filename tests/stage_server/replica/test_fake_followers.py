@@ -14,11 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from stage_server.peer.limits import PeerLimits
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
+from swarm.rpc import state_streams
 from swarm.rpc.stage_client import StageClient
 from tests.support.jobs import WIDE, make_job
 from tests.support.waiting import wait_until
@@ -133,5 +135,49 @@ async def test_downloads_whose_readers_stall_give_their_places_to_a_joiner(
                 await client.close()
             for call in stalled:
                 call.cancel()
+    finally:
+        await running.stop()
+
+
+async def test_a_download_that_trickles_past_its_whole_bound_gives_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader that takes a chunk just inside every idle bound (rpc_timeout_s) kept its place
+    # of --max-state-downloads for as long as it liked: the receiving side bounds a whole state
+    # transfer (`STATE_MIN_RATE`, at least `STATE_FLOOR_S`), the serving side did not (before
+    # the fix: "1 state downloads are being served already" for the 40 s it trickled). Here the
+    # whole bound is 2 s; past it, the trickler gives its place to the next download.
+    monkeypatch.setattr(state_streams, "STATE_MIN_RATE", 1 << 40)
+    monkeypatch.setattr(state_streams, "STATE_FLOOR_S", 2.0)
+    job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
+    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))
+    running = await start_stage_server(job, opts)
+    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the reader paces the sender
+    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+    try:
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            trickling = stub.DownloadState(request, timeout=120)
+
+            async def trickle() -> None:  # a chunk every 0.3 s: never idle for 1 s
+                while await trickling.read() is not grpc.aio.EOF:
+                    await asyncio.sleep(0.3)
+
+            reader = asyncio.create_task(trickle())
+            await asyncio.sleep(3.0)  # past the whole bound, still reading
+            assert not reader.done()
+            patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
+            client = StageClient(running.address, patient, fingerprint(job), 0)
+            try:
+                step, state = await client.download_state(
+                    True, "", expect=running.runtime.checks.state
+                )
+                assert step == 0 and state
+            finally:
+                await client.close()
+            with pytest.raises(grpc.aio.AioRpcError) as ended:  # the trickler is told why
+                await asyncio.wait_for(reader, 20)
+            assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "ended this state download for another" in (ended.value.details() or "")
     finally:
         await running.stop()
