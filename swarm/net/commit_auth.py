@@ -62,6 +62,12 @@ SIGNATURE_KEY = "swarm-scheduler-signature-bin"
 MAX_AGE_S = 300.0
 #: The scheduler's key, in its checkpoint directory (0600).
 KEY_FILE = "scheduler-commit-key"
+#: Public keys of scheduler keys that were published (a run's key committed to the repository
+#: with 1cb5e785, gone since 702396c5): whoever cloned it holds the private key, so a scheduler
+#: refuses to sign with one. A clone that ran a scheduler from its root may still have the file.
+PUBLISHED = frozenset(
+    {bytes.fromhex("1509bbd13af203552ccb98e99384afd2b359587c17d8c144b1260c13fdde2735")}
+)
 #: The binary metadata entry of a signed LoadState: the digest of the state it streams.
 STATE_DIGEST_KEY = "swarm-state-digest-bin"
 #: When this process started (its clock): a call signed before is refused, whatever its nonce.
@@ -145,11 +151,20 @@ class SchedulerKey:
         """The key in `path`, made there (0600) on first use: a restarted scheduler keeps its
         key, so the replicas of the jobs it resumes take its calls at once."""
         try:
-            return cls(Ed25519PrivateKey.from_private_bytes(path.read_bytes()))
+            found = cls(Ed25519PrivateKey.from_private_bytes(path.read_bytes()))
         except FileNotFoundError:
             pass
         except ValueError as e:
             raise ValueError(f"{path} is not a scheduler key ({e}); remove it to make one") from e
+        else:
+            if found.public in PUBLISHED:
+                raise ValueError(
+                    f"{path} is a scheduler key that was published (committed to swarm's "
+                    "repository): anyone may sign as this scheduler with it. Remove it to make "
+                    "one (the replicas of the jobs it runs then take the new key's calls once "
+                    "the jobs are announced again)"
+                )
+            return found
         key = Ed25519PrivateKey.generate()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:  # its owner's only, whatever the umask

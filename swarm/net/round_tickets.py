@@ -44,10 +44,12 @@ from swarm.proto import stage_pb2 as pb
 
 __all__ = ["MAX_AGE_S", "RoundPass", "RoundTickets", "issue_round_ticket"]
 
-#: A contribution is taken this long after (or before: clocks differ) its ticket was issued: the
-#: clock skew a peer accepts of the scheduler, as a signed commit call's
-#: (`swarm.net.commit_auth.MAX_AGE_S`). A round ends within its `averaging_timeout_s`.
-MAX_AGE_S = 300.0
+#: A contribution is taken this long after (or before: clocks differ) its ticket was issued. Not
+#: the commit calls' 300 s: a PREPARE may wait `commit_timeout_s` (unbounded) before its round
+#: begins, and a round takes up to `averaging_timeout_s` more. What an old ticket can do is
+#: little: its round's id is its own, an owner remembers the last 256 rounds' outcomes (a late
+#: part is told), and an older one reopened only waits out its timeout.
+MAX_AGE_S = 3600.0
 
 _CONTEXT = b"swarm-round/1\0"
 _HEAD = struct.Struct(">q")  # issued (ms)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.net import commit_auth
 from swarm.net.commit_auth import (
     MAX_AGE_S,
     SIGNATURE_KEY,
@@ -125,3 +126,16 @@ def test_a_call_signed_before_the_replica_started_is_refused() -> None:
         pass  # (a millisecond on: the scheduler's next call is signed after the restart)
     fresh = KEY.signer("a").metadata("Commit", request)
     assert _code(restarted, "Commit", request, fresh) == "OK"
+
+
+def test_a_published_key_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The key a run left in the repository (committed with 1cb5e785) is anyone's: a scheduler
+    # that finds it in its checkpoint folder refuses to sign with it and says how to go on.
+    path = tmp_path / "checkpoints" / "scheduler-commit-key"
+    leaked = SchedulerKey.load_or_create(path)
+    monkeypatch.setattr(commit_auth, "PUBLISHED", frozenset({leaked.public}))
+    with pytest.raises(ValueError, match="published"):
+        SchedulerKey.load_or_create(path)
+    path.unlink()
+    assert SchedulerKey.load_or_create(path).public != leaked.public
+    assert len(commit_auth.PUBLISHED) == 1
