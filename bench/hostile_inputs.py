@@ -129,6 +129,9 @@ ATTACKS: dict[str, str] = {
     # Found since (docs/decisions.md, "A microbatch's activations serve their own caller")
     "cache-caller": "another token holder's Forward of a microbatch replaces the activations the "
     "trainer's Backward then differentiates: a wrong gradient, the honest replica banned",
+    # docs/decisions.md, "A trainer speaks for its own leases"
+    "trainer-word": "a token holder reports microbatches leased to others (voiding the replica it "
+    "names), renews or gives back another trainer's leases, or renews one lease forever",
     # docs/decisions.md, "Only a round's members reduce"
     "round-members": "any token holder reduces as any member of any round: plants what an owner "
     "sums and reports, aborts a round naming its members, holds every open round on made-up ids",

@@ -162,13 +162,14 @@ async def _trainer(
     async with grpc.aio.insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         replica = hash(name) % REPLICAS
+        key = os.urandom(32)  # its own, as a trainer's (`scheduler.trainer_keys`)
         queue: list[Any] = []
         while time.monotonic() < until:
             if not queue:
                 start = time.monotonic()
                 lease = await stub.LeaseMicrobatches(
                     scheduler_pb2.SchedulerLeaseMicrobatchesRequest(
-                        job=job, trainer=name, count=take, wait_s=1.0
+                        job=job, trainer=name, count=take, wait_s=1.0, trainer_key=key
                     ),
                     timeout=30,
                 )
@@ -188,11 +189,15 @@ async def _trainer(
                 for t in queue
             ]
             ask = scheduler_pb2.SchedulerLeaseMicrobatchesRequest(
-                job=job, trainer=name, count=len(queue)
+                job=job, trainer=name, count=len(queue), trainer_key=key
             )
             start = time.monotonic()
             request = scheduler_pb2.SchedulerReportMicrobatchesRequest(
-                job=job, trainer=name, results=results, next=None if separate else ask
+                job=job,
+                trainer=name,
+                results=results,
+                next=None if separate else ask,
+                trainer_key=key,
             )
             answer = await stub.ReportMicrobatches(request, timeout=30)
             out["report_ms"].append((time.monotonic() - start) * 1000)
@@ -210,7 +215,7 @@ async def _trainer(
         if queue:  # time is up: give back what is left, for the next round's trainers
             await stub.ReportMicrobatches(
                 scheduler_pb2.SchedulerReportMicrobatchesRequest(
-                    job=job, trainer=name, released=[t.index for t in queue]
+                    job=job, trainer=name, released=[t.index for t in queue], trainer_key=key
                 ),
                 timeout=30,
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -67,6 +68,9 @@ class RemoteCoordinator:
         does too, but its work is replayed exactly either way."""
         self.address, self.job_id = address, job_id
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
+        # Its own, for its lifetime: the job API binds each trainer id it names to it
+        # (`scheduler.trainer_keys`), so no other caller speaks for its leases.
+        self.key = os.urandom(32)
         self.channel = dial.channel(address, token=token, options=grpc_options(64 << 20))
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
 
@@ -119,6 +123,7 @@ class RemoteCoordinator:
         self, trainer: str, count: int, *, wait_s: float = 0.0, working: Sequence[Working] = ()
     ) -> Lease:
         request = lease_request(self.job_id, trainer, count, wait_s, working)
+        request.trainer_key = self.key
         # A long poll: the deadline covers the wait as well as the answer.
         deadline = self.timeout_s + wait_s
         response = await self._call(
@@ -159,6 +164,7 @@ class RemoteCoordinator:
     async def _report(
         self, request: spb.SchedulerReportMicrobatchesRequest
     ) -> spb.SchedulerReportMicrobatchesResponse:
+        request.trainer_key = self.key
         return await self._call(
             "report", lambda: self.stub.ReportMicrobatches(request, timeout=self.timeout_s)
         )

@@ -27,7 +27,7 @@ from scheduler.data_hashes import DataHashes
 from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
 from scheduler.store import JobRecord, JobStore
-from scheduler.trainer_calls import trainer_call
+from scheduler.trainer_calls import TrainerCalls
 from scheduler.trusted_peers import TrustMode
 from swarm.errors import (
     ConfigError,
@@ -128,6 +128,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler")
         self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
+        self.trainer_calls = TrainerCalls()  # bounded, each under its own trainer id
         self.trust = TrustMode(trusted_peers)
         self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)
         self.data_hashes = DataHashes()  # each data file's hash, once
@@ -310,14 +311,14 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
             self._known(request.job)
-            return await self._lease(request)
+            return await self._lease(request, request.trainer_key)
 
         return await self._serving.run("LeaseMicrobatches", context, body)
 
     async def _lease(
-        self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest
+        self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, key: bytes
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
-        trainer_call(request.trainer, working=request.working)
+        self.trainer_calls.lease(request, key)
         if not math.isfinite(request.wait_s) or request.wait_s < 0:
             raise InvalidArgument(f"wait_s must be a number >= 0, got {request.wait_s}")
         lease = await self.control.lease(
@@ -334,9 +335,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
             self._known(request.job)
-            trainer_call(request.trainer, results=request.results, released=request.released)
-            if request.HasField("next"):  # all of it refused before any of it is taken
-                trainer_call(request.next.trainer, working=request.next.working)
+            self.trainer_calls.report(request)  # all of it refused before any of it is taken
             results = [result_from_proto(r) for r in request.results]
             failure = request.failure[:MAX_FAILURE_CHARS] or None
             released = list(request.released)
@@ -344,7 +343,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if not request.HasField("next"):
                 return scheduler_pb2.SchedulerReportMicrobatchesResponse()
             return scheduler_pb2.SchedulerReportMicrobatchesResponse(
-                lease=await self._lease(request.next)
+                lease=await self._lease(request.next, request.trainer_key)
             )
 
         return await self._serving.run("ReportMicrobatches", context, body)

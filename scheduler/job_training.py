@@ -46,6 +46,7 @@ from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
 from scheduler.stored_bans import StoredBans
+from scheduler.trainer_keys import embedded_trainer
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -111,7 +112,7 @@ class JobTraining:
             coordinator,
             job_id=job_id,
             token=self.token,
-            trainer_id=f"{job_id}-embedded",
+            trainer_id=embedded_trainer(job_id),
             metrics=_trainer_metrics(job_id),
         )
         try:

@@ -1,14 +1,17 @@
 """A trainer's calls to the job API (LeaseMicrobatches, ReportMicrobatches), bounded where they
-enter it: any token holder may make them."""
+enter it, and each under its own trainer id (`scheduler.trainer_keys`): any token holder may
+make them."""
 
 from __future__ import annotations
 
 from collections.abc import Sized
 
+from scheduler.trainer_keys import TrainerKeys
 from swarm.errors import InvalidArgument
 from swarm.job.schema import MAX_IN_FLIGHT
+from swarm.proto import scheduler_pb2 as spb
 
-__all__ = ["MAX_REPORTED", "MAX_TRAINER_ID_CHARS", "trainer_call"]
+__all__ = ["MAX_REPORTED", "MAX_TRAINER_ID_CHARS", "TrainerCalls", "trainer_call"]
 
 # A trainer's calls, which any token holder may make: its id (kept by the coordinator a minute
 # after its last call, and with each of its leases) is at most this long (swarm's own are under
@@ -33,3 +36,23 @@ def trainer_call(trainer: str, **lists: Sized) -> None:
                 f"{name}: {len(items)} microbatches in one call, over the {MAX_REPORTED} "
                 "(swarm's MAX_REPORTED)"
             )
+
+
+class TrainerCalls:
+    """A trainer's calls checked where they enter the job API: past their bounds
+    (`trainer_call`), or under a trainer id another caller holds (`TrainerKeys`)."""
+
+    def __init__(self, keys: TrainerKeys | None = None) -> None:
+        self.keys = keys or TrainerKeys()
+
+    def lease(self, request: spb.SchedulerLeaseMicrobatchesRequest, key: bytes) -> None:
+        """A lease (or a report's `next`, with the report's `key`)."""
+        trainer_call(request.trainer, working=request.working)
+        self.keys.check(request.job, request.trainer, key)
+
+    def report(self, request: spb.SchedulerReportMicrobatchesRequest) -> None:
+        """A report, its `next` lease included: all of it, before any of it is taken."""
+        trainer_call(request.trainer, results=request.results, released=request.released)
+        if request.HasField("next"):
+            self.lease(request.next, request.trainer_key)
+        self.keys.check(request.job, request.trainer, request.trainer_key)

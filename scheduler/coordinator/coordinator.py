@@ -53,6 +53,7 @@ from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.routes import Record
 from swarm.ops.progress import StepRecord
+from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
 
@@ -107,6 +108,7 @@ class LocalCoordinator:
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock or MonotonicClock()
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
+        self._rated = RatedLog(log, clock=self.clock.now)  # what a trainer's call may repeat
         self._records = StepRecords(self.metrics, job.model.seq_len)
         rule = rule_of(job)
         self._window = window_of(rule, job, self.steps, self.clock)
@@ -332,6 +334,22 @@ class LocalCoordinator:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         live = self._window.at(result.step)
+        if live is not None and not live.ledger.speaks_for(trainer, result.index):
+            # Any token holder may report: its word on a microbatch whose lease is another's
+            # (its holders, its loss, its audit's verdicts) is not taken; what it says landed
+            # is looked for in the members' receipts (`StepLedger.speaks_for`, `recheck`).
+            self._rated.warning(
+                "not-its-lease",
+                "trainer %s reported microbatch (%d, %d), whose lease is not its own: its word "
+                "is not taken, the replicas' receipts of it are looked at instead",
+                trainer,
+                result.step,
+                result.index,
+            )
+            if not result.late:
+                live.ledger.recheck(result.index)
+                self._wake()  # leasable again once its receipts were looked at
+            return
         if await self.bans.screen(trainer, result, live.ledger if live else None):
             self._wake()  # it rests on a banned peer's answer: it goes out again
             return

@@ -28,9 +28,13 @@ from swarm.errors import InvalidArgument
 from swarm.model.routes import Run
 from swarm.rpc.lease import Task
 
-__all__ = ["EVALUATED", "Holding", "StepLedger"]
+__all__ = ["EVALUATED", "LEASE_LIFE_TIMEOUTS", "Holding", "StepLedger"]
 
 EVALUATED = -1  # what a validation microbatch needs in `_needed`: its loss, not a stage
+# A lease is renewed for at most this many lease timeouts from when its trainer took it, then
+# runs out: one leased microbatch renewed forever held its step open for good (any token holder
+# may lease). Far past any honest microbatch's time through the pipeline.
+LEASE_LIFE_TIMEOUTS = 10
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Holding:
 class _Lease:
     trainer: str
     expires: float
+    taken: float  # when `trainer` took it: its renewals end `LEASE_LIFE_TIMEOUTS` after
     counted: bool = False  # in `_held`: unexpired, on a microbatch still needed
 
 
@@ -78,6 +83,9 @@ class StepLedger:
         # the same, per stage and peer: a commit asks each stage's holdings several times
         self._held_at: list[dict[str, set[int]]] = [{} for _ in range(self.stages)]
         self._leases: dict[int, _Lease] = {}
+        # The trainer whose report of each microbatch was taken: its audit's own report comes
+        # after (`MicrobatchResult.late`), when it holds the lease no more.
+        self._reporters: dict[int, str] = {}
         # The microbatches `lease` may give: needed somewhere, and not under a live lease. Kept
         # as leases are taken, given back, reported and expire (`_expiring`: (expiry, index) of
         # every lease taken or renewed, stale entries skipped), so that a lease call costs the
@@ -108,7 +116,7 @@ class StepLedger:
         if count <= 0:
             return tasks
         for index in self._lowest_free(count, exclude):
-            self._hold(index, _Lease(trainer, now + self.lease_timeout_s))
+            self._hold(index, _Lease(trainer, now + self.lease_timeout_s, now))
             self._returned.discard(index)
             if index in self.evaluations:
                 tasks.append(Task(self.step, index, frozenset(), evaluate=True))
@@ -186,17 +194,39 @@ class StepLedger:
         return len(self._held)
 
     def renew(self, trainer: str, indices: Iterable[int]) -> list[int]:
-        """`trainer` is still working on these: their leases run `lease_timeout_s` from now.
-        A lease that another trainer holds now is not taken back; one that expired but went to
-        nobody is `trainer`'s again. Returns the indices renewed."""
+        """`trainer` is still working on these: their leases run `lease_timeout_s` from now,
+        but never past `LEASE_LIFE_TIMEOUTS` of them from when it took each. A lease that
+        another trainer holds now is not taken back; one that expired but went to nobody is
+        `trainer`'s again. Returns the indices renewed."""
         now, renewed = self.clock.now(), []
+        life = LEASE_LIFE_TIMEOUTS * self.lease_timeout_s
         for index in indices:
             held = self._leases.get(index)
             if held is None or held.trainer != trainer or not self._needed.get(index):
                 continue  # released, reported, or leased to another: no longer this trainer's
-            self._hold(index, _Lease(trainer, now + self.lease_timeout_s))
+            expires = min(now + self.lease_timeout_s, held.taken + life)
+            if expires <= now:
+                continue  # its life is over: it runs out, and goes to another
+            self._hold(index, _Lease(trainer, expires, held.taken))
             renewed.append(index)
         return renewed
+
+    def speaks_for(self, trainer: str, index: int) -> bool:
+        """Whether `trainer`'s word on microbatch `index` is taken: it holds its lease (or
+        held it last, the lease run out and given to no one since: a straggler), or its report
+        of it was taken (its audit's report follows)."""
+        lease = self._leases.get(index)
+        held = lease is not None and lease.trainer == trainer
+        return held or self._reporters.get(index) == trainer
+
+    def recheck(self, index: int) -> None:
+        """Microbatch `index` was reported by a trainer whose word is not taken (`speaks_for`):
+        a straggler whose lease went to another, a trainer of before a scheduler restart, or
+        anyone. Where it is still needed, the members' receipts of it are looked at before it is
+        leased again (what landed is adopted, `adopt`), as for work given back."""
+        if self._needed.get(index):
+            self._returned.add(index)
+        self.suspect = True
 
     def returned(self) -> list[int]:
         """Microbatches given back (released, reported without some of their stages) whose
@@ -250,8 +280,9 @@ class StepLedger:
     ) -> list[Holding]:
         """Record that `holders[stage]` accumulated microbatch `index` at `stage`. Returns the
         replicas that now hold a gradient that must not count (someone else's was accepted first).
-        Reports of another step are ignored. A sample count other than `microbatch_size` is
-        refused (InvalidArgument) before anything is recorded."""
+        Reports of another step are ignored, and one by a trainer whose word on the microbatch is
+        not taken (`speaks_for`) only has its receipts looked at (`recheck`). A sample count
+        other than `microbatch_size` is refused (InvalidArgument) before anything is recorded."""
         if self.microbatch_size is not None and samples != self.microbatch_size:
             raise InvalidArgument(
                 f"microbatch ({step}, {index}) reported {samples} samples; every microbatch has "
@@ -259,6 +290,10 @@ class StepLedger:
             )
         if step != self.step or index not in self._needed:
             return []
+        if not self.speaks_for(trainer, index):
+            self.recheck(index)
+            return []
+        self._reporters[index] = trainer
         if index in self.evaluations:
             if loss_sum is not None and index not in self._val_loss:
                 self._val_loss[index] = (loss_sum, samples)

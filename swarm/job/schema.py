@@ -66,6 +66,10 @@ CHECKPOINT_EVERY = 100  #: training.checkpoint_every when unset (steps)
 # more, `scheduler.trainer_calls.MAX_REPORTED`, since any token holder may call it).
 MAX_IN_FLIGHT = 1 << 16
 IN_FLIGHT: Check = (lambda v: 1 <= v <= MAX_IN_FLIGHT, f"in 1..{MAX_IN_FLIGHT}")
+# A lease's timeout at most: a trainer id unheard this long holds no lease, and the job API
+# forgets which caller held it (`scheduler.trainer_keys`).
+MAX_LEASE_TIMEOUT_S = 3600.0
+LEASE_TIMEOUT: Check = (lambda v: 0 < v <= MAX_LEASE_TIMEOUT_S, f"in (0, {MAX_LEASE_TIMEOUT_S:g}]")
 
 
 @dataclass(frozen=True)
@@ -343,7 +347,8 @@ class RuntimeConfig(Section):
     averaging_timeout_s: float = _f(60.0, GT0)  #: a pool round waits this long for a replica (s)
     #: averaging rounds one step may fail (no commit between) before the job fails (count)
     max_commit_rounds: int = _f(10, GE1)
-    lease_timeout_s: float = _f(60.0, GT0)  #: unreported leased microbatches go elsewhere (s)
+    #: unreported leased microbatches go elsewhere (s)
+    lease_timeout_s: float = _f(60.0, LEASE_TIMEOUT)
     #: bytes of boundary tensors a trainer keeps to replay lost gradients without the pipeline
     boundary_cache_bytes: int = _f(256 * MiB, GE0)
     #: bytes of applied updates kept for followers (copies, standbys); one further behind copies

@@ -313,18 +313,20 @@ class MicrobatchRef(_message.Message):
     def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class SchedulerLeaseMicrobatchesRequest(_message.Message):
-    __slots__ = ("job", "trainer", "count", "wait_s", "working")
+    __slots__ = ("job", "trainer", "count", "wait_s", "working", "trainer_key")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     WORKING_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_KEY_FIELD_NUMBER: _ClassVar[int]
     job: str
     trainer: str
     count: int
     wait_s: float
     working: _containers.RepeatedCompositeFieldContainer[MicrobatchRef]
-    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., count: _Optional[int] = ..., wait_s: _Optional[float] = ..., working: _Optional[_Iterable[_Union[MicrobatchRef, _Mapping]]] = ...) -> None: ...
+    trainer_key: bytes
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., count: _Optional[int] = ..., wait_s: _Optional[float] = ..., working: _Optional[_Iterable[_Union[MicrobatchRef, _Mapping]]] = ..., trainer_key: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerLeaseMicrobatchesResponse(_message.Message):
     __slots__ = ("step", "tasks", "replicas", "done")
@@ -395,20 +397,22 @@ class Verdict(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., stage: _Optional[int] = ..., evidence: _Optional[str] = ..., auditors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesRequest(_message.Message):
-    __slots__ = ("job", "trainer", "results", "released", "failure", "next")
+    __slots__ = ("job", "trainer", "results", "released", "failure", "next", "trainer_key")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     NEXT_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_KEY_FIELD_NUMBER: _ClassVar[int]
     job: str
     trainer: str
     results: _containers.RepeatedCompositeFieldContainer[MicrobatchReport]
     released: _containers.RepeatedScalarFieldContainer[int]
     failure: str
     next: SchedulerLeaseMicrobatchesRequest
-    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., failure: _Optional[str] = ..., next: _Optional[_Union[SchedulerLeaseMicrobatchesRequest, _Mapping]] = ...) -> None: ...
+    trainer_key: bytes
+    def __init__(self, job: _Optional[str] = ..., trainer: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MicrobatchReport, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., failure: _Optional[str] = ..., next: _Optional[_Union[SchedulerLeaseMicrobatchesRequest, _Mapping]] = ..., trainer_key: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerReportMicrobatchesResponse(_message.Message):
     __slots__ = ("lease",)

@@ -63,10 +63,10 @@ async def test_a_trainers_id_and_lists_past_their_bounds_are_refused(tmp_path: P
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
             assert "trainer" in (e.value.details() or "")
             # within the bounds: taken
-            await stub.ReportMicrobatches(
-                spb.SchedulerReportMicrobatchesRequest(job=job, trainer="t", results=many[:-1]),
-                timeout=30,
+            within = spb.SchedulerReportMicrobatchesRequest(
+                job=job, trainer="t", results=many[:-1], trainer_key=bytes(32)
             )
+            await stub.ReportMicrobatches(within, timeout=30)
     finally:
         await api.stop()
     assert reported == [MAX_REPORTED], "nothing past a bound reached the coordinator"

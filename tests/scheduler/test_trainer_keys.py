@@ -1,0 +1,98 @@
+"""A trainer id is its first caller's (`scheduler.trainer_keys`): a call under it with another key
+is refused before the coordinator hears it. Before, any token holder naming a trainer's id renewed
+that trainer's leases, or gave them back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from scheduler.store import JobStore
+from scheduler.trainer_keys import FORGET_S, TrainerKeys, embedded_trainer
+from swarm.errors import PermissionDenied
+from swarm.proto import scheduler_pb2 as spb
+from swarm.proto import scheduler_pb2_grpc
+from swarm.rpc.lease import Lease
+from tests.support.api import start_api
+from tests.support.jobs import BASE, render
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.attack("trainer-word")]
+
+MINE, THEIRS = b"k" * 32, b"x" * 32
+
+
+async def test_another_callers_trainer_id_is_refused(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create("test", render(BASE), str(tmp_path), 3).id
+    heard: list[tuple[str, str]] = []
+
+    async def lease(job: str, trainer: str, count: int, **_: Any) -> Lease:
+        heard.append(("lease", trainer))
+        return Lease(0, [], [])
+
+    async def report(job: str, trainer: str, results: Any, released: Any, failure: Any) -> None:
+        heard.append(("report", trainer))
+
+    api = await start_api(tmp_path)
+    api.control.lease, api.control.report = lease, report  # type: ignore[attr-defined]
+    try:
+        async with grpc.aio.insecure_channel(api.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            mine = spb.SchedulerLeaseMicrobatchesRequest(job=job, trainer="t", trainer_key=MINE)
+            await stub.LeaseMicrobatches(mine, timeout=30)
+            # Another caller under "t": its renewals, and its giving back "t"'s leases.
+            theirs = spb.SchedulerLeaseMicrobatchesRequest(
+                job=job, trainer="t", trainer_key=THEIRS, working=[spb.MicrobatchRef(index=0)]
+            )
+            release = spb.SchedulerReportMicrobatchesRequest(
+                job=job, trainer="t", released=[0], trainer_key=THEIRS
+            )
+            for call, request in (
+                (stub.LeaseMicrobatches, theirs),
+                (stub.ReportMicrobatches, release),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(request, timeout=30)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+                assert "another caller's" in (e.value.details() or "")
+            # A report's `next` under another's id, with the reporter's own key: refused whole.
+            sneaked = spb.SchedulerReportMicrobatchesRequest(
+                job=job,
+                trainer="u",
+                trainer_key=THEIRS,
+                next=spb.SchedulerLeaseMicrobatchesRequest(job=job, trainer="t"),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ReportMicrobatches(sneaked, timeout=30)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # The scheduler's own trainer calls the coordinator in-process: its id is no one's.
+            embedded = spb.SchedulerReportMicrobatchesRequest(
+                job=job, trainer=embedded_trainer(job), released=[0], trainer_key=MINE
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ReportMicrobatches(embedded, timeout=30)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            keyless = spb.SchedulerLeaseMicrobatchesRequest(job=job, trainer="v")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.LeaseMicrobatches(keyless, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await stub.LeaseMicrobatches(mine, timeout=30)  # its own go on
+    finally:
+        await api.stop()
+    assert heard == [("lease", "t"), ("lease", "t")], heard
+
+
+def test_an_id_unheard_past_any_lease_is_forgotten() -> None:
+    now = [0.0]
+    keys = TrainerKeys(clock=lambda: now[0])
+    keys.check("j", "t", MINE)
+    now[0] = FORGET_S - 1  # heard within: still its first caller's
+    with pytest.raises(PermissionDenied):
+        keys.check("j", "t", THEIRS)
+    keys.check("j", "t", MINE)
+    now[0] += FORGET_S + 1  # no lease outlives this: the id is free
+    keys.check("j", "t", THEIRS)
+    keys.check("k", "t", MINE)  # another job's "t" is another id
