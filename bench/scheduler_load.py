@@ -122,10 +122,15 @@ async def _serving(stages: int, microbatches: int, ready: Any) -> None:
             return await coordinator.lease(trainer, count, wait_s=wait_s, working=working)
 
         async def report(
-            self, job_id: str, trainer: str, results: list[MicrobatchResult], released: list[int]
+            self,
+            job_id: str,
+            trainer: str,
+            results: list[MicrobatchResult],
+            released: list[int],
+            failure: str | None = None,
         ) -> None:
             if released:
-                await coordinator.release(trainer, released)
+                await coordinator.release(trainer, released, failure)
             for result in results:
                 for peer in result.holders.values():
                     swarm[peer].accumulate(result.index)
