@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +36,7 @@ from swarm.bus.topics import SCHEDULER_USER, Topics
 from swarm.errors import NotFound
 from swarm.local.procs import SwarmProcess, start_process
 from swarm.net import dial
+from swarm.net.round_tickets import RoundPass, issue_round_ticket
 from swarm.policy import parts
 from swarm.policy.parts import Parts
 from swarm.proto import control_pb2 as cpb
@@ -126,12 +129,18 @@ async def reduce(
     values: torch.Tensor | None = None,
     timeout_s: float = 3.0,
     token: str | None = TOKEN,
+    ticket: Ed25519PrivateKey | None = None,
 ) -> tuple[grpc.StatusCode, str]:
-    """One member's contribution to part 1 of a round of 2 (as sender 0): how it ended."""
+    """One member's contribution to part 1 of a round of 2 (as sender 0): how it ended.
+    `ticket`: with the round ticket that scheduler key signs (`swarm.net.round_tickets`)."""
     values = torch.ones(4, dtype=torch.float64) if values is None else values
     header = pool_pb2.PoolReduceRequest(
         job=job, stage=stage, round=round, part=1, sender=0, group_size=2
     )
+    if ticket is not None:
+        place = {"job": job, "stage": stage, "round": round, "sender": 0, "group_size": 2}
+        made = issue_round_ticket(ticket, **place, contributors=0, now=time.time())
+        header.proof.CopyFrom(RoundPass(made).to(1))
     async with dial.channel(address, token=token, options=OPTIONS) as channel:
         call: Any = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=timeout_s)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -220,6 +229,29 @@ async def test_it_takes_parts_of_running_jobs_only_and_refuses_every_other_call(
                 break
             await asyncio.sleep(0.1)
         assert code == grpc.StatusCode.NOT_FOUND and "job j-1 is cancelled" in details
+
+
+@pytest.mark.attack("round-members")
+async def test_a_job_announced_with_its_schedulers_key_takes_its_members_parts_only(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    # An aggregator gets no PREPARE: the scheduler's key comes with the job's announcement, and
+    # a contribution without the round ticket it signed is refused before a byte is held.
+    key = Ed25519PrivateKey.generate()
+    async with scheduler_bus(broker) as bus, aggregator(broker, tmp_path) as proc:
+        public = key.public_key().public_bytes_raw()
+        message = cpb.JobAnnouncement(
+            job="j-1", spec=SPEC, state=cpb.JOB_STATE_RUNNING, scheduler_key=public
+        )
+        await bus.publish(bus.topics.job("j-1"), message, retain=True)
+        code, details = await until_taken(proc.address)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "round ticket" in details, details
+        forged = Ed25519PrivateKey.generate()
+        code, details = await reduce(proc.address, round="forged", ticket=forged)
+        assert code == grpc.StatusCode.PERMISSION_DENIED, details
+        # A member's: taken, and it waits for sender 1, which never comes.
+        code, details = await reduce(proc.address, round="member", ticket=key)
+        assert code == grpc.StatusCode.ABORTED and "waiting for senders [1]" in details, details
 
 
 @pytest.mark.attack("43.4")
