@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from stage_server.averaging.owner import Averager
+from stage_server.averaging.slot import checked_group
 from stage_server.peer.links import LinkMeter, incoming, outgoing
 from swarm.errors import InvalidArgument
 from swarm.net.round_tickets import RoundTickets
@@ -87,6 +88,10 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         key = self._scheduler_key(first.job)
         if key is None:
             return  # its owner coordinates the pool: the token, as before
+        # The group it names is bounded before its ticket is read: the ticket's digests, one
+        # per member, are as many as the header says.
+        group = (first.group_size, first.contributors)
+        checked_group(f"round {first.round!r}", (first.part, first.slice), first.sender, group)
         if self._tickets is None or self._tickets.public != key:
             self._tickets = RoundTickets(key, self.peer)
         self._tickets.check(first)

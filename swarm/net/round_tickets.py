@@ -151,13 +151,13 @@ class RoundTickets:
                 f"{self.peer} sums a round's parts only from its members: {who} came without the "
                 "scheduler's round ticket (the swarm token is not enough)"
             )
-        digests = tuple(proof.digests)
-        well_formed = (
+        well_formed = (  # counted before any digest is read
             len(proof.ticket) == _TICKET_BYTES
-            and len(digests) == place.group_size
-            and all(len(d) == _DIGEST_BYTES for d in digests)
+            and len(proof.digests) == place.group_size
             and len(proof.secret) == _SECRET_BYTES
+            and all(len(d) == _DIGEST_BYTES for d in proof.digests)
         )
+        digests = tuple(proof.digests)
         if not well_formed:
             raise PermissionDenied(f"{who}: a malformed round ticket")
         if header.part >= len(digests) or _digest(proof.secret) != digests[header.part]:

@@ -56,6 +56,7 @@ def _stranger(
     timeout: float,
     round: str = ROUND,
     proof: pool_pb2.MemberProof | None = None,
+    group_size: int = 3,
 ) -> asyncio.Task[Any]:
     """A contribution to `owner` as `sender` of `round`, the swarm token its only credential
     (`proof`: one it holds of another's); its task ends with the answer or the call's error."""
@@ -63,7 +64,7 @@ def _stranger(
     async def call() -> Any:
         async with grpc.aio.insecure_channel(owner.address) as channel:
             header = pool_pb2.PoolReduceRequest(
-                job=JOB, stage=0, round=round, part=part, sender=sender, group_size=3
+                job=JOB, stage=0, round=round, part=part, sender=sender, group_size=group_size
             )
             if proof is not None:
                 header.proof.CopyFrom(proof)
@@ -153,3 +154,17 @@ async def test_an_owner_no_scheduler_placed_takes_the_token_as_before() -> None:
     async with pools.replicas(3) as pool:
         results = await pools.reduce_all(pool, flats)
         assert torch.equal(pools.assert_identical(results), pools.ordered_sum(flats))
+
+
+async def test_a_group_past_its_bound_is_refused_before_its_ticket_is_read() -> None:
+    # A ticket carries a digest per member, as many as the header's group: one naming a group
+    # of a million (whose proof could be 32 MB of digests) is refused for the group's size
+    # first, as the owner refuses it later anyway, not for its ticket once that was hashed.
+    key = Ed25519PrivateKey.generate()
+    values = torch.zeros(4, dtype=torch.float64)
+    async with pools.replicas(1, scheduler_key=key.public_key().public_bytes_raw()) as pool:
+        huge = _stranger(pool[0], part=0, sender=0, values=values, timeout=10, group_size=1 << 20)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await huge
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "above 1024" in (refused.value.details() or "")
