@@ -10,12 +10,28 @@ from pathlib import Path
 
 import pytest
 
+from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
-from tests.support.coordinator import LEASE_S, MakeHarness, job_of
+from swarm.rpc.lease import Task
+from tests.support.coordinator import LEASE_S, Harness, MakeHarness, job_of
 from tests.support.replicas import FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
+
+
+async def _a_lease_run_out(
+    make_harness: MakeHarness, job: JobConfig, swarm: FakeSwarm
+) -> tuple[Harness, Task]:
+    """A step of two microbatches: the first run on a, the other's lease run out (the step is
+    suspect: its commit looks at every replica's receipts) and leased again to "u"."""
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    first, _ = await h.lease()
+    await h.run(first, {0: "a"})
+    h.clock.advance(LEASE_S + 1)
+    (again,) = await h.lease("u")
+    return h, again
 
 
 async def test_a_replica_whose_receipts_never_match_is_dropped_and_the_step_commits(
@@ -32,12 +48,7 @@ async def test_a_replica_whose_receipts_never_match_is_dropped_and_the_step_comm
         return info
 
     a.honest_info = phantom  # type: ignore[method-assign]
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
-    first, second = await h.lease()
-    await h.run(first, {0: "a"})
-    h.clock.advance(LEASE_S + 1)  # the other lease ran out: the step is suspect, looked at
-    (again,) = await h.lease("u")
+    h, again = await _a_lease_run_out(make_harness, job, swarm)
     await h.run(again, {0: "b"}, trainer="u")
     record = await h.replayed({0: "b"}, trainer="u")  # what a's voids give back, on b
     assert record.step == 0 and record.samples == 8
@@ -46,7 +57,7 @@ async def test_a_replica_whose_receipts_never_match_is_dropped_and_the_step_comm
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     dropped = [m for m in said if "a (stage 0)" in m and "dropped" in m]
     assert len(dropped) == 1 and "still lists [7] after its void" in dropped[0], said
-    del second, c
+    del c
 
 
 async def test_a_stragglers_new_receipt_at_the_next_look_is_voided_not_dropped(
@@ -67,16 +78,10 @@ async def test_a_stragglers_new_receipt_at_the_next_look_is_voided_not_dropped(
         return info
 
     a.honest_info = straggling  # type: ignore[method-assign]
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
-    first, second = await h.lease()
-    await h.run(first, {0: "a"})
-    h.clock.advance(LEASE_S + 1)
-    (again,) = await h.lease("u")
+    h, again = await _a_lease_run_out(make_harness, job, swarm)
     strays.extend([[7], [8]])  # from the commit's looks on
     await h.run(again, {0: "b"}, trainer="u")
     assert (await h.replayed({0: "b"}, trainer="u")).step == 0
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert not [m for m in said if "dropped" in m], said
     assert len(a.called("discard")) >= 2, "voided at each of the two looks"
-    del second
