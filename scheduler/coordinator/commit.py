@@ -294,6 +294,7 @@ class TwoPhaseCommit:
                     round_id,
                     parts=round_group.parts,
                     checks=check,
+                    peers=round_group.peers,
                 )
                 calls.append((stage, r, prepare))
         # A replica the registry leaves out meanwhile (hung) is not waited for: `listed`.

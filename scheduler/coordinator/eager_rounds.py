@@ -189,6 +189,7 @@ class EagerRounds(PoolRounds):
                 rid,
                 parts=group.parts,
                 checks=checks,
+                peers=group.peers,
             )
 
         return call

@@ -67,11 +67,13 @@ class Aggregator:
 class RoundGroup:
     """One round's group: `members`' PoolService addresses (the replicas in their order, then
     `aggregators`) and its `parts` (their weights, empty: equal parts; how many contributors,
-    0: every member)."""
+    0: every member). `peers`: the members' peer ids in the same order, which each member's
+    round ticket names (`swarm.net.round_tickets`)."""
 
     members: tuple[str, ...]
     parts: Parts = EQUAL_PARTS
     aggregators: tuple[Aggregator, ...] = ()
+    peers: tuple[str, ...] = ()
 
 
 EQUAL = RoundGroup(())
@@ -115,8 +117,9 @@ class Groups:
             if a.address not in (b.address for b in aggregators):
                 aggregators.append(a)
         members = tuple(addresses) + tuple(a.address for a in aggregators)
+        peers = tuple(r.peer for r in replicas) + tuple(a.peer for a in aggregators)
         if len(replicas) <= 1:  # alone: nothing to average, nothing to own
-            return RoundGroup(tuple(addresses))
+            return RoundGroup(tuple(addresses), peers=peers[:1])
         links = [self.links(r.peer) for r in replicas] + [a.link for a in aggregators]
         relayed = {i for i, link in enumerate(links) if link.relayed}
         try:
@@ -126,7 +129,7 @@ class Groups:
             weights = [1.0 / len(members)] * len(members)
         contributors = len(replicas) if aggregators else 0
         parts = Parts((), contributors) if len(set(weights)) == 1 else Parts(weights, contributors)
-        return RoundGroup(members, parts, tuple(aggregators))  # equal weights: none
+        return RoundGroup(members, parts, tuple(aggregators), peers)  # equal weights: none
 
     def blame(
         self, groups: Mapping[int, RoundGroup], accusations: Mapping[int, Mapping[int, set[int]]]

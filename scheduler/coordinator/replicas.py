@@ -7,7 +7,7 @@ job's or stage's, is `GONE`; `Aborted` is a round another member spoiled."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -56,13 +56,15 @@ class StageReplica(Protocol):
         *,
         parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
+        peers: Sequence[str] = (),
     ) -> float | None:
         """Phase one: check it holds exactly `microbatches`, and average with `group` (its
         stage's replicas, itself at `group_index`, then any aggregators: the members past the
         first `parts.contributors`, 0 none) over `total_samples`, in `parts` (their weights one
         per member; none: equal). Returns the squared norm of the averaged gradient (None: it
         applied `step` already). `checks`: the checksums of every part asked with
-        its seed, and filled in with its answer (`sum_checks`)."""
+        its seed, and filled in with its answer (`sum_checks`). `peers`: the group's peer ids in
+        its order, which the round ticket a scheduler signs names (`swarm.net.round_tickets`)."""
         ...
 
     async def apply(self, step: int, scale: float = 1.0) -> None:
@@ -79,6 +81,7 @@ class StageReplica(Protocol):
         *,
         parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
+        peers: Sequence[str] = (),
     ) -> bool:
         """pool.mode = "local": phase one of the round ending before step `boundary`: average
         its pseudo-gradient with `group` over the group's `total_samples` samples of the
@@ -100,6 +103,7 @@ class StageReplica(Protocol):
         *,
         parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
+        peers: Sequence[str] = (),
     ) -> bool:
         """pool.overlap = "eager": operation `op` of the round ending before step `boundary`
         (`EagerOp.STEP` is local; `EagerOp.AVERAGE`, `EagerOp.LAST`'s PREPARE and
@@ -203,6 +207,7 @@ class GrpcReplica:
         *,
         parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
+        peers: Sequence[str] = (),
     ) -> float | None:
         response = await self.client.commit(
             step,
@@ -213,6 +218,7 @@ class GrpcReplica:
             group_index=group_index,
             round=round,
             parts=parts,
+            group_peers=peers,
             check_seed=checks.seed if checks is not None else 0,
             audit_seeds=checks.audit_seeds if checks is not None else (),
         )
@@ -234,6 +240,7 @@ class GrpcReplica:
         *,
         parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
+        peers: Sequence[str] = (),
     ) -> bool:
         response = await self.client.commit(
             boundary,
@@ -245,6 +252,7 @@ class GrpcReplica:
             round=round,
             round_end=True,
             parts=parts,
+            group_peers=peers,
             check_seed=checks.seed if checks is not None else 0,
         )
         if checks is not None:
@@ -265,6 +273,7 @@ class GrpcReplica:
         *,
         parts: Parts = EQUAL_PARTS,
         checks: Checksums | None = None,
+        peers: Sequence[str] = (),
     ) -> bool:
         apply = op == EagerOp.STEP
         response = await self.client.commit(
@@ -278,6 +287,7 @@ class GrpcReplica:
             round_end=True,
             eager=op,
             parts=parts,
+            group_peers=peers,
             check_seed=checks.seed if checks is not None else 0,
         )
         if checks is not None:

@@ -358,6 +358,7 @@ class PoolRounds:
                 rid,
                 parts=group.parts,
                 checks=checks,
+                peers=group.peers,
             )
 
         return call

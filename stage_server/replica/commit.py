@@ -113,7 +113,10 @@ class Commit:
             parts=Parts(request.part_weights, request.contributors),
             check_seed=request.check_seed,
             audit_seeds=tuple(request.audit_seeds),
-            proof=RoundPass.of(request.round_ticket if request.HasField("round_ticket") else None),
+            proof=RoundPass.of(
+                request.round_ticket if request.HasField("round_ticket") else None,
+                request.group_peers,
+            ),
         )
 
 

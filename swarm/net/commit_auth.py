@@ -118,6 +118,11 @@ class CallSigner:
         replica a member of it to the round's owners (`swarm.net.round_tickets`)."""
         if len(request.group) < 2 or not request.round or request.HasField("round_ticket"):
             return request
+        if len(request.group_peers) != len(request.group):  # the coordinator's own mistake
+            raise ValueError(
+                f"round {request.round!r}: {len(request.group_peers)} peer ids for a group of "
+                f"{len(request.group)}: a round ticket names each member's"
+            )
         ticketed = pb.StageCommitRequest()
         ticketed.CopyFrom(request)
         ticketed.round_ticket.CopyFrom(
@@ -127,7 +132,7 @@ class CallSigner:
                 stage=request.stage,
                 round=request.round,
                 sender=request.group_index,
-                group_size=len(request.group),
+                peers=request.group_peers,
                 contributors=request.contributors,
                 now=time.time(),
             )

@@ -10,14 +10,18 @@ open rounds on made-up ids, so that each honest round is refused.
 
 The coordinator, which alone sends PREPARE (signed: `swarm.net.commit_auth`), gives each member
 with it a round ticket: the scheduler's Ed25519 signature over the job, the stage, the round,
-the member's place in the group, the group's size and contributors, when it was issued, and the
-SHA-256 digests of one fresh secret for each owner, the secrets themselves given to that member
-alone. A member's contribution to owner k carries the ticket, the digests and its secret for k;
-the owner checks the signature with the scheduler's public key (which it knows as every replica
-of a scheduled job does, and an aggregator from the job's announcement), that the secret is the
-one its part's digest names, and the ticket's age. An owner thus learns only the secret meant
-for it: a member cannot present another member's ticket to a third owner, and no one outside the
-group has a ticket at all. One signature a member and a PREPARE (about 70 µs each at the
+the member's place in the group, the group's members' peer ids and contributors, when it was
+issued, and the SHA-256 digests of one fresh secret for each owner, the secrets themselves given
+to that member alone. A member's contribution to owner k carries the ticket, the peer ids, the
+digests and its secret for k; the owner checks the signature with the scheduler's public key
+(which it knows as every replica of a scheduled job does, and an aggregator from the job's
+announcement), that part k is its own (the ticket's k-th peer id is its own), that the secret is
+the one part k's digest names, and the ticket's age. An owner thus learns only the secrets meant
+for it, and can use them nowhere: replayed to another owner, as that owner's part the digest
+does not match, and as its own part the other owner is not that part's peer (before the peer ids
+were signed, a hostile owner's replay opened a slot for its part at another owner, which on its
+deadline aborted that owner's round naming the honest members). No one outside the group has a
+ticket at all. One signature a member and a PREPARE (about 70 µs each at the
 scheduler); an owner verifies a (round, sender) once (about 0.1 ms) and remembers it, so the
 slices of a part cost a digest each.
 
@@ -54,6 +58,7 @@ MAX_AGE_S = 3600.0
 _CONTEXT = b"swarm-round/1\0"
 _HEAD = struct.Struct(">q")  # issued (ms)
 _PLACE = struct.Struct(">IIII")  # stage, sender, group size, contributors
+_PEER_ID_MAX = 128  # characters: a peer id's most (`stage_server.peer.identity` makes them)
 _SIGNATURE_BYTES = 64
 _TICKET_BYTES = _HEAD.size + _SIGNATURE_BYTES
 _SECRET_BYTES = 16
@@ -70,13 +75,14 @@ class _Place:
     stage: int
     round: str
     sender: int
-    group_size: int
-    contributors: int  # the group's contributing members (= group_size when all contribute)
+    peers: tuple[str, ...]  # the group's members' peer ids, in group order: part k is peer k's
+    contributors: int  # the group's contributing members (= its size when all contribute)
 
     def signed(self, head: bytes, digests: Sequence[bytes]) -> bytes:
-        place = _PLACE.pack(self.stage, self.sender, self.group_size, self.contributors)
+        place = _PLACE.pack(self.stage, self.sender, len(self.peers), self.contributors)
         parts = (_CONTEXT, self.job.encode(), b"\0", self.round.encode(), b"\0", place, head)
-        return b"".join((*parts, *digests))
+        peers = (p.encode() + b"\0" for p in self.peers)  # \0 ends each: no id holds one
+        return b"".join((*parts, *peers, *digests))
 
 
 def _digest(secret: bytes) -> bytes:
@@ -90,43 +96,50 @@ def issue_round_ticket(
     stage: int,
     round: str,
     sender: int,
-    group_size: int,
+    peers: Sequence[str],
     contributors: int,
     now: float,
 ) -> pb.RoundTicket:
-    """The ticket placing `sender` in `round` of `stage` of `job` (a group of `group_size`, of
-    which the first `contributors` contribute; 0: all), issued `now`, with its secrets."""
-    place = _Place(job, stage, round, sender, group_size, contributors or group_size)
-    secrets = [os.urandom(_SECRET_BYTES) for _ in range(group_size)]
+    """The ticket placing `sender` in `round` of `stage` of `job` (a group of the members
+    `peers`, by peer id, of which the first `contributors` contribute; 0: all), issued `now`,
+    with its secrets."""
+    place = _Place(job, stage, round, sender, tuple(peers), contributors or len(peers))
+    secrets = [os.urandom(_SECRET_BYTES) for _ in peers]
     head = _HEAD.pack(int(now * 1000))
     signature = key.sign(place.signed(head, [_digest(s) for s in secrets]))
     return pb.RoundTicket(ticket=head + signature, secrets=secrets)
 
 
 class RoundPass:
-    """A member's side of its round ticket: the proof it sends each owner."""
+    """A member's side of its round ticket: the proof it sends each owner. `peers`: the
+    group's peer ids its PREPARE named (`StageCommitRequest.group_peers`)."""
 
-    def __init__(self, ticket: pb.RoundTicket) -> None:
+    def __init__(self, ticket: pb.RoundTicket, peers: Sequence[str]) -> None:
         self._ticket, self._secrets = ticket.ticket, list(ticket.secrets)
         self._digests = [_digest(s) for s in self._secrets]
+        self._peers = list(peers)
 
     @classmethod
-    def of(cls, ticket: pb.RoundTicket | None) -> RoundPass | None:
+    def of(cls, ticket: pb.RoundTicket | None, peers: Sequence[str]) -> RoundPass | None:
         """None for a PREPARE without a ticket (a pool its owner coordinates)."""
-        return cls(ticket) if ticket is not None and ticket.ticket else None
+        return cls(ticket, peers) if ticket is not None and ticket.ticket else None
 
     def to(self, owner: int) -> pool_pb2.MemberProof:
         """The proof for the owner of part `owner` (its place in the group)."""
         if not 0 <= owner < len(self._secrets):
             raise ValueError(f"the ticket names {len(self._secrets)} owners, not part {owner}")
         return pool_pb2.MemberProof(
-            ticket=self._ticket, digests=self._digests, secret=self._secrets[owner]
+            ticket=self._ticket,
+            digests=self._digests,
+            secret=self._secrets[owner],
+            peers=self._peers,
         )
 
 
 class RoundTickets:
     """What an owner checks a contribution's proof against: `public`, the key of the scheduler
-    that placed the pool's replicas; `peer` names the owner in refusals."""
+    that placed the pool's replicas; `peer`, the owner's own peer id, which a part it takes must
+    be signed to."""
 
     def __init__(self, public: bytes, peer: str, clock: Callable[[], float] = time.time) -> None:
         self.public, self.peer, self.clock = public, peer, clock
@@ -135,33 +148,34 @@ class RoundTickets:
 
     def check(self, header: pool_pb2.PoolReduceRequest) -> None:
         """PermissionDenied unless `header` (a Reduce's first message) carries the scheduler's
-        ticket placing its caller at `sender` of its round, and this owner's secret of it."""
-        place = _Place(
-            header.job,
-            header.stage,
-            header.round,
-            header.sender,
-            header.group_size,
-            header.contributors or header.group_size,
-        )
-        who = f"sender {place.sender} of round {place.round!r} (stage {place.stage})"
+        ticket placing its caller at `sender` of its round and this owner at `part`, and this
+        owner's secret of it."""
+        who = f"sender {header.sender} of round {header.round!r} (stage {header.stage})"
         proof = header.proof
         if not proof.ticket:
             raise PermissionDenied(
                 f"{self.peer} sums a round's parts only from its members: {who} came without the "
                 "scheduler's round ticket (the swarm token is not enough)"
             )
-        well_formed = (  # counted before any digest is read
+        well_formed = (  # counted before any digest or id is read
             len(proof.ticket) == _TICKET_BYTES
-            and len(proof.digests) == place.group_size
+            and len(proof.digests) == len(proof.peers) == header.group_size
             and len(proof.secret) == _SECRET_BYTES
             and all(len(d) == _DIGEST_BYTES for d in proof.digests)
+            and all(0 < len(p) <= _PEER_ID_MAX and "\0" not in p for p in proof.peers)
         )
-        digests = tuple(proof.digests)
         if not well_formed:
             raise PermissionDenied(f"{who}: a malformed round ticket")
-        if header.part >= len(digests) or _digest(proof.secret) != digests[header.part]:
+        digests, peers = tuple(proof.digests), tuple(proof.peers)
+        if header.part >= len(digests) or peers[header.part] != self.peer:
+            raise PermissionDenied(
+                f"{who}: {self.peer} does not own part {header.part} of that round (its ticket "
+                "names another peer, or none)"
+            )
+        if _digest(proof.secret) != digests[header.part]:
             raise PermissionDenied(f"{who}: its proof is not for the owner of part {header.part}")
+        contributors = header.contributors or header.group_size
+        place = _Place(header.job, header.stage, header.round, header.sender, peers, contributors)
         head = proof.ticket[: _HEAD.size]
         (issued_ms,) = _HEAD.unpack(head)
         age = self.clock() - issued_ms / 1000

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarm.proto import tensor_pb2 as swarm_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16swarm/proto/pool.proto\x12\x0bswarm.proto\x1a\x18swarm/proto/tensor.proto\"\x87\x02\n\x11PoolReduceRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\t\x12\x0c\n\x04part\x18\x04 \x01(\r\x12\x0e\n\x06sender\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12$\n\x07tensors\x18\x07 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x08 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\r\n\x05slice\x18\t \x01(\r\x12\x14\n\x0c\x63ontributors\x18\n \x01(\r\x12\'\n\x05proof\x18\x0b \x01(\x0b\x32\x18.swarm.proto.MemberProof\">\n\x0bMemberProof\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x0c\x12\x0e\n\x06secret\x18\x03 \x01(\x0c\"]\n\x12PoolReduceResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk2\\\n\x0bPoolService\x12M\n\x06Reduce\x12\x1e.swarm.proto.PoolReduceRequest\x1a\x1f.swarm.proto.PoolReduceResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16swarm/proto/pool.proto\x12\x0bswarm.proto\x1a\x18swarm/proto/tensor.proto\"\x87\x02\n\x11PoolReduceRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\t\x12\x0c\n\x04part\x18\x04 \x01(\r\x12\x0e\n\x06sender\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12$\n\x07tensors\x18\x07 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x08 \x01(\x0b\x32\x12.swarm.proto.Chunk\x12\r\n\x05slice\x18\t \x01(\r\x12\x14\n\x0c\x63ontributors\x18\n \x01(\r\x12\'\n\x05proof\x18\x0b \x01(\x0b\x32\x18.swarm.proto.MemberProof\"M\n\x0bMemberProof\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x0c\x12\x0e\n\x06secret\x18\x03 \x01(\x0c\x12\r\n\x05peers\x18\x04 \x03(\t\"]\n\x12PoolReduceResponse\x12$\n\x07tensors\x18\x01 \x03(\x0b\x32\x13.swarm.proto.Tensor\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.swarm.proto.Chunk2\\\n\x0bPoolService\x12M\n\x06Reduce\x12\x1e.swarm.proto.PoolReduceRequest\x1a\x1f.swarm.proto.PoolReduceResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLREDUCEREQUEST']._serialized_start=66
   _globals['_POOLREDUCEREQUEST']._serialized_end=329
   _globals['_MEMBERPROOF']._serialized_start=331
-  _globals['_MEMBERPROOF']._serialized_end=393
-  _globals['_POOLREDUCERESPONSE']._serialized_start=395
-  _globals['_POOLREDUCERESPONSE']._serialized_end=488
-  _globals['_POOLSERVICE']._serialized_start=490
-  _globals['_POOLSERVICE']._serialized_end=582
+  _globals['_MEMBERPROOF']._serialized_end=408
+  _globals['_POOLREDUCERESPONSE']._serialized_start=410
+  _globals['_POOLREDUCERESPONSE']._serialized_end=503
+  _globals['_POOLSERVICE']._serialized_start=505
+  _globals['_POOLSERVICE']._serialized_end=597
 # @@protoc_insertion_point(module_scope)

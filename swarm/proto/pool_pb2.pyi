@@ -34,14 +34,16 @@ class PoolReduceRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., round: _Optional[str] = ..., part: _Optional[int] = ..., sender: _Optional[int] = ..., group_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., slice: _Optional[int] = ..., contributors: _Optional[int] = ..., proof: _Optional[_Union[MemberProof, _Mapping]] = ...) -> None: ...
 
 class MemberProof(_message.Message):
-    __slots__ = ("ticket", "digests", "secret")
+    __slots__ = ("ticket", "digests", "secret", "peers")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     digests: _containers.RepeatedScalarFieldContainer[bytes]
     secret: bytes
-    def __init__(self, ticket: _Optional[bytes] = ..., digests: _Optional[_Iterable[bytes]] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ticket: _Optional[bytes] = ..., digests: _Optional[_Iterable[bytes]] = ..., secret: _Optional[bytes] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolReduceResponse(_message.Message):
     __slots__ = ("tensors", "chunk")

@@ -273,7 +273,7 @@ class StageRecordResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., commitment: _Optional[_Union[Commitment, _Mapping]] = ...) -> None: ...
 
 class StageCommitRequest(_message.Message):
-    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed", "audit_seeds", "round_ticket")
+    __slots__ = ("job", "stage", "step", "microbatches", "total_samples", "phase", "group", "group_index", "round", "grad_scale", "round_end", "eager", "part_weights", "contributors", "check_seed", "audit_seeds", "round_ticket", "group_peers")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class StageCommitRequest(_message.Message):
     CHECK_SEED_FIELD_NUMBER: _ClassVar[int]
     AUDIT_SEEDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_TICKET_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PEERS_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     step: int
@@ -308,7 +309,8 @@ class StageCommitRequest(_message.Message):
     check_seed: int
     audit_seeds: _containers.RepeatedScalarFieldContainer[int]
     round_ticket: RoundTicket
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ..., audit_seeds: _Optional[_Iterable[int]] = ..., round_ticket: _Optional[_Union[RoundTicket, _Mapping]] = ...) -> None: ...
+    group_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatches: _Optional[_Iterable[int]] = ..., total_samples: _Optional[int] = ..., phase: _Optional[_Union[CommitPhase, str]] = ..., group: _Optional[_Iterable[str]] = ..., group_index: _Optional[int] = ..., round: _Optional[str] = ..., grad_scale: _Optional[float] = ..., round_end: _Optional[bool] = ..., eager: _Optional[_Union[EagerOp, str]] = ..., part_weights: _Optional[_Iterable[float]] = ..., contributors: _Optional[int] = ..., check_seed: _Optional[int] = ..., audit_seeds: _Optional[_Iterable[int]] = ..., round_ticket: _Optional[_Union[RoundTicket, _Mapping]] = ..., group_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundTicket(_message.Message):
     __slots__ = ("ticket", "secrets")

@@ -370,6 +370,7 @@ class StageClient:
         parts: Parts = EQUAL_PARTS,  # the round's: `part_weights`, `contributors` on the wire
         check_seed: int = 0,  # PREPARE: the checksum of every part asked (0: none)
         audit_seeds: Sequence[int] = (),  # PREPARE: the same with others' audits' seeds
+        group_peers: Sequence[str] = (),  # PREPARE: `group`'s peer ids (its round ticket's)
     ) -> pb.StageCommitResponse:
         request = pb.StageCommitRequest(
             job=self.job_id,
@@ -379,6 +380,7 @@ class StageClient:
             total_samples=total_samples,
             phase=phase,
             group=group or [],
+            group_peers=group_peers,
             group_index=group_index,
             round=round,
             grad_scale=grad_scale,

@@ -30,6 +30,7 @@ __all__ = [
     "assert_identical",
     "fail_in_round",
     "ordered_sum",
+    "peer_ids",
     "reduce_all",
     "replicas",
 ]
@@ -61,7 +62,7 @@ async def replicas(n: int, scheduler_key: bytes | None = None) -> AsyncIterator[
     owners ask for (`swarm.net.round_tickets`); None: a pool its owner coordinates."""
     made: list[Replica] = []
     try:
-        for _ in range(n):
+        for peer in peer_ids(n):
             server = grpc.aio.server(options=OPTIONS)
             averager = Averager()
             servicer = PoolServicer(
@@ -70,6 +71,7 @@ async def replicas(n: int, scheduler_key: bytes | None = None) -> AsyncIterator[
                 chunk_bytes=4 * MiB,
                 max_bytes=64 * MiB,
                 timeout_s=30,
+                peer=peer,
                 scheduler_key=lambda job: scheduler_key,
             )
             pool_pb2_grpc.add_PoolServiceServicer_to_server(servicer, server)
@@ -82,6 +84,11 @@ async def replicas(n: int, scheduler_key: bytes | None = None) -> AsyncIterator[
         for r in made:
             await r.channels.close()
             await r.server.stop(None)
+
+
+def peer_ids(n: int) -> list[str]:
+    """The peer ids of `replicas(n)`'s owners, in group order (a round ticket names them)."""
+    return [f"peer-{i}" for i in range(n)]
 
 
 async def reduce_all(

@@ -6,6 +6,7 @@ for it to raise."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,7 @@ class FakeReplica:
         *,
         parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
+        peers: Sequence[str] = (),
     ) -> float | None:
         args = Prepared(
             step,
@@ -170,6 +172,7 @@ class FakeReplica:
             parts.contributors,
         )
         self.parts.append(("prepare", parts.weights, parts.contributors))
+        _peers_named(group, peers)
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):
             raise FailedPrecondition(f"{self.peer} holds {sorted(self.receipts)} at {self.step}")
@@ -189,8 +192,10 @@ class FakeReplica:
         *,
         parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
+        peers: Sequence[str] = (),
     ) -> bool:
         self.parts.append(("prepare_round", parts.weights, parts.contributors))
+        _peers_named(group, peers)
         await self._enter("prepare_round", (boundary, total_samples, list(group), round))
         if boundary != self.step:
             raise FailedPrecondition(f"{self.peer} is at {self.step}, not at {boundary}")
@@ -210,9 +215,11 @@ class FakeReplica:
         *,
         parts: Parts = EQUAL_PARTS,
         checks: object = None,  # a fake averages nothing: it reports no checksums
+        peers: Sequence[str] = (),
     ) -> bool:
         name = pb.EagerOp.Name(op).lower()  # "eager_step", "eager_average", ...
         self.parts.append((name, parts.weights, parts.contributors))
+        _peers_named(group or [], peers)
         await self._enter(name, (boundary, total_samples, list(group or []), round))
         missing = [i for i, address in enumerate(group or []) if address in self.unreachable]
         if missing:
@@ -326,3 +333,10 @@ class FakeSwarm:
 
     def __getitem__(self, peer: str) -> FakeReplica:
         return next(r for stage in self.stages for r in stage if r.peer == peer)
+
+
+def _peers_named(group: Sequence[str], peers: Sequence[str]) -> None:
+    """A round with others names its members' peer ids, as a real replica's round ticket needs
+    (`swarm.net.commit_auth` refuses to sign one without)."""
+    if len(group) > 1 and len(peers) != len(group):
+        raise AssertionError(f"a round of {list(group)} named peer ids {list(peers)}")

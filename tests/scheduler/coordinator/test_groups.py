@@ -44,10 +44,12 @@ def test_a_peers_link_is_its_upload_rate_and_whether_it_is_relayed() -> None:
 
 
 def test_unknown_or_equal_links_keep_todays_equal_parts() -> None:
-    assert Groups().of(0, _replicas("a", "b", "c")) == RoundGroup(("fake:a", "fake:b", "fake:c"))
+    made = Groups().of(0, _replicas("a", "b", "c"))
+    assert made == RoundGroup(("fake:a", "fake:b", "fake:c"), peers=("a", "b", "c"))
     same = Groups(lambda peer: Link(5.0))
     assert same.of(0, _replicas("a", "b", "c")).parts.weights == ()
-    assert Groups(lambda peer: Link(5.0)).of(0, _replicas("a")) == RoundGroup(("fake:a",))
+    alone = Groups(lambda peer: Link(5.0)).of(0, _replicas("a"))
+    assert alone == RoundGroup(("fake:a",), peers=("a",))
 
 
 def test_a_slow_or_relayed_member_owns_nothing() -> None:
@@ -68,6 +70,7 @@ def test_aggregators_come_after_the_replicas_and_a_named_one_sits_out() -> None:
     group = groups.of(0, _replicas("a", "b", "c"))
     # One that is a replica's own address is not a second member of the group.
     assert group.members == ("fake:a", "fake:b", "fake:c", "agg:1")
+    assert group.peers == ("a", "b", "c", "g")  # each member's peer id, as its ticket names
     assert group.parts.contributors == 3 and group.parts.weights[3] > group.parts.weights[0] > 0
     assert groups.blame({0: group}, {0: {0: {3}, 1: {1}}}) == ["g"]  # 1 names itself: no one
     assert groups.of(0, _replicas("a", "b", "c")).members == ("fake:a", "fake:b", "fake:c")

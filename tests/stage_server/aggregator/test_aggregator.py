@@ -138,9 +138,10 @@ async def reduce(
         job=job, stage=stage, round=round, part=1, sender=0, group_size=2
     )
     if ticket is not None:
-        place = {"job": job, "stage": stage, "round": round, "sender": 0, "group_size": 2}
+        peers = ("member-0", "agg")  # part 1 is the aggregator's (`--peer agg`)
+        place = {"job": job, "stage": stage, "round": round, "sender": 0, "peers": peers}
         made = issue_round_ticket(ticket, **place, contributors=0, now=time.time())
-        header.proof.CopyFrom(RoundPass(made).to(1))
+        header.proof.CopyFrom(RoundPass(made, peers).to(1))
     async with dial.channel(address, token=token, options=OPTIONS) as channel:
         call: Any = pool_pb2_grpc.PoolServiceStub(channel).Reduce(timeout=timeout_s)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):

@@ -31,6 +31,7 @@ ROUND = "7/0"
 
 def _passes(key: Ed25519PrivateKey, n: int = 3, round: str = ROUND) -> list[RoundPass]:
     """Each member's side of the ticket its PREPARE would give it."""
+    peers = pools.peer_ids(n)
     made = [
         issue_round_ticket(
             key,
@@ -38,13 +39,13 @@ def _passes(key: Ed25519PrivateKey, n: int = 3, round: str = ROUND) -> list[Roun
             stage=0,
             round=round,
             sender=i,
-            group_size=n,
+            peers=peers,
             contributors=0,
             now=time.time(),
         )
         for i in range(n)
     ]
-    return [RoundPass(t) for t in made]
+    return [RoundPass(t, peers) for t in made]
 
 
 def _stranger(
@@ -168,3 +169,23 @@ async def test_a_group_past_its_bound_is_refused_before_its_ticket_is_read() -> 
             await huge
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "above 1024" in (refused.value.details() or "")
+
+
+async def test_an_owners_secret_replayed_to_another_owner_as_its_part_is_refused() -> None:
+    # A hostile owner holds each member's secret for its own part. Before, another owner took
+    # it as a contribution to that part: the ticket bound the secret to a part number, not to
+    # the owner, so owner 2 opened a slot for part 1 (which no member sends it), and on the
+    # call's deadline aborted its round, naming the honest members it waited for.
+    key = Ed25519PrivateKey.generate()
+    flats = _flats()
+    async with pools.replicas(3, scheduler_key=key.public_key().public_bytes_raw()) as pool:
+        passes = _passes(key)
+        seen_by_1 = passes[0].to(1)  # member 0's proof, as owner 1 received it
+        values = torch.zeros(PART, dtype=torch.float64)
+        replayed = _stranger(
+            pool[2], part=1, sender=0, values=values, timeout=0.05, proof=seen_by_1
+        )
+        await asyncio.sleep(0.3)  # its call is in, and over, before the round
+        results = await pools.reduce_all(pool, flats, round=ROUND, proofs=passes)
+        assert await _code(replayed) == grpc.StatusCode.PERMISSION_DENIED
+        assert torch.equal(pools.assert_identical(results), pools.ordered_sum(flats))

@@ -62,6 +62,7 @@ def test_every_field_and_the_replica_and_the_method_are_bound() -> None:
     changed = [
         _commit(group=["10.0.0.1:5", "6.6.6.6:5"]),  # Commit.group
         _commit(group_index=1),
+        _commit(group_peers=["p1", "p2"]),  # the peer ids its round ticket names
         _commit(step=8),
         _commit(phase=pb.COMMIT_PHASE_APPLY),
         _commit(microbatches=[0]),
@@ -83,6 +84,18 @@ def test_every_field_and_the_replica_and_the_method_are_bound() -> None:
     for_b = KEY.signer("b").metadata("Join", join)  # signed for another replica
     assert _code(verifier, "Join", join, for_b) == "PERMISSION_DENIED"
     assert _code(verifier, "Join", join, signed) == "OK"
+
+
+def test_a_round_ticket_names_each_members_peer_id() -> None:
+    # Part k's owner takes a ticket's parts only as peer k (`swarm.net.round_tickets`): a round
+    # with others is not ticketed without its members' peer ids, one each.
+    signer = KEY.signer("a")
+    ticketed = signer.with_round_ticket(_commit(group_peers=["p1", "p2"]))
+    assert len(ticketed.round_ticket.secrets) == 2
+    with pytest.raises(ValueError, match="0 peer ids for a group of 2"):
+        signer.with_round_ticket(_commit())
+    alone = _commit(group=["10.0.0.1:5"])
+    assert not signer.with_round_ticket(alone).HasField("round_ticket")
 
 
 def test_unsigned_forged_malformed_and_stale_calls_are_refused() -> None:
