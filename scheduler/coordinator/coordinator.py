@@ -196,6 +196,7 @@ class LocalCoordinator:
             on_rollback=on_rollback,
             wake=self._wake,
             fail=self._fail,
+            on_status=self.on_status,
         )
         self.bans = Bans(
             standing,

@@ -47,10 +47,12 @@ class Rollback:
         on_rollback: Callable[[int], Awaitable[None] | None] | None,
         wake: Callable[[], None],
         fail: Callable[[BaseException], None],
+        on_status: Callable[[str], Awaitable[None] | None] | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now; `open_step(step)` opens the
         step rolled back to; `on_rollback(step)` tells the world; `wake()`: leases look again;
-        `fail(error)`: the job fails with `error`."""
+        `fail(error)`: the job fails with `error`; `on_status(text)`: what `swarm status` should
+        say meanwhile (a rollback that waits, and for what)."""
         self.job, self.clock, self.window, self.rounds = job, clock, window, rounds
         self.membership, self.recovery, self.metrics, self.members = (
             membership,
@@ -59,6 +61,8 @@ class Rollback:
             members,
         )
         self.open_step, self.on_rollback, self.wake, self.fail = open_step, on_rollback, wake, fail
+        self.on_status = on_status
+        self._waiting: tuple[int, ...] | None = None  # the silent stages a wait was said for
         self.error: BaseException | None = None  # what failed the job, if a rollback did
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(first_s=0.5, cap_s=30.0)
@@ -122,8 +126,9 @@ class Rollback:
                 # trained state for nothing (this rollback cannot finish without these stages),
                 # and a replica between two paths (its relay died, it re-attaches to another)
                 # may still hold its stage's state: the next try may re-admit it instead.
-                log.info("rollback waits: no replica of stage(s) %s answers", silent)
+                await self._wait_said(silent)
                 return
+            self._waiting = None
             # Every stage answers now: readmission asks over the paths that answered. Asked
             # before the look, it reached a replica between two paths over the dead one, which
             # the look then found answering over the new: a rollback threw its state away.
@@ -178,6 +183,24 @@ class Rollback:
     def _again(self) -> None:
         if self._task is None and self._before is not None:
             self._task = asyncio.create_task(self.run())
+
+    async def _wait_said(self, silent: list[int]) -> None:
+        """Say that the rollback waits for `silent` stages: at WARNING and in the job's status
+        when it starts waiting for them, at INFO at each try after (every backoff, up to 30 s):
+        a job stalled this way must not read as running, nor fill the log."""
+        stages = (
+            "stages " + ", ".join(map(str, silent)) if len(silent) > 1 else f"stage {silent[0]}"
+        )
+        text = f"rollback waits: no replica of {stages} answers; it goes on once one does"
+        if tuple(silent) == self._waiting:
+            log.info("%s", text)
+            return
+        self._waiting = tuple(silent)
+        log.warning("%s", text)
+        if self.on_status is not None:
+            said = self.on_status(text)
+            if said is not None:
+                await said
 
     async def _silent(self) -> list[int]:
         """The stages none of whose replicas answers Info now."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,18 +148,44 @@ async def test_a_refused_discard_is_said_with_its_cause(
     assert said == [(1, "c", f"stage 1: c not re-admitted (discard failed): {refused}")]
 
 
+async def test_a_rollback_that_waits_for_a_silent_stage_says_so_once(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rollback that finds a stage with no replica answering waits for one (loading the
+    checkpoint elsewhere could not finish), and tries again after its backoff. The wait is said
+    at WARNING and in the job's status once, with the stages it waits for, and its later tries
+    at INFO. Before, every try said it at INFO alone: a job stalled this way read as running."""
+    status: list[str] = []
+    with caplog.at_level(logging.INFO):
+        on_status = {"on_status": status.append}
+        h, c, _ = await _only_replica_dropped(
+            tmp_path, make_harness, on_status, info=[_NO_PATH] * 3
+        )
+        replay = await _lease_after_backoffs(h)
+    assert {t.step for t in replay} == {1} and h.rollbacks.empty()
+    waits = [r for r in caplog.records if "rollback waits" in r.getMessage()]
+    assert len(waits) >= 2, [r.getMessage() for r in waits]  # each try that found it silent
+    assert [r.levelno for r in waits] == [logging.WARNING] + [logging.INFO] * (len(waits) - 1)
+    said = [s for s in status if "rollback waits" in s]
+    assert said == ["rollback waits: no replica of stage 1 answers; it goes on once one does"]
+
+
 async def _only_replica_dropped(
-    tmp_path: Path, make_harness: MakeHarness, **unanswered: list[SwarmError]
+    tmp_path: Path,
+    make_harness: MakeHarness,
+    coordinator: dict[str, Any] | None = None,
+    **unanswered: list[SwarmError],
 ) -> tuple[Harness, FakeReplica, list[Told]]:
     """Stage 1's only replica, c, dropped in step 1's commit (its relay died), its next calls of
     each method in `unanswered` failing with those errors, one each; the step's work run. The
-    list: what the Discards say for the job's history, as they say it."""
+    list: what the Discards say for the job's history, as they say it. `coordinator`: the
+    coordinator's own arguments."""
     said: list[Told] = []
     job = job_of(tmp_path, steps=4)
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a")
     c = swarm.add(1, "c")
-    h = make_harness(job, swarm)
+    h = make_harness(job, swarm, **(coordinator or {}))
     h.coordinator.membership.discards.said.append(lambda *told: said.append(told))
     await h.coordinator.start()
     await h.step()
