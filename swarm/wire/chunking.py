@@ -27,6 +27,7 @@ from swarm.errors import ConfigError, DeadlineExceeded, InvalidArgument, Resourc
 from swarm.proto import framing, tensor_pb2
 from swarm.proto.framing import MAX_TENSORS_PER_MESSAGE  # counted before a header is parsed
 from swarm.wire.codec import CODEC_HADAMARD3, CODEC_NONE, decode, decoded_nbytes, dtype_name
+from swarm.wire.off_loop import on_thread
 from swarm.wire.reassembly import Body, Handed, Into, buffer, tensor_bytes
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=Message)
-T = TypeVar("T")
 
 # What a received tensor costs beyond its payload (its header, the torch tensor and the name it
 # is kept under): charged to a message's size and to what it reserves, so that many tiny tensors
@@ -375,7 +375,7 @@ async def decode_named_async(
     _admit_named(received, max_bytes, reserve)
     if _widening(received.header.tensors) < OFF_LOOP_VALUES:
         return _decoded(received, device, owned)
-    return await _on_thread(functools.partial(_decoded, received, device, owned))
+    return await on_thread(functools.partial(_decoded, received, device, owned))
 
 
 async def decode_async(msg: tensor_pb2.Tensor, *, max_bytes: int | None = None) -> torch.Tensor:
@@ -383,27 +383,7 @@ async def decode_async(msg: tensor_pb2.Tensor, *, max_bytes: int | None = None) 
     thread where that is work (`OFF_LOOP_VALUES`), else in place."""
     if _widening([msg]) < OFF_LOOP_VALUES:
         return decode(msg, max_bytes=max_bytes)
-    return await _on_thread(functools.partial(decode, msg, max_bytes=max_bytes))
-
-
-async def _on_thread(work: Callable[[], T]) -> T:
-    """`work()` on a thread, its caller's until it ends: a caller cancelled meanwhile is
-    cancelled once the thread is done. A thread cannot be stopped, and what it widens is
-    reserved in the caller's receive budget until the caller returns; returning at once left
-    the widening outside the budget. The wait is one decode's, bounded by the caller's
-    `max_bytes` (about 0.1 s for 4M values of hadamard3, the costliest codec)."""
-    running = asyncio.ensure_future(asyncio.to_thread(work))
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        if running.done():
-            raise
-    while not running.done():  # cancelled while the thread works: however often, wait it out
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({running})
-    if not running.cancelled():
-        running.exception()  # looked at: the caller is cancelled, not failed
-    raise asyncio.CancelledError
+    return await on_thread(functools.partial(decode, msg, max_bytes=max_bytes))
 
 
 def _widening(tensors: Iterable[tensor_pb2.Tensor]) -> int:

@@ -158,7 +158,7 @@ async def test_a_rollback_that_waits_for_a_silent_stage_says_so_once(
     status: list[str] = []
     with caplog.at_level(logging.INFO):
         on_status = {"on_status": status.append}
-        h, c, _ = await _only_replica_dropped(
+        h, _, _ = await _only_replica_dropped(
             tmp_path, make_harness, on_status, info=[_NO_PATH] * 3
         )
         replay = await _lease_after_backoffs(h)
