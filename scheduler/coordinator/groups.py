@@ -119,7 +119,7 @@ class Groups:
         members = tuple(addresses) + tuple(a.address for a in aggregators)
         peers = tuple(r.peer for r in replicas) + tuple(a.peer for a in aggregators)
         if len(replicas) <= 1:  # alone: nothing to average, nothing to own
-            return RoundGroup(tuple(addresses), peers=peers[:1])
+            return RoundGroup(tuple(addresses), peers=peers[: len(replicas)])
         links = [self.links(r.peer) for r in replicas] + [a.link for a in aggregators]
         relayed = {i for i, link in enumerate(links) if link.relayed}
         try:

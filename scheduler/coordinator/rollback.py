@@ -197,10 +197,14 @@ class Rollback:
             return
         self._waiting = tuple(silent)
         log.warning("%s", text)
-        if self.on_status is not None:
+        if self.on_status is None:
+            return
+        try:  # news: a store or bus that fails to take it must not fail the job
             said = self.on_status(text)
             if said is not None:
                 await said
+        except Exception as e:
+            log.warning("the rollback's wait was not said in the job's status: %s", e)
 
     async def _silent(self) -> list[int]:
         """The stages none of whose replicas answers Info now."""

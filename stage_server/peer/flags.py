@@ -7,6 +7,7 @@ import argparse
 
 from swarm.flags import add_flag, add_insecure_no_token, add_token
 from swarm.net.invite import add_join_flag
+from swarm.net.peer_ids import peer_id
 from swarm.net.tls import add_tls_flags
 
 __all__ = ["add_peer_flags"]
@@ -15,7 +16,14 @@ __all__ = ["add_peer_flags"]
 def add_peer_flags(p: argparse.ArgumentParser) -> None:
     """Who a peer is and how it is reached and trusted: its id, the swarm token, TLS, the host it
     listens on (a stage server's and an aggregator's alike)."""
-    add_flag(p, "peer", "", "peer id, also its MQTT username (default: persisted in the cache dir)")
+    add_flag(
+        p,
+        "peer",
+        "",
+        "peer id, also its MQTT username: 1-128 of A-Z a-z 0-9 . _ - (default: persisted in "
+        "the cache dir)",
+        type=peer_id,
+    )
     add_token(p)
     add_insecure_no_token(p)
     add_tls_flags(p)

@@ -43,6 +43,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from swarm.errors import PermissionDenied
+from swarm.net.peer_ids import is_peer_id
 from swarm.proto import pool_pb2
 from swarm.proto import stage_pb2 as pb
 
@@ -58,7 +59,6 @@ MAX_AGE_S = 3600.0
 _CONTEXT = b"swarm-round/1\0"
 _HEAD = struct.Struct(">q")  # issued (ms)
 _PLACE = struct.Struct(">IIII")  # stage, sender, group size, contributors
-_PEER_ID_MAX = 128  # characters: a peer id's most (`stage_server.peer.identity` makes them)
 _SIGNATURE_BYTES = 64
 _TICKET_BYTES = _HEAD.size + _SIGNATURE_BYTES
 _SECRET_BYTES = 16
@@ -81,7 +81,7 @@ class _Place:
     def signed(self, head: bytes, digests: Sequence[bytes]) -> bytes:
         place = _PLACE.pack(self.stage, self.sender, len(self.peers), self.contributors)
         parts = (_CONTEXT, self.job.encode(), b"\0", self.round.encode(), b"\0", place, head)
-        peers = (p.encode() + b"\0" for p in self.peers)  # \0 ends each: no id holds one
+        peers = (p.encode() + b"\0" for p in self.peers)  # \0 ends each: no peer id holds one
         return b"".join((*parts, *peers, *digests))
 
 
@@ -162,7 +162,7 @@ class RoundTickets:
             and len(proof.digests) == len(proof.peers) == header.group_size
             and len(proof.secret) == _SECRET_BYTES
             and all(len(d) == _DIGEST_BYTES for d in proof.digests)
-            and all(0 < len(p) <= _PEER_ID_MAX and "\0" not in p for p in proof.peers)
+            and all(is_peer_id(p) for p in proof.peers)
         )
         if not well_formed:
             raise PermissionDenied(f"{who}: a malformed round ticket")

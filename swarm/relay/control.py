@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
 from collections import Counter as Tally
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge
 
 from swarm.deadline import within
+from swarm.net.peer_ids import is_peer_id
 from swarm.relay.attach import GRPC, METRICS
 from swarm.relay.auth import attach_proof, same
 from swarm.relay.identity import Unproven, challenge, verify
@@ -31,8 +31,6 @@ from swarm.relay.wire import Head, address_key
 __all__ = ["Attached", "Peers"]
 
 log = logging.getLogger(__name__)
-
-_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # as stage_server.peer.identity makes them
 
 Refuse = Callable[..., None]
 """`RelayServer._refuse`: (reason key, log message, *args)."""
@@ -153,7 +151,7 @@ class Peers:
     def _refusal(self, peer: str, source: str, relay: str | None) -> tuple[str, str] | None:
         """Why an attach as `peer` from `source`, dialling this relay as `relay`, is refused
         before its proof (its reason's key and words), or None."""
-        if not _PEER_ID.fullmatch(peer):
+        if not is_peer_id(peer):
             return "attach", "not a peer id"
         if relay is None or relay not in self._addresses:
             known = ", ".join(sorted(self._addresses)) or "no address yet"

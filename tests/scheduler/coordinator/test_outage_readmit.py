@@ -170,6 +170,22 @@ async def test_a_rollback_that_waits_for_a_silent_stage_says_so_once(
     assert said == ["rollback waits: no replica of stage 1 answers; it goes on once one does"]
 
 
+async def test_a_wait_the_status_could_not_take_still_waits(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """The job's status failing to take the wait's news (a full disk, the bus away) is logged;
+    the rollback waits and goes on as before, where it failed the job."""
+
+    def refuses(text: str) -> None:
+        raise OSError("No space left on device")
+
+    h, _, _ = await _only_replica_dropped(
+        tmp_path, make_harness, {"on_status": refuses}, info=[_NO_PATH] * 2
+    )
+    replay = await _lease_after_backoffs(h)
+    assert {t.step for t in replay} == {1} and h.rollbacks.empty()
+
+
 async def _only_replica_dropped(
     tmp_path: Path,
     make_harness: MakeHarness,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -93,3 +94,27 @@ async def test_a_decode_that_fails_on_its_thread_fails_its_caller() -> None:
     broken.data = broken.data[:-2]  # two bytes short of its shape
     with pytest.raises(Exception, match="bytes"):
         await decode_async(broken)
+
+
+async def test_a_decode_still_queued_when_its_caller_is_cancelled_never_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The executor's one thread is busy: the decode waits in its queue. Cancelled there, its
+    # caller returns at once, and the decode is never run (nothing of it is widened).
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(executor)
+    busy = threading.Event()
+    occupied = loop.run_in_executor(executor, busy.wait, 20)
+    ran: list[bool] = []
+    real = chunking.decode
+    monkeypatch.setattr(chunking, "decode", lambda *a, **k: ran.append(True) or real(*a, **k))
+    task = asyncio.create_task(decode_async(_lossy()))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    busy.set()
+    await occupied
+    await loop.run_in_executor(executor, lambda: None)  # the queued call came and went
+    assert ran == []
