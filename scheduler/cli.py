@@ -276,8 +276,20 @@ def _run(args: argparse.Namespace) -> None:
         dial_private=_dial_private(args),
         min_replicas=args.min_replicas,
         trusted_peers=args.trusted_peers,
+        secret_files=_secret_files(args),
     )
     asyncio.run(run_scheduler(opts))
+
+
+# Its secrets that may come from a file (`swarm.flags.add_secret`): none of them may lie under
+# the data root, whose files any token holder may fetch (a job's data, its starting checkpoint).
+_SECRETS = ("token", "admin-token", "metrics-token", "scheduler-token")
+
+
+def _secret_files(args: argparse.Namespace) -> dict[str, Path]:
+    """The files the scheduler's secrets are read from, by flag."""
+    named = {f"--{s}-file": getattr(args, f"{s.replace('-', '_')}_file", None) for s in _SECRETS}
+    return {flag: Path(path) for flag, path in named.items() if path}
 
 
 def _dial_private(args: argparse.Namespace) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -68,6 +68,9 @@ class SchedulerProcessOptions:
     # every peer holds the operator's own credentials: jobs' audits off unless they set them
     # (--trusted-peers, `scheduler.trusted_peers`)
     trusted_peers: bool = False
+    # The files its secrets were read from, by flag (`--admin-token-file`: ...): kept out of the
+    # data root, as the store and the TLS files are
+    secret_files: dict[str, Path] = field(default_factory=dict)
 
 
 async def run_scheduler(opts: SchedulerProcessOptions) -> None:
@@ -129,8 +132,9 @@ async def run_scheduler(opts: SchedulerProcessOptions) -> None:
 
 def _data_root(opts: SchedulerProcessOptions, identity: tls.Tls | None) -> Path:
     """The data root jobs read from, checked before anything starts: what the scheduler keeps
-    (its store, its checkpoints, its TLS files) stays out of it."""
+    (its store, its checkpoints, its TLS files, the files of its secrets) stays out of it."""
     kept: dict[str, Path | None] = {"--store": opts.store, "--checkpoint-dir": opts.checkpoint_dir}
+    kept |= opts.secret_files
     if identity is not None:
         kept["--tls-ca"], kept["--tls-cert"] = identity.ca_path, identity.cert_path
         kept["--tls-key"] = identity.key_path

@@ -86,3 +86,33 @@ async def test_a_data_root_holding_the_tls_files_is_refused_at_start(tmp_path: P
     opts = SchedulerProcessOptions(tmp_path / "jobs.sqlite", tmp_path / "ckpt", data_root=data)
     said = await _refused(opts)
     assert "--tls-" in said and str(certs) in said, said
+
+
+@pytest.mark.parametrize("flag", ["token", "admin-token", "metrics-token", "scheduler-token"])
+def test_a_data_root_holding_a_secret_file_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    # Any token holder may submit a job naming a directory under the data root as its starting
+    # checkpoint, and fetch its files (FetchInit): the admin token's file there minted every
+    # submitter's token. Before, only the store, the checkpoints and the TLS files were kept out.
+    data = tmp_path / "data"
+    data.mkdir()
+    kept = data / f"{flag}.txt"
+    kept.write_text("a-secret-of-the-schedulers\n")
+    real = scheduler.main.run_scheduler
+
+    async def bounded(opts: SchedulerProcessOptions) -> None:  # a scheduler that starts fails
+        await asyncio.wait_for(real(opts), timeout=10)
+
+    monkeypatch.setattr(scheduler.main, "run_scheduler", bounded)
+    for name in ("SWARM_TOKEN", "SWARM_ADMIN_TOKEN", "SWARM_METRICS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    args = _parse(
+        *("--data-root", str(data), "--store", str(tmp_path / "jobs.sqlite")),
+        *("--checkpoint-dir", str(tmp_path / "ckpt"), f"--{flag}-file", str(kept)),
+    )
+    with pytest.raises(ConfigError) as refused:
+        cli.run("scheduler", args)
+    said = str(refused.value)
+    assert f"holds --{flag}-file {str(kept)!r}" in said, said
+    assert not (tmp_path / "jobs.sqlite").exists(), "refused before anything starts"
