@@ -260,6 +260,11 @@ OVERSIZE: dict[str, str] = {
         "the orchestrator of a stage server under a scheduler: each state of the peer's life "
         "(announced, measured, assigned, moving, serving, released) is one step of one loop"
     ),
+    "scheduler.coordinator.membership": (
+        "who counts as a replica of each stage: admitted by a copy, re-admitted, dropped; each "
+        "rule reads the same few sets (members, those left, joiners, standbys), and its "
+        "neighbours (discards, unlisted members, standbys, the entry rate) are modules already"
+    ),
     "stage_server.servicer": (
         "the stage service itself: one handler per RPC, each decoded, routed and handed to its "
         "room (push plane, answering, commit, state transfer); split, the service would be too"

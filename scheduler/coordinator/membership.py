@@ -182,10 +182,11 @@ class Membership:
         """Before a stage is declared lost: a replica that answers at `step` (the coordinator's)
         holds its stage's state, so it becomes a member (again): a replica left out for a missed
         deadline, or a standby (`standbys`: promoted). Its gradients of `step` are discarded
-        (and replayed) first. Every replica of a stage with no member is looked at, and every
-        former member elsewhere: a home outage leaves out a stage's only replica and one of
-        another's, and the second must not be made to download the state it holds (a standby
-        elsewhere is not: one is promoted only where its stage has no member). One whose
+        (and replayed) first. Every replica of a stage with no member that may hold its state
+        (`_held_it`: a former member, a standby of it, a joiner that copied a member) is looked
+        at, and every former member elsewhere: a home outage leaves out a stage's only replica
+        and one of another's, and the second must not be made to download the state it holds
+        (a standby elsewhere is not: one is promoted only where its stage has no member). One whose
         rollback epoch is older than the last rollback's missed its LoadState: what it holds is
         of the training before it; it is not re-admitted (the rollback loads it instead). A
         stage a former member no longer listed holds at `step` is not lost (`unlisted`): it
@@ -201,7 +202,10 @@ class Membership:
             for k, stage in enumerate(members)
             for r in stage
             if r.peer not in self.synced
-            and (not current[k] or (r.peer in self._left and self.standbys.of(r.peer) is None))
+            and (
+                (not current[k] and self._held_it(k, r.peer))
+                or (r.peer in self._left and self.standbys.of(r.peer) is None)
+            )
         ]
         # A former replica back at the step keeps its stage: its standby stands by on (looked
         # at last, and passed over where one was re-admitted).
@@ -253,6 +257,17 @@ class Membership:
         ]
         self.standbys.explain(lost, step, seen)
         return not lost
+
+    def _held_it(self, stage: int, peer: str) -> bool:
+        """Whether `peer` may hold `stage`'s state as the coordinator made it: a former member,
+        a standby of the stage, or a joiner whose copy of a member ended at the open step. Any
+        other peer listed on the stage is a stranger to its state, whatever its Info says (a
+        token holder's peer may announce any stage and answer Info at the job's step)."""
+        return (
+            peer in self._left
+            or self.standbys.of(peer) == stage
+            or (peer in self._copied and self._copying.get(peer, (stage,))[0] == stage)
+        )
 
     async def _holds(self, stage: int, replica: Replica, step: int) -> bool:
         """Whether `replica` answers holding `stage`'s state at `step`, of the last rollback's

@@ -10,6 +10,7 @@ loads it instead. (Before, no Join said an epoch, and `readmit` took any replica
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from swarm.errors import PeerUnavailable
@@ -75,3 +76,22 @@ async def test_a_replica_that_missed_a_rollbacks_state_is_loaded_not_re_admitted
     # its state the one from before it); now the rollback is tried again, and loads it.
     assert x.called("load_state") == [0, 0]
     assert x.epoch == fresh.epoch
+
+
+async def test_a_peer_that_never_held_a_lost_stage_is_not_taken_as_its_holder(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # z announces stage 1 and answers Info at the job's step, its epoch current, and was never
+    # a member nor asked to copy one (a token holder's peer says what it likes). Before, a
+    # stage with no member took any peer listed on it that answered so as its holder: z
+    # became stage 1's only replica, holding whatever it held, ahead of any standby.
+    h, (c,) = await _started(tmp_path, make_harness, "c")
+    membership = h.coordinator.membership
+    z = h.swarm.add(1, "z")
+    c.dead = True  # stage 1's only member goes
+    membership.drop("c")
+    assert (await h.coordinator.lease("t", 8)).tasks == []  # stage 1 has no member
+    # lost: the checkpoint is loaded, z's state with it (before: z taken as it was, no rollback)
+    assert await asyncio.wait_for(h.rollbacks.get(), 10) == 0, membership.synced
+    assert z.called("load_state") == [0]
+    await until(lambda: "z" in membership.synced)
