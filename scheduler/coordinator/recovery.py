@@ -232,18 +232,21 @@ class Recovery:
         finally:
             writer.abort()  # whatever was not closed (no write thread runs now)
 
-    def latest(self, at_most: int | None = None) -> int:
-        """The step to roll back to: the last sealed checkpoint's (at or before `at_most`), else
-        0. With `at_most`, the sealed ones after the step returned are deleted: they hold work
-        done after `at_most` (a banned peer's, `scheduler.coordinator.trust.bans`)."""
+    def latest(self) -> int:
+        """The step to roll back to: the last sealed checkpoint's, else 0."""
+        return (checkpoint.latest(self.directory) or 0) if self.directory else 0
+
+    async def back_before(self, at_most: int) -> int:
+        """The step a ban's rollback goes back to: the last sealed checkpoint's at or before
+        `at_most`, else 0. The sealed ones after it are deleted, on a thread (each a model and
+        its optimizer's state: seconds of disk work the event loop must not wait out): they
+        hold work done after `at_most`, a banned peer's (`scheduler.coordinator.trust.bans`)."""
         if not self.directory:
             return 0
-        if at_most is None:
-            return checkpoint.latest(self.directory) or 0
         step = max((s for s in checkpoint.sealed(self.directory) if s <= at_most), default=0)
         self._bans.append(step)  # and the one being written, if after it (`_banned_since`)
         self._going_back = step  # and those begun before the states are loaded (`restore`)
-        dropped = checkpoint.drop_after(self.directory, step)
+        dropped = await asyncio.to_thread(checkpoint.drop_after, self.directory, step)
         if dropped:
             log.warning("checkpoints of steps %s deleted: they hold a banned peer's work", dropped)
         return step

@@ -143,7 +143,11 @@ class Rollback:
                 return
             # A checkpoint still being written may be the newest.
             await self.recovery.flush(self.job.runtime.commit_timeout_s)
-            step = self.recovery.latest(before)
+            step = (
+                self.recovery.latest()
+                if before is None
+                else await self.recovery.back_before(before)
+            )
             self.window.cancel_commits()
             self.rounds.restarted()  # every member loads one state: no round is half done
             # Work leased before is refused where the state loads (as late as it may land):

@@ -5,6 +5,7 @@ stays the one a rollback uses."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -109,12 +110,12 @@ async def test_a_trickling_member_fails_its_checkpoint_in_bounded_time_and_the_n
 async def test_a_checkpoint_in_flight_as_a_peer_is_banned_is_never_sealed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A ban's rollback (`latest(at_most)`) deletes the sealed checkpoints after the step it goes
-    back to: they hold the banned peer's work. One still being written then held it too, and was
-    sealed after the deletion: a scheduler restarted later resumed from it, the banned peer's
-    work and all (CI: test_ban_restart, "rolled back to step 4" from a checkpoint of step 4
-    written after the rollback to step 0). Nor is one begun before the rollback loaded its
-    state."""
+    """A ban's rollback (`back_before(at_most)`) deletes the sealed checkpoints after the step
+    it goes back to: they hold the banned peer's work. One still being written then held it
+    too, and was sealed after the deletion: a scheduler restarted later resumed from it, the
+    banned peer's work and all (CI: test_ban_restart, "rolled back to step 4" from a checkpoint
+    of step 4 written after the rollback to step 0). Nor is one begun before the rollback loaded
+    its state."""
     job = make_job(tmp_path, training={"stages": 1})
     whole = initial_state(job, 0)
     member = HostileStage(lambda: whole.items(), step=4)
@@ -124,7 +125,7 @@ async def test_a_checkpoint_in_flight_as_a_peer_is_banned_is_never_sealed(
     try:
         async with serving(member) as address:
             recovery.checkpoint(4, [[Replica("peer", address)]])  # of the steps before the ban
-            assert recovery.latest(at_most=0) == 0  # the ban: back to step 0
+            assert await recovery.back_before(0) == 0  # the ban: back to step 0
             await asyncio.wait_for(recovery.flush(), 10)
             assert checkpoint.sealed(directory) == [], "sealed after the ban's deletion"
             assert checkpoint.latest(directory) is None
@@ -144,3 +145,39 @@ async def test_a_checkpoint_in_flight_as_a_peer_is_banned_is_never_sealed(
     told = [r.getMessage() for r in caplog.records]
     assert any("checkpoint of step 4 dropped" in m for m in told), told
     assert any("checkpoint of step 6 skipped: a ban's rollback to step 0" in m for m in told)
+
+
+async def test_a_bans_deletions_run_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sealed checkpoints a ban's rollback deletes are whole models and their optimizers'
+    state: deleted on the event loop, every job's calls and the embedded broker waited them out.
+    Here a deletion takes 1 s: the loop goes on meanwhile (before, it was held the whole 1 s)."""
+    job = make_job(tmp_path, training={"stages": 1})
+    directory = tmp_path / "checkpoints"
+    recovery = Recovery(job, ReplicaClients(grpc_replicas(job, "job")), directory)
+    real = checkpoint.drop_after
+
+    def slow(root: Path, step: int) -> list[int]:
+        time.sleep(1.0)
+        return real(root, step)
+
+    monkeypatch.setattr(checkpoint, "drop_after", slow)
+    gaps: list[float] = []
+
+    async def ticking() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(ticking())
+    await asyncio.sleep(0.05)
+    try:
+        assert await recovery.back_before(0) == 0
+        await asyncio.sleep(0.05)  # the ticker's next tick, the gap it measures with it
+    finally:
+        ticker.cancel()
+    assert gaps and max(gaps) < 0.5, f"the loop was held {max(gaps):.2f} s"
