@@ -26,7 +26,14 @@ from swarm.deadline import within
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.policy.backoff import Backoff
 
-__all__ = ["FETCH_ATTEMPTS", "STALL_S", "Source", "cache_lock", "fetch_file"]
+__all__ = [
+    "FETCH_ATTEMPTS",
+    "STALL_S",
+    "Source",
+    "cache_lock",
+    "durably_renamed",
+    "fetch_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +109,28 @@ async def fetch_file(
             "at submit: refused and removed (the file changed on the scheduler's machine since, "
             "or the bytes were damaged on the way); submit the job again"
         )
-    os.replace(part.path, kept)
+    await asyncio.to_thread(durably_renamed, part.path, kept)
     log.info("%s fetched: %d bytes, kept as %s", what, part.size, kept)
+
+
+def durably_renamed(done: Path, kept: Path) -> None:
+    """`done` (a file, or a directory of them, whose bytes are whole) renamed to `kept`, on disk
+    before it takes the name: a file under its final name is taken as whole by its size alone at
+    a later start (`swarm.rpc.init_fetch`), and one renamed before its bytes reached the disk
+    can be left its size and no bytes by a power cut. Its bytes are synced (a directory's files
+    were, each as it was kept), then it is renamed, then the directory that names it is."""
+    if done.is_file():
+        _sync(done)
+    os.replace(done, kept)
+    _sync(kept.parent)
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass

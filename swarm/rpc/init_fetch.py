@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from swarm.net import dial
 from swarm.net.invite import cache_dir
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
-from swarm.rpc.fetch_file import Source, cache_lock, fetch_file
+from swarm.rpc.fetch_file import Source, cache_lock, durably_renamed, fetch_file
 from swarm.rpc.status import from_rpc_error
 from swarm.wire.chunking import grpc_options
 
@@ -105,7 +104,7 @@ async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str) -> None:
             size=entry.size,
             what=f"model.init_from's {entry.path}",
         )
-    os.replace(staging, kept)
+    await asyncio.to_thread(durably_renamed, staging, kept)  # each file synced as fetched
     manifest.unlink()  # the directory is whole under its name: nothing left to go on from
     log.info("model.init_from fetched: %d files, kept as %s", len(entries), kept)
 
