@@ -31,6 +31,7 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import load_file
 
+from swarm.ops.durable import fsync_path
 from swarm.ops.private import private_dir, private_open
 
 __all__ = [
@@ -57,14 +58,6 @@ def _dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _tmp_name(path: Path) -> Path:
     """Where `path` is written before it is renamed into place (this process's own)."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -80,7 +73,7 @@ def _atomic(path: Path, write: Callable[[BinaryIO], object], what: str) -> None:
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         tmp.replace(path)
-        _fsync_dir(path.parent)  # and the rename too
+        fsync_path(path.parent)  # and the rename too
     except Exception as e:  # torch.save turns ENOSPC into RuntimeError
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -200,7 +193,7 @@ class StageWriter:
             self._file = None
             self._tmp.replace(self.path)
             self._done = True
-            _fsync_dir(self.path.parent)  # and the rename too
+            fsync_path(self.path.parent)  # and the rename too
         except OSError as e:
             self.abort()
             raise CheckpointError(f"{self._what}: cannot write {self.path} ({e})") from e

@@ -24,6 +24,7 @@ from typing import BinaryIO
 
 from swarm.deadline import within
 from swarm.errors import ConfigError, PeerUnavailable
+from swarm.ops.durable import fsync_path
 from swarm.policy.backoff import Backoff
 
 __all__ = [
@@ -120,17 +121,9 @@ def durably_renamed(done: Path, kept: Path) -> None:
     can be left its size and no bytes by a power cut. Its bytes are synced (a directory's files
     were, each as it was kept), then it is renamed, then the directory that names it is."""
     if done.is_file():
-        _sync(done)
+        fsync_path(done)
     os.replace(done, kept)
-    _sync(kept.parent)
-
-
-def _sync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(kept.parent)
 
 
 @dataclass
