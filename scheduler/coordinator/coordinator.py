@@ -213,6 +213,7 @@ class LocalCoordinator:
         """Bring every replica to one step (finishing a half-applied commit) and open it."""
         if isinstance(self.clients.factory, GrpcReplicas):
             await self.clients.factory.prepare()
+        await self.recovery.sweep()
         step = await self._rollback.reconcile()
         await self.rounds.started(step, self.replicas())
         self._open(step)

@@ -77,7 +77,7 @@ class Recovery:
         self.every_s, self.clock = every_s, clock or MonotonicClock()
         self._last_at = self.clock.now()  # the last checkpoint started (or training did)
         self._saving: asyncio.Task[None] | None = None  # the checkpoint being written
-        # The steps the bans' rollbacks went back to (`latest(at_most)`), in order: a checkpoint
+        # The steps the bans' rollbacks went back to (`back_before`), in order: a checkpoint
         # being written as one came holds the banned peer's work if it is of a later step.
         self._bans: list[int] = []
         # A ban's rollback under way goes back to this step: until it has loaded that state
@@ -144,13 +144,14 @@ class Recovery:
         """Save every stage's state at `step` (from one member each), then seal it, unless a ban
         after the `bans`th (by default: after this call) went back before `step`. A write that
         fails raises `OSError` (`checkpoint.CheckpointError`) with the unsealed files removed:
-        the caller skips this checkpoint, and a rollback uses the last sealed one."""
+        the caller skips this checkpoint, and a rollback uses the last sealed one. A save
+        cancelled midway removes them too: its stages already written are of no use alone."""
         assert self.directory is not None
         try:
             await self._save(
                 self.directory, step, members, len(self._bans) if bans is None else bans
             )
-        except OSError:
+        except (OSError, asyncio.CancelledError):  # cancelled: a job's end, a shutdown
             await to_thread_to_the_end(checkpoint.discard, self.directory, step)
             raise
 
@@ -188,7 +189,7 @@ class Recovery:
     def _banned_since(self, bans: int, step: int) -> bool:
         """Whether a ban since the `bans`th went back before `step` (said): the checkpoint of
         `step`, begun before it, holds the banned peer's work, and the ban's deletion of such
-        checkpoints (`latest`) came before it was sealed."""
+        checkpoints (`back_before`) came before it was sealed."""
         if not any(back < step for back in self._bans[bans:]):
             return False
         log.warning(
@@ -231,6 +232,15 @@ class Recovery:
             return True
         finally:
             writer.abort()  # whatever was not closed (no write thread runs now)
+
+    async def sweep(self) -> None:
+        """At the coordinator's start, before it writes a checkpoint: what a write that never
+        ended left (a scheduler killed mid-checkpoint) is removed, on a thread."""
+        if not self.directory or not self.directory.is_dir():
+            return
+        gone = await asyncio.to_thread(checkpoint.sweep, self.directory)
+        if gone:
+            log.warning("checkpoint writes that never ended removed: %s", ", ".join(gone))
 
     def latest(self) -> int:
         """The step to roll back to: the last sealed checkpoint's, else 0."""

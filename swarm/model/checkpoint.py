@@ -46,6 +46,7 @@ __all__ = [
     "save_stage",
     "seal",
     "sealed",
+    "sweep",
 ]
 
 
@@ -314,6 +315,22 @@ def drop_after(root: Path, step: int) -> list[int]:
         (_dir(root, s) / "manifest.json").unlink(missing_ok=True)
         shutil.rmtree(_dir(root, s), ignore_errors=True)
     return newer
+
+
+def sweep(root: Path) -> list[str]:
+    """Remove what a write that never ended left under `root` (a job's checkpoint directory,
+    read before anything of this process writes there): a step directory never sealed, and the
+    temporary files writes rename into place; returns their names. A process killed mid-write
+    left them, each up to a model and its optimizer's state, for as long as the job lived."""
+    gone = []
+    for directory in sorted(root.glob("step-*")):
+        if directory.is_dir() and not (directory / "manifest.json").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            gone.append(directory.name)
+    for tmp in sorted([*root.glob(".*.tmp"), *root.glob("step-*/.*.tmp")]):
+        tmp.unlink(missing_ok=True)
+        gone.append(str(tmp.relative_to(root)))
+    return gone
 
 
 def sealed(root: Path) -> list[int]:

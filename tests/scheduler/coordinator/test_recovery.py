@@ -14,12 +14,15 @@ import torch
 from scheduler.coordinator.recovery import Recovery
 from scheduler.coordinator.replicas import ReplicaClients, grpc_replicas
 from stage_server.replica.runtime import StageRuntime
+from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
 from swarm.model.stage_state import initial_state
 from swarm.rpc import state_streams
 from swarm.rpc.lease import Replica
+from tests.support.coordinator import MakeHarness
 from tests.support.hostile import HostileStage, serving
 from tests.support.jobs import make_job
+from tests.support.replicas import FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -181,3 +184,51 @@ async def test_a_bans_deletions_run_off_the_event_loop(
     finally:
         ticker.cancel()
     assert gaps and max(gaps) < 0.5, f"the loop was held {max(gaps):.2f} s"
+
+
+async def test_a_checkpoint_cancelled_mid_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A job cancelled (or a scheduler shut down) while its checkpoint is written: the stages
+    already written were kept, in a step directory never sealed that nothing swept (each a
+    model and its optimizer's state), until the job was deleted."""
+    job = make_job(tmp_path, training={"stages": 2})
+    fast = HostileStage(lambda: initial_state(job, 0).items(), step=10)
+    slow = HostileStage(lambda: initial_state(job, 1).items(), step=10, pause_s=30.0)
+    directory = tmp_path / "checkpoints"
+    clients = ReplicaClients(grpc_replicas(job, "job"))
+    recovery = Recovery(job, clients, directory)
+    try:
+        async with serving(fast) as a, serving(slow) as b:
+            recovery.checkpoint(10, [[Replica("a", a)], [Replica("b", b)]])
+            written = directory / "step-00000010" / "stage-0.safetensors"
+            deadline = time.monotonic() + 20
+            while not written.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert written.exists(), "stage 0 was never written"
+            await asyncio.wait_for(recovery.close(finished=False), 20)
+    finally:
+        await clients.close()
+    assert not (directory / "step-00000010").exists()
+    assert checkpoint.sealed(directory) == []
+
+
+async def test_what_a_killed_write_left_is_swept_at_the_start(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A scheduler killed while a checkpoint was written left its step directory unsealed and
+    its temporary files; nothing removed them (`prune` passes unsealed ones by). The job's
+    coordinator removes them as it starts; the sealed ones stay."""
+    job = make_job(tmp_path, training={"stages": 1})
+    directory = tmp_path / "checkpoints"
+    checkpoint.save_stage(directory, 2, 0, initial_state(job, 0))
+    checkpoint.seal(directory, 2, 1)
+    checkpoint.save_stage(directory, 4, 0, initial_state(job, 0))  # killed before its seal
+    left = directory / "step-00000004" / ".stage-1.safetensors.4242.tmp"
+    left.write_bytes(b"half a stage")
+    stray = directory / "step-00000002" / ".stage-0.safetensors.4243.tmp"
+    stray.write_bytes(b"a rewrite killed midway")
+    swarm = FakeSwarm(fingerprint(job), 1)
+    swarm.add(0, "a")
+    h = make_harness(job, swarm, checkpoint_dir=directory)
+    await h.coordinator.start()
+    assert sorted(p.name for p in directory.iterdir()) == ["step-00000002"]
+    assert not stray.exists() and checkpoint.sealed(directory) == [2]
