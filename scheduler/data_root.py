@@ -10,12 +10,20 @@ either)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
-from swarm.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from swarm.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from swarm.job.config import JobConfig
 from swarm.job.manifest import Entry, encode, manifest_of, path_problem
 from swarm.job.schema import FILE_DATA
@@ -25,7 +33,9 @@ __all__ = [
     "checkpoint_file",
     "checkpoint_files",
     "checkpoint_manifest",
+    "chunks",
     "data_file",
+    "opened",
     "under_data_root",
 ]
 
@@ -55,6 +65,35 @@ def check_data_root(root: Path | None, kept: Mapping[str, Path | None]) -> Path:
                 f"directory that holds job data only, or move {flag} out of it"
             )
     return real
+
+
+async def chunks(
+    path: Path, offset: int, chunk_bytes: int, root: Path | None = None
+) -> AsyncIterator[bytes]:
+    """`path`'s bytes from `offset` on, `chunk_bytes` at a time (read off the loop: a slow
+    disk); the file opened under `root`, when given (`opened`)."""
+    with await asyncio.to_thread(opened, path, root) as f:
+        f.seek(offset)
+        while data := await asyncio.to_thread(f.read, chunk_bytes):
+            yield data
+
+
+def opened(path: Path, root: Path | None) -> BinaryIO:
+    """`path` opened to be read, and the file opened (not its name: a link swapped in after the
+    name was resolved and checked is followed by the open) checked to lie under `root`, when
+    given: PermissionDenied otherwise, the file closed. What the scheduler serves from the data
+    root to any token holder must be what it checked."""
+    f = open(path, "rb")  # noqa: SIM115 (returned open: its caller's `with`)
+    if root is None:
+        return f
+    real = Path(os.readlink(f"/proc/self/fd/{f.fileno()}"))  # the kernel's name of what opened
+    if not real.is_relative_to(root):
+        f.close()
+        raise PermissionDenied(
+            f"{str(path)!r} led outside the scheduler's data root {str(root)!r} as it was "
+            "opened (a link put in its place): not served"
+        )
+    return f
 
 
 def under_data_root(root: Path, path: Path, key: str) -> Path:

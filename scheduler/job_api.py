@@ -386,7 +386,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     '(or delayed_update with pool.overlap = "eager") keep one, from their first '
                     "step"
                 )
-            async for data in self._chunks(path, 0):
+            async for data in roots.chunks(path, 0, self.chunk_bytes):
                 yield scheduler_pb2.SchedulerExportRoutesResponse(data=data)
 
         async for part in self._serving.stream("ExportRoutes", context, body()):
@@ -398,7 +398,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerFetchDataResponse]:
             job = await self._parsed(request.job)
             path = roots.data_file(job, request.validation, self.data_root)
-            async for data in self._chunks(path, request.offset):
+            async for data in roots.chunks(path, request.offset, self.chunk_bytes, self.data_root):
                 yield scheduler_pb2.SchedulerFetchDataResponse(data=data)
 
         async for part in self._serving.stream("FetchData", context, body()):
@@ -415,7 +415,9 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 path = await asyncio.to_thread(
                     roots.checkpoint_file, job, request.path, self.data_root
                 )
-                async for data in self._chunks(path, request.offset):
+                async for data in roots.chunks(
+                    path, request.offset, self.chunk_bytes, self.data_root
+                ):
                     yield scheduler_pb2.SchedulerFetchInitResponse(data=data)
                 return
             # the manifest: its files hashed off the loop, and checked against the pin
@@ -432,13 +434,6 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         record = self._job(job_id)
         spec, base = record.spec, Path(record.base_dir)
         return await asyncio.to_thread(parse_job, spec, base, record.name, check_data=False)
-
-    async def _chunks(self, path: Path, offset: int) -> AsyncIterator[bytes]:
-        """`path`'s bytes from `offset` on, a chunk at a time (read off the loop: a slow disk)."""
-        with await asyncio.to_thread(open, path, "rb") as f:
-            f.seek(offset)
-            while data := await asyncio.to_thread(f.read, self.chunk_bytes):
-                yield data
 
 
 def _message(

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from scheduler import data_root as roots
 from scheduler.job_api import JobApiServicer
 from swarm.job.config import JobConfig, load_job, parse_job
 from swarm.job.manifest import digest, manifest_of
@@ -148,3 +149,28 @@ async def test_files_over_a_message_are_fetched_in_the_schedulers_own_chunks(
         assert kept is not None and manifest_of(kept) == manifest_of(ckpt)
     finally:
         await running.stop()
+
+
+async def test_a_link_swapped_in_after_the_check_is_not_followed(
+    api: RunningApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The served path was resolved and checked to lie under the data root, then opened by name:
+    # a file replaced by a link out of the root in between (by anyone who may write under it)
+    # was followed, and its target served to any token holder. What is opened is checked now.
+    _checkpoint(tmp_path)
+    (tmp_path / "secret").write_text("not to be served")
+    job_id, _ = await _submit(api, tmp_path)
+    checked = roots.checkpoint_file
+
+    def swapped(*args: object) -> Path:
+        path = checked(*args)  # type: ignore[arg-type]
+        path.unlink()
+        os.symlink(tmp_path / "secret", path)
+        return path
+
+    monkeypatch.setattr(roots, "checkpoint_file", swapped)
+    request = scheduler_pb2.SchedulerFetchInitRequest(job=job_id, path="config.json")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _call(api, "FetchInit", request)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "outside the scheduler's data root" in (refused.value.details() or "")
