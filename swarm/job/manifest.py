@@ -20,7 +20,9 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -142,20 +144,28 @@ def parse(data: bytes, pinned: str) -> tuple[Entry, ...]:
     return entries
 
 
-_MAX_HASHES = 256  # file versions remembered
+# File versions remembered: more than a checkpoint holds (`MAX_FILES`), so that a walk of the
+# largest one comes back to each of its files still remembered (with 256, a checkpoint of 300
+# files was hashed whole at every FetchInit); about 200 bytes each.
+_MAX_HASHES = 2 * MAX_FILES
 
 
 # A file's version -> its sha256, per process: (path, device, inode, size, mtime, ctime), all in
 # ns. Size and mtime alone are no version: whoever may write the file can swap its bytes and set
 # its mtime back (`touch -d`). ctime is the kernel's own stamp of any change to the file, which no
-# user can set, and a file renamed over it is another inode.
-_HASHES: dict[tuple[str, int, int, int, int, int], str] = {}
+# user can set, and a file renamed over it is another inode. The least recently asked is
+# forgotten first. Threads ask at once (the job API hashes off its loop): under `_LOCK`, with
+# the versions being hashed (`_HASHING`) that the others wait for rather than hash again.
+_Version = tuple[str, int, int, int, int, int]
+_HASHES: OrderedDict[_Version, str] = OrderedDict()
+_HASHING: dict[_Version, threading.Event] = {}
+_LOCK = threading.Lock()
 # A file changed this recently may change again within the same tick of the (coarse) clock that
 # stamps ctime, leaving the stamp as it was: such a file is hashed every time, not remembered.
 _RACY_NS = 2_000_000_000
 
 
-def _version(path: Path) -> tuple[str, int, int, int, int, int]:
+def _version(path: Path) -> _Version:
     st = path.stat()
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -163,19 +173,40 @@ def _version(path: Path) -> tuple[str, int, int, int, int, int]:
 def file_sha256(path: Path) -> str:
     """Hex sha256 of the file at `path`, read in chunks (a large file costs time, never its size
     in memory), remembered per file version: any change to the file, even one that keeps its
-    size and mtime, is a new version. OSError if it cannot be read."""
+    size and mtime, is a new version. A version another thread is hashing is waited for, not
+    hashed again. OSError if it cannot be read."""
     before, started = _version(path), time.time_ns()
-    known = _HASHES.get(before)
-    if known is not None:
-        return known
+    while True:
+        with _LOCK:
+            known = _HASHES.get(before)
+            if known is not None:
+                _HASHES.move_to_end(before)
+                return known
+            other = _HASHING.get(before)
+            if other is None:
+                _HASHING[before] = threading.Event()
+                break
+        other.wait()  # then remembered (or not: a racy version, hashed here too)
+        if before not in _HASHES:
+            return _hashed(path, before, started, ours=False)
+    try:
+        return _hashed(path, before, started, ours=True)
+    finally:
+        with _LOCK:
+            _HASHING.pop(before).set()
+
+
+def _hashed(path: Path, before: _Version, started: int, *, ours: bool) -> str:
+    """`path`'s sha256, read now; remembered (`ours`: as the one thread hashing `before`) for a
+    version that held still while it was read, and was settled before: else the next call
+    reads it again."""
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             sha.update(chunk)
-    # Remembered only for a version that held still while it was read, and was settled
-    # before: else the next call reads it again.
-    if _version(path) == before and before[-1] < started - _RACY_NS:
-        if len(_HASHES) >= _MAX_HASHES:
-            del _HASHES[next(iter(_HASHES))]
-        _HASHES[before] = sha.hexdigest()
+    if ours and _version(path) == before and before[-1] < started - _RACY_NS:
+        with _LOCK:
+            _HASHES[before] = sha.hexdigest()
+            while len(_HASHES) > _MAX_HASHES:
+                _HASHES.popitem(last=False)
     return sha.hexdigest()

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from swarm.errors import ConfigError
+from swarm.job import manifest
 from swarm.job.manifest import Entry, digest, encode, manifest_of, parse, path_problem
 
 
@@ -91,3 +94,45 @@ def test_a_malformed_manifest_is_refused(rows: list[list[object]], why: str) -> 
     data, pin = _pinned(rows)
     with pytest.raises(ConfigError, match=why):
         parse(data, pin)
+
+
+def _counting_opens(monkeypatch: pytest.MonkeyPatch, pause_s: float = 0.0) -> list[str]:
+    """The files `swarm.job.manifest` opens (to hash them) from now on, each a pause long."""
+    opened: list[str] = []
+
+    def counted(path: Path, mode: str = "r") -> object:
+        opened.append(str(path))
+        time.sleep(pause_s)
+        return open(path, mode)
+
+    monkeypatch.setattr(manifest, "open", counted, raising=False)
+    return opened
+
+
+def test_a_checkpoint_of_many_files_is_hashed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FetchInit lists a checkpoint's manifest at every call (and each file's own fetch hashes
+    # it again): with 300 files, a memory of 256 hashes dropped each file before the walk came
+    # back to it, and every call hashed the whole checkpoint again.
+    for i in range(300):
+        (tmp_path / f"shard-{i:03d}.bin").write_bytes(i.to_bytes(2, "big") * 64)
+    # settled (a file changed within the ctime clock's tick is never remembered): at once here
+    monkeypatch.setattr(manifest, "_RACY_NS", 0)
+    opened = _counting_opens(monkeypatch)
+    first = manifest_of(tmp_path)
+    assert manifest_of(tmp_path) == first and len(opened) == 300, len(opened)
+
+
+def test_one_file_asked_at_once_by_many_is_hashed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Eight stage servers asking a cold scheduler for the manifest at once hashed each file
+    # eight times, filling the thread pool every other call waits on.
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"weights" * 1000)
+    monkeypatch.setattr(manifest, "_RACY_NS", 0)  # settled at once
+    opened = _counting_opens(monkeypatch, pause_s=0.3)
+    with ThreadPoolExecutor(8) as pool:
+        digests = set(pool.map(lambda _: manifest.file_sha256(path), range(8)))
+    assert digests == {hashlib.sha256(b"weights" * 1000).hexdigest()} and len(opened) == 1
