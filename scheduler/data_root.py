@@ -82,8 +82,14 @@ def opened(path: Path, root: Path | None) -> BinaryIO:
     """`path` opened to be read, and the file opened (not its name: a link swapped in after the
     name was resolved and checked is followed by the open) checked to lie under `root`, when
     given: PermissionDenied otherwise, the file closed. What the scheduler serves from the data
-    root to any token holder must be what it checked."""
-    f = open(path, "rb")  # noqa: SIM115 (returned open: its caller's `with`)
+    root to any token holder must be what it checked. NotFound for a file gone since."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (returned open: its caller's `with`)
+    except FileNotFoundError:  # the operator's to put back, not a bug's INTERNAL
+        raise NotFound(
+            f"{str(path)!r} is no longer on the scheduler's machine (moved or deleted since the "
+            "job was submitted): nothing to serve"
+        ) from None
     if root is None:
         return f
     real = Path(os.readlink(f"/proc/self/fd/{f.fileno()}"))  # the kernel's name of what opened

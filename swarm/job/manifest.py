@@ -76,7 +76,7 @@ def manifest_of(directory: Path) -> tuple[Entry, ...]:
     """The manifest of `directory`: every regular file under it (a link to a file counts as the
     file it names: a Hugging Face cache's snapshot links to its blobs), sorted by path. Anything
     else (a link to a directory, a socket) is refused: a fetcher could not make it again."""
-    entries = []
+    entries: list[Entry] = []
     for top, dirs, files in os.walk(directory):
         for name in sorted(dirs):
             if os.path.islink(os.path.join(top, name)):
@@ -90,6 +90,11 @@ def manifest_of(directory: Path) -> tuple[Entry, ...]:
                 raise ConfigError(
                     f"model.init_from = {directory}: {path} is not a regular file; a checkpoint "
                     "directory holds files and directories only"
+                )
+            if len(entries) == MAX_FILES:  # before it is hashed: a fetcher takes no more
+                raise ConfigError(
+                    f"model.init_from = {directory} holds more than {MAX_FILES} files (swarm's "
+                    "MAX_FILES), the most a fetcher takes from a checkpoint's manifest"
                 )
             rel = PurePosixPath(path.relative_to(directory)).as_posix()
             entries.append(Entry(rel, path.stat().st_size, file_sha256(path)))

@@ -174,3 +174,23 @@ async def test_a_link_swapped_in_after_the_check_is_not_followed(
         await _call(api, "FetchInit", request)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "outside the scheduler's data root" in (refused.value.details() or "")
+
+
+async def test_a_data_file_gone_since_the_submit_is_not_found_in_words(
+    api: RunningApi, tmp_path: Path
+) -> None:
+    # A job's data file deleted on the scheduler's machine after the submit was answered
+    # INTERNAL, with the open's FileNotFoundError and its path: a bug's answer, where the
+    # operator has a file to put back.
+    text = tmp_path / "data" / "corpus.txt"
+    text.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 50)
+    model = {**BASE["model"], "vocab_size": 256}
+    spec = render({**BASE, "model": model, "data": {"kind": "text", "path": "corpus.txt"}}, "t")
+    request = scheduler_pb2.SchedulerSubmitJobRequest(spec=spec, base_dir=str(tmp_path / "data"))
+    [answer] = await _call(api, "SubmitJob", request)
+    text.unlink()
+    fetch = scheduler_pb2.SchedulerFetchDataRequest(job=answer.job.job)  # type: ignore[attr-defined]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _call(api, "FetchData", fetch)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value.details()
+    assert "is no longer on the scheduler's machine" in (refused.value.details() or "")

@@ -136,3 +136,16 @@ def test_one_file_asked_at_once_by_many_is_hashed_once(
     with ThreadPoolExecutor(8) as pool:
         digests = set(pool.map(lambda _: manifest.file_sha256(path), range(8)))
     assert digests == {hashlib.sha256(b"weights" * 1000).hexdigest()} and len(opened) == 1
+
+
+def test_a_checkpoint_of_more_files_than_a_fetcher_takes_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the submit took it, and every fetcher then refused its manifest (`parse`).
+    monkeypatch.setattr(manifest, "MAX_FILES", 3)
+    for i in range(4):
+        (tmp_path / f"shard-{i}.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="holds more than 3 files"):
+        manifest_of(tmp_path)
+    (tmp_path / "shard-3.bin").unlink()
+    assert len(manifest_of(tmp_path)) == 3
