@@ -155,6 +155,7 @@ class Standbys:
             else:
                 log.info("standby %s is stage %d's replica now (a rollback loaded it)", peer, k)
                 self._forget(peer)
+        self._apart(members, synced)
         speeds = [{r.peer: r.throughput for r in stage} for stage in members]
         if self.only_spares:
             self._release(speeds)
@@ -177,6 +178,19 @@ class Standbys:
             if sum(s == k for s in self._stage.values()) < self.wanted
         ]
         return [p for p in demoted if p in self._stage]
+
+    def _apart(self, members: list[list[Replica]], synced: set[str]) -> None:
+        """Replace each standby whose host now holds every replica of its stage (one joined
+        there, the others left): it was chosen on another host, and one outage of this one
+        would take the stage and its standby together."""
+        for peer, k in list(self._stage.items()):
+            if peer in synced:
+                continue
+            hosts = {self.host(r.peer) for r in members[k] if r.peer in synced - self._stage.keys()}
+            if hosts == {self.host(peer)}:
+                self._replace(
+                    peer, f"its host {self.host(peer)} now holds every replica of the stage"
+                )
 
     def _pick(
         self, stage: int, listed: list[Replica], synced: set[str], speeds: list[dict[str, float]]

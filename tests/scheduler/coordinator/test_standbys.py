@@ -16,7 +16,7 @@ from scheduler.coordinator.standbys import (
 from swarm.errors import SwarmError
 from swarm.rpc.lease import Replica
 
-HOSTS = {"a": "h1", "b": "h2", "c": "h3", "d": "h1", "e": "h4", "f": "h5"}
+HOSTS = {"a": "h1", "b": "h2", "c": "h3", "d": "h1", "e": "h4", "f": "h5", "g": "h2"}
 
 
 def _standbys(wanted: int = 1, only_spares: bool = False) -> Standbys:
@@ -313,3 +313,16 @@ def test_a_copy_held_resets_the_count_and_a_stale_one_is_behind_from_its_step() 
         standbys.opened(step)
     assert standbys.of("a") is None
     assert standbys.passed_over["a"].startswith(f"it was more than {LAG_BOUND} steps behind")
+
+
+def test_a_standby_on_the_host_of_every_replica_now_is_replaced() -> None:
+    # b stands by on h2 for a on h1. g joins on h2 and a leaves: the stage's only replica and
+    # its standby share a host, whose outage takes both (before: b stood by on, unsaid, and
+    # the stage did not count as short of a standby).
+    standbys = _standbys()
+    a, b, g = Replica("a", "x:1"), Replica("b", "x:2"), Replica("g", "x:7")
+    assert standbys.choose([[a, b]], {"a"}) == [] and standbys.of("b") == 0
+    assert standbys.choose([[a, b, g]], {"a", "g"}) == [] and standbys.of("b") == 0  # a stays
+    standbys.choose([[b, g]], {"g"})
+    assert standbys.of("b") is None and 0 in standbys.short
+    assert "h2 now holds every replica" in standbys.passed_over["b"]
