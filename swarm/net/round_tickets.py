@@ -43,7 +43,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from swarm.errors import PermissionDenied
-from swarm.net.peer_ids import is_peer_id
+from swarm.net.peer_ids import MAX_PEER_ID_CHARS
 from swarm.proto import pool_pb2
 from swarm.proto import stage_pb2 as pb
 
@@ -162,7 +162,7 @@ class RoundTickets:
             and len(proof.digests) == len(proof.peers) == header.group_size
             and len(proof.secret) == _SECRET_BYTES
             and all(len(d) == _DIGEST_BYTES for d in proof.digests)
-            and all(is_peer_id(p) for p in proof.peers)
+            and all(0 < len(p) <= MAX_PEER_ID_CHARS and "\0" not in p for p in proof.peers)
         )
         if not well_formed:
             raise PermissionDenied(f"{who}: a malformed round ticket")

@@ -132,3 +132,18 @@ def test_a_pass_names_only_its_owners() -> None:
     with pytest.raises(ValueError, match="2 owners"):
         RoundPass(ticket, PEERS[:2]).to(2)
     assert RoundPass.of(None, PEERS[:2]) is None
+
+
+def test_an_owner_named_by_its_address_takes_its_part() -> None:
+    # An in-process swarm's peers are named by their addresses ("127.0.0.1:7000"): the owners
+    # read a peer id's bound, not `--peer`'s characters (every round of such a pool was refused
+    # as "a malformed round ticket" while they did: tests/stage_server/replica/
+    # test_follow_tickets.py's joiner never joined).
+    peers = ("127.0.0.1:7000", "127.0.0.1:7001")
+    ticket = issue_round_ticket(
+        KEY, job="j", stage=0, round="1/0", sender=0, peers=peers, contributors=0, now=T0
+    )
+    header = pool_pb2.PoolReduceRequest(job="j", stage=0, round="1/0", sender=0, group_size=2)
+    header.part = 1
+    header.proof.CopyFrom(RoundPass(ticket, peers).to(1))
+    _owner(peer="127.0.0.1:7001").check(header)
