@@ -331,8 +331,11 @@ class Standbys:
     async def _ask(self, peer: str, join: Coroutine[Any, Any, int]) -> None:
         try:
             at = await join
-        except SwarmError as e:  # its own loop asks again; a standby gone is forgotten
-            log.info("standby %s did not answer its Join: %s", peer, e)
+        except Exception as e:  # its own loop asks again; a standby gone is forgotten
+            if isinstance(e, SwarmError):
+                log.info("standby %s did not answer its Join: %s", peer, e)
+            else:  # nobody reads this task's outcome: said here, or never
+                log.warning("standby %s: its Join failed: %r", peer, e, exc_info=e)
             if peer not in self._stage:
                 return
             self._failed[peer] = failed = self._failed.get(peer, 0) + 1

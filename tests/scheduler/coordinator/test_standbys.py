@@ -4,6 +4,9 @@ rollback that found none to promote (`scheduler.coordinator.standbys`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from scheduler.coordinator.standbys import (
     COPY_STEPS,
@@ -263,6 +266,31 @@ def test_a_standby_whose_asks_keep_failing_is_replaced() -> None:
         ), said
 
     asyncio.run(run())
+
+
+def test_an_ask_that_fails_in_an_unforeseen_way_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An ask that raised anything but a SwarmError (a bug of the client's, a decoding error)
+    # ended its task with no line at any level, and counted toward no replacement: a standby
+    # whose every ask failed so stood by for good, unsaid.
+    async def run() -> None:
+        standbys = _standbys()
+        a, b = Replica("a", "x:1"), Replica("b", "x:2")
+        assert standbys.choose([[a, b]], {"a", "b"}) == ["a"]
+
+        async def broken() -> int:
+            raise ValueError("an answer no one foresaw")
+
+        for step in range(FAILED_ASKS):
+            standbys.nudge(a, broken(), step)
+            await asyncio.sleep(0.01)
+        assert standbys.of("a") is None  # replaced, as one whose asks keep failing
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(run())
+    failed = [r for r in caplog.records if "an answer no one foresaw" in r.getMessage()]
+    assert failed and failed[0].levelno >= logging.WARNING
 
 
 def test_a_peer_behind_a_router_none_of_the_replicas_is_behind_stands_by_first() -> None:
