@@ -227,7 +227,7 @@ class Membership:
                 continue  # restarted empty, or serving something else: it does not hold it
             if stage in held and self.standbys.of(r.peer) is not None:
                 continue  # its replica holds the stage: the standby stands by on
-            if info.epoch < self.rolled_back:
+            if info.state_epoch < self.rolled_back:
                 log.warning(
                     "stage %d: %s answers at step %d but missed the last rollback: not re-admitted",
                     stage,
@@ -277,7 +277,7 @@ class Membership:
         except SwarmError:
             return False
         at = (info.job, info.stage, info.step) == (self.job_id, stage, step)
-        return at and info.epoch >= self.rolled_back
+        return at and info.state_epoch >= self.rolled_back
 
     async def sync(self, step: int) -> None:
         """At a step boundary: every replica not yet a member starts copying a member of its

@@ -43,9 +43,13 @@ class Copy:
         peer: str,
         ticket: bytes = b"",
         on_copied: Callable[[int, float], None] | None = None,
+        epoch: int = 0,
     ) -> None:
-        """`on_copied(nbytes, seconds)`: the state downloaded, its bytes in that time."""
+        """`on_copied(nbytes, seconds)`: the state downloaded, its bytes in that time. `epoch`:
+        the rollback epoch of the Join that began it: its source's state is of it, and the copy's
+        once loaded. A Join of a newer one begins another (the source loaded another state)."""
         self.source, self.runtime, self.compute, self.peer = source, runtime, compute, peer
+        self.epoch = epoch
         self._on_copied = on_copied
         # The scheduler's, naming this replica a follower of `source` (`Join` brought it): a
         # source the scheduler placed keeps updates only for the followers it names.
@@ -101,7 +105,7 @@ class Copy:
             if self._on_copied is not None:
                 nbytes = sum(t.nbytes for t in state.values())
                 self._on_copied(nbytes, time.perf_counter() - started)
-            await self.compute(rt.follow.load, step, state, self._began)
+            await self.compute(rt.follow.load, step, state, self._began, self.epoch)
             self.loaded = True
             log.info(
                 "%s: copied stage %d at step %d from %s", self.peer, rt.stage, step, self.address

@@ -59,12 +59,20 @@ class Following:
         assert replica is not None  # called by its replica only
         return replica
 
-    def load(self, step: int, state: dict[str, torch.Tensor], began: Began | None = None) -> None:
+    def load(
+        self,
+        step: int,
+        state: dict[str, torch.Tensor],
+        began: Began | None = None,
+        epoch: int = 0,
+    ) -> None:
         """Become a copy of the replica whose state at `step` this is, and follow its updates.
         `began`: this replica's step and `loads` when the copy started. One that moved since (it
         applied a commit as a member meanwhile) or loaded a state (a rollback's, which may leave
         its step as it was) is not overwritten by the copy, which may be older than what it
-        holds, or of a trajectory rolled back: FailedPrecondition, and it stays as it is."""
+        holds, or of a trajectory rolled back: FailedPrecondition, and it stays as it is.
+        `epoch`: the rollback epoch of the Join that began the copy, its source a member then:
+        the state's from now on (`Sums.state_epoch`)."""
         r = self.replica
         if began is not None and began != Began(r.step, r.loads):
             raise FailedPrecondition(
@@ -73,6 +81,7 @@ class Following:
                 "the copy is stale, not loaded"
             )
         r.load_state(step, state)
+        r.sums.copied(epoch)
         r.following = True
 
     def apply(self, u: Update) -> bool:

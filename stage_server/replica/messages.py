@@ -394,7 +394,7 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
         applied_scale=rt.applied[1],
         round_synced=rt.round.synced,  # -1, 0 without a round (`stage_server.replica.no_round`)
         round_samples=rt.round.samples,
-        epoch=rt.sums.epoch,  # the rollback epoch it refuses older work of (`swarm.rpc.epoch`)
+        state_epoch=rt.sums.state_epoch,  # not the Join's: its copy may not have loaded
     )
 
 

@@ -161,7 +161,11 @@ class StateTransfer:
         # Before the answer that makes this replica a member: one that joins after a rollback
         # got no LoadState of it, and refuses work leased before it as those that loaded it do.
         rt.sums.joined(epoch)
-        if copy is not None and copy.address == source and copy.running:
+        if copy is not None and copy.running and copy.epoch < epoch:
+            # A rollback since this copy began: its source loaded the rollback's state (its
+            # update log cleared), and what the copy holds or downloads is from before it.
+            log.info("%s: a rollback since copying %s: copying it again", self.peer, source)
+        elif copy is not None and copy.address == source and copy.running:
             if copy.loaded and rt.following and rt.copy_step < step:
                 # The update it lacks was just applied at the source: fetch it now.
                 await copy.reach(step, rt.job.runtime.rpc_timeout_s / 4)
@@ -182,7 +186,7 @@ class StateTransfer:
         )
         # The member's answers are bounded by the job within this peer's limits.
         client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
-        self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied)
+        self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied, epoch)
         return -1
 
     def _copied(self, nbytes: int, seconds: float) -> None:

@@ -111,12 +111,21 @@ class Sums:
         # taken on the state before.
         self.epoch = 0
         self._epoch_lock = threading.Lock()  # a LoadState sets it on the worker, a Join raises it
+        # The epoch of the state this replica holds, which Info says: set only with the state
+        # (a rollback's LoadState, a loaded copy). A Join raises `epoch` long before its copy
+        # loads, and a lost stage is taken up by a peer whose state is of the last rollback's.
+        self.state_epoch = 0
 
     def rolled_back(self, epoch: int) -> None:
         """A rollback's LoadState loaded this replica's state: work leased before `epoch` is
         stale from now on."""
         with self._epoch_lock:
-            self.epoch = epoch
+            self.epoch = self.state_epoch = epoch
+
+    def copied(self, epoch: int) -> None:
+        """A copy begun by a Join of `epoch` loaded its source's state (a member's then)."""
+        with self._epoch_lock:
+            self.state_epoch = epoch
 
     def joined(self, epoch: int) -> None:
         """The coordinator's Join said its epoch: a replica that joins after a rollback got no

@@ -431,7 +431,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts", "round_synced", "round_samples", "epoch")
+    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts", "round_synced", "round_samples", "state_epoch")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -447,7 +447,7 @@ class StageInfoResponse(_message.Message):
     NEXT_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_SYNCED_FIELD_NUMBER: _ClassVar[int]
     ROUND_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -463,8 +463,8 @@ class StageInfoResponse(_message.Message):
     next_receipts: _containers.RepeatedScalarFieldContainer[int]
     round_synced: int
     round_samples: int
-    epoch: int
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ..., round_synced: _Optional[int] = ..., round_samples: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    state_epoch: int
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ..., round_synced: _Optional[int] = ..., round_samples: _Optional[int] = ..., state_epoch: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
     __slots__ = ("job", "stage", "include_optimizer", "follower", "ticket")

@@ -75,8 +75,9 @@ class FakeReplica:
         self.copying = 0  # Joins that find its copy still downloading (answered -1), first
         self.dead = False  # SIGKILLed: every call fails unreachable, and no copy of it ends
         # The rollback epoch it refuses older work of, as a real replica's (`swarm.rpc.epoch`):
-        # its last LoadState's, or a Join's if newer.
-        self.epoch = 0
+        # its last LoadState's, or a Join's if newer; and that of the state it holds, which its
+        # Info says: its last LoadState's, or the Join's whose copy it took.
+        self.epoch = self.state_epoch = 0
 
     @property
     def replica(self) -> Replica:
@@ -145,7 +146,7 @@ class FakeReplica:
             applied_scale=self.applied[1],
             round_synced=self.round_synced,
             round_samples=self.round_samples,
-            epoch=self.epoch,
+            state_epoch=self.state_epoch,
         )
 
     async def prepare(
@@ -265,6 +266,7 @@ class FakeReplica:
             self.copying -= 1
             return -1
         self.step, self.state = other.step, {k: v.clone() for k, v in other.state.items()}
+        self.state_epoch = rollback_epoch
         self.receipts.clear()
         self.applied = (-1, 1.0)
         return self.step
@@ -274,7 +276,7 @@ class FakeReplica:
     ) -> int:
         await self._enter("load_state", step)
         self.step, self.state = step, {k: v.clone() for k, v in state.items()}
-        self.epoch = rollback_epoch
+        self.epoch = self.state_epoch = rollback_epoch
         self.receipts.clear()
         self.applied = (-1, 1.0)
         return step

@@ -11,6 +11,7 @@ import pytest
 
 from scheduler.coordinator import unlisted
 from scheduler.coordinator.standbys import COPY_STEPS, LAG_BOUND, LAG_STEPS
+from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeSwarm
@@ -241,3 +242,33 @@ async def test_a_standby_that_was_a_member_is_not_promoted_while_its_stage_has_o
     assert promoted == [(step, 0, ours)], "a standby promoted on a stage that has a member"
     assert membership.standbys.of("b") == 1
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [[ours], ["c"]]
+
+
+async def test_a_standby_that_missed_a_rollback_is_not_promoted_when_training_is_back_at_its_step(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # The standby at step 2 misses a rollback's LoadState (to step 0), and its next Joins find
+    # its new copy downloading, never done: it holds step 2's state from before the rollback.
+    # Training comes back to step 2 and the stage's replica dies there. A real replica's Info
+    # said the epoch of its last Join, the rollback's, and the standby was promoted with the
+    # state rolled back (`tests/stage_server/replica/test_rollback_epoch.py`); it says its
+    # state's, and the stage is rolled back again.
+    h, standby, replica = await _with_a_standby(tmp_path, make_harness, steps=8)
+    held = h.swarm[standby]
+    await h.step()
+    await until(lambda: held.step == 2, "the standby at the open step")
+    held.fail("load_state", PeerUnavailable("UNAVAILABLE: deadline exceeded"))
+    held.copying = 1_000_000
+    before = held.state_epoch
+    h.coordinator.bans.roll_back_to(0)
+    assert await asyncio.wait_for(h.rollbacks.get(), 60) == 0
+    await h.step()
+    await h.step()
+    await until(lambda: len(held.called("join")) > 2, "the standby asked to Join anew")
+    assert held.step == 2 and held.epoch > before == held.state_epoch
+    promoted: list[tuple[int, int, str]] = []
+    h.coordinator.membership.standbys.promoted.append(lambda *told: promoted.append(told))
+    h.swarm.remove(replica)
+    await h.coordinator.lease("t", 8)
+    assert await asyncio.wait_for(h.rollbacks.get(), 60) == 0
+    assert promoted == []

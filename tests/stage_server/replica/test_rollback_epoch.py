@@ -9,7 +9,15 @@ own copy of the microbatch was answered as a duplicate: the model left `swarm lo
 coordinator drive it, in that order: no timing luck.
 
 A replica that joins after the rollback loaded none of its state: the coordinator's Join tells it
-the epoch, and it refuses the same stale work (before, it took it)."""
+the epoch, and it refuses the same stale work (before, it took it).
+
+Its Info says the epoch of the state it holds, not of its last Join: a lost stage is taken up by
+a peer whose Info says the job's step and an epoch no older than the last rollback's. A Join
+raised the epoch long before its copy loaded, and a standby that missed a rollback's LoadState
+and was Joined anew said the rollback's while holding the state from before it. Now the state's
+epoch is set only with the state: by a rollback's LoadState, or by a loaded copy (the epoch of the
+Join that began it, its source a member then); and a copy begun before a rollback is begun again
+by a Join of the rollback's epoch (its source loaded another state since)."""
 
 from __future__ import annotations
 
@@ -221,4 +229,51 @@ async def test_a_join_sent_before_a_rollback_that_loaded_here_starts_no_copy(
         assert server.servicer._transfer.copy is not None
     finally:
         server.servicer._transfer.stop_copy()
+        await client.close()
+
+
+async def test_a_join_whose_copy_never_loads_leaves_the_states_epoch(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    try:
+        await client.load_state(0, server.runtime.export_state(), rollback_epoch=BEFORE)
+        # A later rollback's Join, naming a source it cannot copy: nothing is loaded.
+        assert await client.join("127.0.0.1:1", 0, rollback_epoch=AFTER) == -1
+        info = await client.info()
+        # Before: AFTER, while it held BEFORE's state (promotable as the rollback's).
+        assert info.state_epoch == BEFORE
+        # It still refuses work leased before the Join's epoch (it may become a member on it).
+        assert server.runtime.sums.epoch == AFTER
+    finally:
+        server.servicer._transfer.stop_copy()
+        await client.close()
+
+
+async def test_a_loaded_copy_holds_its_joins_epoch_and_a_rollback_begins_it_again(
+    job: JobConfig, make_swarm: list[Swarm]
+) -> None:
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(1)
+    source = swarm.servers[1][0]
+    joiner = await swarm.add(1)
+    client = StageClient(joiner.address, job, fingerprint(job), 1)
+    transfer = joiner.servicer._transfer
+    try:
+        assert await client.join(source.address, 0, rollback_epoch=BEFORE) in (-1, 0)
+        first = transfer.copy
+        assert first is not None
+        await wait_until(lambda: first.loaded, "the copy loads")
+        assert (await client.info()).state_epoch == BEFORE
+        # A rollback since (the source loaded another state, its update log cleared): the
+        # coordinator's next Join says its epoch. The copy from before is begun again, not
+        # followed on (before: the same copy, its state the one rolled back).
+        await client.join(source.address, 0, rollback_epoch=AFTER)
+        again = transfer.copy
+        assert again is not None and again is not first and not first.running
+        await wait_until(lambda: again.loaded, "the copy loads again")
+        assert (await client.info()).state_epoch == AFTER
+    finally:
+        transfer.stop_copy()
         await client.close()
