@@ -222,13 +222,32 @@ class StateTransfer:
         # On the uplink's waiting lane: between the boundary's sends, which the step waits for
         # (`stage_server.peer.uplink`), in parts small enough not to hold one up.
         lane = self.metrics.uplink.waiting(follower)
+        # A reader that takes nothing for `rpc_timeout_s` (after which its own client gives up)
+        # is let go: its call would hold these updates, each a stage's gradient, for as long as
+        # its connection lived, after the log itself let them go. A generator cannot time its
+        # own `yield`: the call's task is cancelled from outside, which ends it.
+        stall_s, task = self._runtime().job.runtime.rpc_timeout_s, asyncio.current_task()
+        assert task is not None  # a call's handler
         for part in updates_reply(updates, lane.part_bytes(chunk_bytes)):
             await lane.before()
             handed = loop.time()
-            yield part
+            stalled = loop.call_later(stall_s, self._let_reader_go, task, follower, stall_s)
+            try:
+                yield part
+            finally:
+                stalled.cancel()
             lane.sent(payload_bytes(part), loop.time() - handed)
             log_.touch(follower)  # still reading: not silent
         lane.done()
+
+    def _let_reader_go(self, task: asyncio.Task[Any], follower: str, stall_s: float) -> None:
+        log.info(
+            "%s: %s took no part of its updates for %.3g s: its call ends",
+            self.peer,
+            follower,
+            stall_s,
+        )
+        task.cancel()
 
     async def download(
         self, job_id: str, follower: str, ticket: bytes, include_optimizer: bool, chunk_bytes: int
