@@ -187,8 +187,8 @@ class Membership:
         at, and every former member elsewhere: a home outage leaves out a stage's only replica
         and one of another's, and the second must not be made to download the state it holds
         (a standby elsewhere is not: one is promoted only where its stage has no member). One whose
-        rollback epoch is older than the last rollback's missed its LoadState: what it holds is
-        of the training before it; it is not re-admitted (the rollback loads it instead). A
+        state is of an epoch before the last rollback (Info's `state_epoch`) missed its
+        LoadState: it is not re-admitted (the rollback loads it instead). A
         stage a former member no longer listed holds at `step` is not lost (`unlisted`): it
         waits for it, and its standby is not promoted, nor where a former replica is
         re-admitted. Nor is a stage lost whose holder's Discard got no answer (`discards`): it

@@ -46,8 +46,11 @@ class Copy:
         epoch: int = 0,
     ) -> None:
         """`on_copied(nbytes, seconds)`: the state downloaded, its bytes in that time. `epoch`:
-        the rollback epoch of the Join that began it: its source's state is of it, and the copy's
-        once loaded. A Join of a newer one begins another (the source loaded another state)."""
+        the rollback epoch of the Join that began it, its source a member then: the copy's state
+        is said to be of it once loaded (at worst older than it is: a Join sent before a
+        rollback may be handled after its source loaded the rollback's state). A source that
+        loads a state while this copy follows it clears its update log, and the copy fails at
+        its next ask: it never follows a source across a rollback."""
         self.source, self.runtime, self.compute, self.peer = source, runtime, compute, peer
         self.epoch = epoch
         self._on_copied = on_copied

@@ -19,7 +19,11 @@ Invariants, and why:
   they are sent), at most `--max-state-downloads` at once: a request of a few bytes may cost a copy
   of the state, so their number is bounded, and nothing more is built ahead of the reader. A
   download whose reader took nothing for `rpc_timeout_s` (its client gave up) gives its place to the
-  next.
+  next; an answer of updates whose reader took nothing for as long ends, and lets them go.
+- Info says the rollback epoch of the state a replica holds, set only with the state: a
+  rollback's LoadState, or a loaded copy (the epoch of the Join that began it; a copy from
+  before a rollback fails at its next ask, its source's update log cleared). A Join raises only
+  the epoch whose older work the replica refuses.
 - A follower's place in the update log is held by a copy that goes on: a download that ends
   before its state is sent lets its follower go (`stage_server.replica.update_log`).
 - Only the coordinator names followers: under a scheduler (its key known), a download or an ask
@@ -160,12 +164,8 @@ class StateTransfer:
             )
         # Before the answer that makes this replica a member: one that joins after a rollback
         # got no LoadState of it, and refuses work leased before it as those that loaded it do.
-        rt.sums.joined(epoch)
-        if copy is not None and copy.running and copy.epoch < epoch:
-            # A rollback since this copy began: its source loaded the rollback's state (its
-            # update log cleared), and what the copy holds or downloads is from before it.
-            log.info("%s: a rollback since copying %s: copying it again", self.peer, source)
-        elif copy is not None and copy.address == source and copy.running:
+        rt.sums.retire_before(epoch)
+        if copy is not None and copy.address == source and copy.running:
             if copy.loaded and rt.following and rt.copy_step < step:
                 # The update it lacks was just applied at the source: fetch it now.
                 await copy.reach(step, rt.job.runtime.rpc_timeout_s / 4)
@@ -351,6 +351,9 @@ class StateTransfer:
                 "differs): not loaded"
             )
         self.stop_copy()  # a copy of the state before it is moot
+        # On the loop, before the worker loads: a Join sent before this rollback and handled
+        # while the state loads is refused as stale (`join`), not let in between the two.
+        self._runtime().sums.retire_before(epoch)
         await self._worker.run(self._loaded, step, state, epoch)
         log.warning(
             "%s: loaded stage %d's state of step %d (a rollback)",

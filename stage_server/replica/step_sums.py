@@ -127,9 +127,11 @@ class Sums:
         with self._epoch_lock:
             self.state_epoch = epoch
 
-    def joined(self, epoch: int) -> None:
-        """The coordinator's Join said its epoch: a replica that joins after a rollback got no
-        LoadState of it. Only raised: a Join sent before a rollback may come after its LoadState."""
+    def retire_before(self, epoch: int) -> None:
+        """Work leased before `epoch` is stale from now on: the coordinator's Join said it (a
+        replica that joins after a rollback got no LoadState of it), or a rollback's LoadState
+        is about to load its state. Only raised: a Join sent before a rollback may come after
+        its LoadState."""
         with self._epoch_lock:
             self.epoch = max(self.epoch, epoch)
 

@@ -258,6 +258,8 @@ class FakeReplica:
         (`copying`), and for a dead source (its copy failed: a Join naming a live one starts
         another)."""
         await self._enter("join", source)
+        if rollback_epoch < self.epoch:  # as a real replica: sent before a rollback it loaded
+            raise FailedPrecondition(f"{self.peer}: a Join sent before the rollback: stale")
         self.epoch = max(self.epoch, rollback_epoch)
         other = self.swarm.by_address[source]
         if other.dead:

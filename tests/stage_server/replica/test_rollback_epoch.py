@@ -16,12 +16,13 @@ a peer whose Info says the job's step and an epoch no older than the last rollba
 raised the epoch long before its copy loaded, and a standby that missed a rollback's LoadState
 and was Joined anew said the rollback's while holding the state from before it. Now the state's
 epoch is set only with the state: by a rollback's LoadState, or by a loaded copy (the epoch of the
-Join that began it, its source a member then); and a copy begun before a rollback is begun again
-by a Join of the rollback's epoch (its source loaded another state since)."""
+Join that began it, its source a member then), and a copy never follows its source across a
+rollback (the source's update log is cleared as it loads)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -203,10 +204,10 @@ def test_a_join_sent_before_a_rollback_does_not_take_its_epoch_back() -> None:
     the epoch, never lowers it."""
     sums = Sums([])
     sums.rolled_back(AFTER)
-    sums.joined(BEFORE)
+    sums.retire_before(BEFORE)
     with pytest.raises(FailedPrecondition, match="leased before a rollback"):
         sums.admit(BEFORE, 0, 1)
-    sums.joined(AFTER + 1)  # a later Join's, after another rollback
+    sums.retire_before(AFTER + 1)  # a later Join's, after another rollback
     assert sums.epoch == AFTER + 1
 
 
@@ -250,7 +251,7 @@ async def test_a_join_whose_copy_never_loads_leaves_the_states_epoch(
         await client.close()
 
 
-async def test_a_loaded_copy_holds_its_joins_epoch_and_a_rollback_begins_it_again(
+async def test_a_loaded_copy_holds_its_joins_epoch_until_its_source_rolls_back(
     job: JobConfig, make_swarm: list[Swarm]
 ) -> None:
     swarm = Swarm(job)
@@ -259,6 +260,7 @@ async def test_a_loaded_copy_holds_its_joins_epoch_and_a_rollback_begins_it_agai
     source = swarm.servers[1][0]
     joiner = await swarm.add(1)
     client = StageClient(joiner.address, job, fingerprint(job), 1)
+    to_source = StageClient(source.address, job, fingerprint(job), 1)
     transfer = joiner.servicer._transfer
     try:
         assert await client.join(source.address, 0, rollback_epoch=BEFORE) in (-1, 0)
@@ -266,14 +268,52 @@ async def test_a_loaded_copy_holds_its_joins_epoch_and_a_rollback_begins_it_agai
         assert first is not None
         await wait_until(lambda: first.loaded, "the copy loads")
         assert (await client.info()).state_epoch == BEFORE
-        # A rollback since (the source loaded another state, its update log cleared): the
-        # coordinator's next Join says its epoch. The copy from before is begun again, not
-        # followed on (before: the same copy, its state the one rolled back).
+        # A newer epoch with no rollback (a scheduler restarted: its epoch is from the wall
+        # clock): the copy goes on, its state the same (a download of minutes is not begun
+        # again), and is said to be of the epoch it was copied in, older than it may be.
         await client.join(source.address, 0, rollback_epoch=AFTER)
+        assert transfer.copy is first and first.running
+        assert (await client.info()).state_epoch == BEFORE
+        # A rollback: the source loads its state, and lets its followers go. The copy fails at
+        # its next ask (it never follows a source across a rollback); the next Join begins
+        # another, whose state is the rollback's.
+        await to_source.load_state(0, source.runtime.export_state(), rollback_epoch=AFTER + 1)
+        await wait_until(lambda: not first.running, "the copy from before the rollback ends")
+        assert first.error is not None and "does not follow" in str(first.error)
+        await client.join(source.address, 0, rollback_epoch=AFTER + 1)
         again = transfer.copy
-        assert again is not None and again is not first and not first.running
+        assert again is not None and again is not first
         await wait_until(lambda: again.loaded, "the copy loads again")
-        assert (await client.info()).state_epoch == AFTER
+        assert (await client.info()).state_epoch == AFTER + 1
     finally:
         transfer.stop_copy()
+        await to_source.close()
+        await client.close()
+
+
+async def test_a_join_sent_before_a_rollback_is_refused_while_the_rollbacks_state_waits_to_load(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    """The rollback's state is received and waits for the worker (a long call ahead of it); a
+    Join sent before the rollback is handled meanwhile. It was let in (the epoch was raised as
+    the state loaded), and its copy, of a source not loaded yet, would install the trajectory
+    rolled back over the rollback's state."""
+    worker, gate = server.servicer._transfer._worker, threading.Event()
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    held = asyncio.ensure_future(worker.run(gate.wait))
+    loading = asyncio.ensure_future(
+        client.load_state(0, server.runtime.export_state(), rollback_epoch=AFTER)
+    )
+    try:
+        await wait_until(lambda: worker.waiting == 2, "the state waits for the worker")
+        with pytest.raises(FailedPrecondition, match="sent before the rollback"):
+            await client.join("127.0.0.1:1", 0, rollback_epoch=BEFORE)
+        assert server.servicer._transfer.copy is None
+        gate.set()
+        assert await loading == 0
+        assert (await client.info()).state_epoch == AFTER
+    finally:
+        gate.set()
+        await asyncio.gather(held, loading, return_exceptions=True)
+        server.servicer._transfer.stop_copy()
         await client.close()
