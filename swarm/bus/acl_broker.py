@@ -25,12 +25,14 @@ from amqtt.mqtt.connack import ConnackPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.session import Session
 from amqtt.utils import gen_client_id
+from google.protobuf.message import DecodeError
 
+from swarm.bus.bounds import check_size
 from swarm.bus.gate import Gate, Refusal
 from swarm.bus.limits import BrokerLimits, PacketCap, PacketTooLarge
 from swarm.bus.outbox import AbortableWriter, BoundedHandler, Outboxes
 from swarm.bus.retained_budget import RetainedBudget
-from swarm.bus.topics import SCHEDULER_USER
+from swarm.bus.topics import SCHEDULER_USER, TopicError
 from swarm.net.addresses import host_port
 from swarm.ops.rated import RatedLog
 
@@ -316,6 +318,17 @@ class AclBroker(Broker):
         # A retained message the swarm does not retain, or past its user's budget, is dropped
         # whole: delivered without its retain flag it would not be what its sender meant.
         message = wait_deliver.result()
+        if message.topic and (why := _oversized(self._gate, message.topic, message.data)):
+            # Every reader drops it (`swarm.bus.bounds`): sent on, it would sit in each
+            # subscriber's outbox first, and past their total close the one holding the most.
+            self._rated.warning(
+                "oversized",
+                "broker: dropped a message from user %r on %r: %s",
+                client_session.username,
+                message.topic[:200],
+                why,
+            )
+            return True
         packet = getattr(message, "publish_packet", None)
         if packet is not None and packet.retain_flag and message.topic:
             user = client_session.username
@@ -367,3 +380,14 @@ def _peer(writer: asyncio.StreamWriter) -> str:
     """The remote address of `writer`'s connection, for log lines."""
     peer = writer.get_extra_info("peername")
     return host_port(peer[0], peer[1]) if peer and len(peer) >= 2 else "an unknown address"
+
+
+def _oversized(gate: Gate, topic: str, data: bytes | bytearray | None) -> str | None:
+    """Why a message on `topic` is past what every reader takes from a peer, if it is."""
+    try:
+        check_size(gate.topics.parse(topic), data or b"")
+    except DecodeError as e:
+        return str(e)
+    except TopicError:
+        return None  # not one of the swarm's topics: the ACL's to judge
+    return None

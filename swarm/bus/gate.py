@@ -19,6 +19,7 @@ from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, IDENTIFIER_REJECTED, NOT_A
 from amqtt.session import Session
 
 from swarm.bus.topics import SCHEDULER_USER, TopicError, TopicKind, Topics
+from swarm.net.peer_ids import MAX_PEER_ID_CHARS
 from swarm.net.peer_names import own_id
 
 __all__ = ["PEER_ID_PREFIX", "Gate", "Refusal", "certificate_name", "reserved_for"]
@@ -114,6 +115,14 @@ class Gate:
             if name is None:
                 return Refusal(NOT_AUTHORIZED, "its client certificate names nobody (no CN)")
             session.username, certified = name, True
+        if len(session.username or "") > MAX_PEER_ID_CHARS:
+            # A peer's user is its peer id, its topics' level: what it retains is kept under a
+            # topic that long, and every reader keeps the id.
+            return Refusal(
+                NOT_AUTHORIZED,
+                f"a user of {len(session.username or '')} characters: a peer's user is its peer "
+                f"id, at most {MAX_PEER_ID_CHARS}",
+            )
         if not self._password_fits(session.username, _text(session.password), certified):
             return Refusal(BAD_USERNAME_PASSWORD, "wrong or missing password for its user")
         if session.will_flag and not self.may_publish(session.username, _text(session.will_topic)):

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter
 
 from swarm.bus.api import BusNotConnected
-from swarm.bus.bounds import check_bounds
+from swarm.bus.bounds import check_bounds, check_size
 from swarm.bus.topics import (
     MESSAGE_TYPES,
     BusError,
@@ -196,6 +196,7 @@ class Subscriptions:
             if not isinstance(payload, bytes | bytearray):
                 raise DecodeError(f"payload of type {type(payload).__name__}")
             info = self._topics.parse(topic)
+            check_size(info, payload)  # before the decode: a large one holds the event loop
             parsed = MESSAGE_TYPES[info.kind].FromString(bytes(payload))
             check_bounds(parsed)
             _name_from_topic(parsed, info)

@@ -15,6 +15,7 @@ import pytest
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics, parse_broker_url
+from swarm.net.peer_ids import MAX_PEER_ID_CHARS
 from swarm.proto import control_pb2 as pb
 from tests.support.brokers import Mosquitto
 from tests.support.buses import WAIT_S, bus
@@ -145,6 +146,23 @@ async def test_the_embedded_broker_refuses_a_persistent_session(tmp_path: Path) 
     ):
         await client.send(connect_packet("peer-x", username="x", password=TOKEN, clean=False))
         assert await client.connack(WAIT_S) not in (0, None)
+
+
+async def test_the_embedded_broker_refuses_a_user_named_past_a_peer_ids_bound(
+    tmp_path: Path,
+) -> None:
+    """A peer's user is its peer id, its topics' level: one of 60,000 characters retained an
+    announcement of 100 bytes on a topic of 60 kB, which its budget did not count, and every
+    reader kept the id. Refused at its CONNECT; one at the bound gets in."""
+    async with _broker("amqtt", tmp_path) as broker:
+        async with await RawClient.open(*broker.host_port) as long:
+            user = "p" * 60_000
+            await long.send(connect_packet("c-long", username=user, password=TOKEN))
+            assert await long.connack(WAIT_S) not in (0, None)
+        async with await RawClient.open(*broker.host_port) as bounded:
+            user = "p" * MAX_PEER_ID_CHARS
+            await bounded.send(connect_packet("c-bounded", username=user, password=TOKEN))
+            assert await bounded.connack(WAIT_S) == 0
 
 
 async def test_a_peer_cannot_take_the_schedulers_client_id(tmp_path: Path) -> None:

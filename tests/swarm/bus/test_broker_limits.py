@@ -138,12 +138,12 @@ async def test_an_oversized_packet_drops_its_connection_only() -> None:
             await huge_connect.send(packet(0x10, b"\x00" * 5000))
             assert await huge_connect.closed_by_broker(WAIT_S)
         # nothing of theirs was delivered; a packet of the cap exactly is, and the others carry on
-        # (a load report: a peer's announcement this long is past its own bounds, dropped
+        # (a job's announcement: a peer's message this long is past its own bounds, dropped
         # by the reader's dispatch, `swarm.bus.bounds`)
-        edge = TOPICS.load("edge")
+        edge = TOPICS.job("edge")
         payload = b""
         for k in range(4096):
-            payload = pb.LoadReport(job="x" * k).SerializeToString()
+            payload = pb.JobAnnouncement(spec="x" * k).SerializeToString()
             if 2 + len(edge) + len(payload) == 4096:
                 break
         async with await RawClient.open("127.0.0.1", broker.port) as exact:

@@ -10,11 +10,12 @@ import socket
 import struct
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.limits import BrokerLimits
 from swarm.bus.outbox import Outboxes
-from swarm.bus.retained_budget import RetainedBudget
+from swarm.bus.retained_budget import RETAINED_ENTRY_BYTES, RetainedBudget
 from swarm.bus.subscriptions import Subscription
 from swarm.bus.topics import ANY, SCHEDULER_USER, Topics
 from swarm.proto import control_pb2 as pb
@@ -143,6 +144,7 @@ async def test_a_subscriber_that_never_reads_is_disconnected() -> None:
     """A subscriber to everything that stops reading while a peer publishes 32 MiB: amqtt queued
     every message for it (the scheduler grew 43 -> 622 MiB); now it is disconnected past its
     queue's bound, and a subscriber that reads gets every message meanwhile."""
+    reports = 1024  # of 31 KiB: 32 MiB in all
     limits = BrokerLimits(max_queued_bytes=2 * 1024 * KiB)
     async with (
         EmbeddedBroker(token=TOKEN, scheduler_token=SCHEDULER_TOKEN, limits=limits) as broker,
@@ -158,15 +160,15 @@ async def test_a_subscriber_that_never_reads_is_disconnected() -> None:
         everything = sched.subscribe(TOPICS.everything())
         await everything.wait_subscribed(WAIT_S)
         async with await _login(broker, "a") as a:
-            load = _load_report("a", 512 * KiB)
-            for _ in range(64):
+            load = _load_report("a", 31 * KiB)  # within what a reader takes from a peer
+            for _ in range(reports):
                 await a.send(publish_packet(TOPICS.load("a"), load))
             await a.send(publish_packet(TOPICS.peer("a"), _announcement("a", 0)))
             seen = 0
             async with asyncio.timeout(WAIT_S * 3):
                 while (await receive(everything, WAIT_S * 3))[0] != TOPICS.peer("a"):
                     seen += 1
-        assert seen == 64  # the reader missed nothing
+        assert seen == reports  # the reader missed nothing
         assert broker._broker is not None
         queued = sum(not t.done() for t in broker._broker._tasks_queue)
         assert await stalled.closed_by_broker(WAIT_S), f"{queued} deliveries still queued"
@@ -190,8 +192,25 @@ def test_past_the_total_the_subscriber_with_the_most_queued_goes() -> None:
     assert boxes.total == 900 + 700  # what is still in flight, given back as it ends
 
 
+def test_retained_budget_counts_the_topic_and_the_entry_not_the_payload_alone() -> None:
+    """A retained message is kept under its topic, with the broker's own record of it: 10
+    payload bytes on a topic of 900 were counted as 10."""
+    budget = RetainedBudget(per_user=1000, total=10_000)
+    assert budget.refusal("u", "t/" + "p" * 900, 10) is not None
+    assert budget.refusal("u", "t/u", 10) is None
+    budget.stored("u", "t/u", 10)
+    assert budget.used == 10 + len("t/u") + RETAINED_ENTRY_BYTES
+    budget.stored("u", "t/u", 0)  # cleared
+    assert budget.used == 0
+
+
+def _cost(topic: str, size: int) -> int:
+    """What a retained message of `size` bytes on `topic` counts for."""
+    return size + len(topic) + RETAINED_ENTRY_BYTES
+
+
 def test_retained_budget_counts_replacements_and_clears() -> None:
-    budget = RetainedBudget(per_user=100, total=150)
+    budget = RetainedBudget(per_user=_cost("t/a", 100), total=_cost("t/a", 100) + _cost("t/b", 50))
     assert budget.refusal("a", "t/a", 100) is None
     budget.stored("a", "t/a", 100)
     assert budget.refusal("a", "t/a", 90) is None  # replaces its own
@@ -199,3 +218,32 @@ def test_retained_budget_counts_replacements_and_clears() -> None:
     assert budget.refusal("b", "t/b", 60) is not None  # past the total
     budget.stored(None, "t/a", 5)  # the scheduler's now: not counted
     assert budget.used == 0 and budget.refusal("b", "t/b", 100) is None
+
+
+@pytest.mark.attack("N3")
+async def test_a_peers_message_past_what_readers_take_is_not_sent_on() -> None:
+    """Every reader drops a peer's message past `MAX_PEER_MESSAGE_BYTES` (`swarm.bus.bounds`);
+    the embedded broker sent it on first, into each subscriber's outbox (64 subscribers of
+    one 2 MiB message were past the outboxes' total, which closed an honest one)."""
+    registry = CollectorRegistry()
+    async with (
+        EmbeddedBroker(token=TOKEN, scheduler_token=SCHEDULER_TOKEN) as broker,
+        bus(
+            broker.url,
+            "scheduler",
+            token=SCHEDULER_TOKEN,
+            username=SCHEDULER_USER,
+            registry=registry,
+        ) as sched,
+    ):
+        await sched.wait_connected(WAIT_S)
+        loads = sched.subscribe(TOPICS.load(ANY))
+        await loads.wait_subscribed(WAIT_S)
+        async with await _login(broker, "a") as a:
+            await a.send(publish_packet(TOPICS.load("a"), _load_report("a", 40 * KiB)))
+            fine = pb.LoadReport(peer="a", queue_depth=7).SerializeToString()
+            await a.send(publish_packet(TOPICS.load("a"), fine))
+            topic, report = await receive(loads)
+        assert topic == TOPICS.load("a") and getattr(report, "queue_depth", 0) == 7
+        # before: sent on, and dropped by the reader as malformed
+        assert not registry.get_sample_value("swarm_bus_malformed_messages_total")
