@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from scheduler.failure_domains import domains_of
 from swarm.clock import Clock
 from swarm.net import paths
-from swarm.net.bandwidth import MAX_LINK_BYTES_PER_SECOND, format_rate, plausible_rate
+from swarm.net.bandwidth import plausible_rates
 from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
 from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND, plausible_speeds
@@ -126,27 +126,11 @@ class PeerRegistry:
             self._serving_since[peer] = (message.job, self.clock.now())
 
     def _plausible(self, message: cpb.PeerAnnouncement) -> cpb.PeerAnnouncement:
-        """The announcement as the registry keeps it: its link rates validated here, where they
-        enter, since every pool's parts are sized by them (`plausible_rate`: one not finite,
-        negative or past the ceiling is not known); logged once per peer."""
-        message = plausible_speeds(message, self._implausible_speeds)  # placement divides by them
-        up, down = message.upload_bytes_per_second, message.download_bytes_per_second
-        if (plausible_rate(up), plausible_rate(down)) == (max(up, 0.0), max(down, 0.0)):
-            return message
-        if message.peer not in self._implausible:
-            self._implausible.add(message.peer)
-            log.warning(
-                "peer %s announced link rates %r/%r B/s: not finite or past %s, taken as unknown",
-                message.peer,
-                up,
-                down,
-                format_rate(MAX_LINK_BYTES_PER_SECOND),
-            )
-        kept = cpb.PeerAnnouncement()
-        kept.CopyFrom(message)
-        kept.upload_bytes_per_second = plausible_rate(up)
-        kept.download_bytes_per_second = plausible_rate(down)
-        return kept
+        """The announcement as the registry keeps it: its speeds (placement divides by them) and
+        link rates (every pool's parts are sized by them) within their ceilings, where they
+        enter; each logged once per peer."""
+        message = plausible_speeds(message, self._implausible_speeds)
+        return plausible_rates(message, self._implausible)
 
     def report_load(self, message: cpb.LoadReport) -> None:
         """A load report; from a peer not (or no longer) present it is ignored."""

@@ -10,10 +10,12 @@ refused, not guessed: "100Mbps" means megabits to most people and megabytes to t
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 
 from swarm.errors import ConfigError
+from swarm.proto import control_pb2 as cpb
 
 __all__ = [
     "MAX_LINK_BYTES_PER_SECOND",
@@ -22,7 +24,10 @@ __all__ = [
     "parse_bandwidth",
     "parse_rate",
     "plausible_rate",
+    "plausible_rates",
 ]
+
+log = logging.getLogger(__name__)
 
 # The fastest link rate a peer may announce: 100 Gbit/s, a datacenter NIC's, ten times a fast
 # home or office link's. Announcements are believed only up to here (`plausible_rate`): a rate
@@ -81,6 +86,29 @@ def plausible_rate(value: float) -> float:
     """An announced link rate (bytes/s) as the scheduler takes it: 0 (not known) unless finite,
     positive and at most `MAX_LINK_BYTES_PER_SECOND`."""
     return value if math.isfinite(value) and 0.0 < value <= MAX_LINK_BYTES_PER_SECOND else 0.0
+
+
+def plausible_rates(message: cpb.PeerAnnouncement, warned: set[str]) -> cpb.PeerAnnouncement:
+    """`message` with its link rates `plausible_rate`: itself when both already are, else a copy
+    (logged once per peer: `warned`, the peers already logged). Validated where an announcement
+    enters the scheduler, since every pool's parts are sized by them."""
+    up, down = message.upload_bytes_per_second, message.download_bytes_per_second
+    if (plausible_rate(up), plausible_rate(down)) == (max(up, 0.0), max(down, 0.0)):
+        return message
+    if message.peer not in warned:
+        warned.add(message.peer)
+        log.warning(
+            "peer %s announced link rates %r/%r B/s: not finite or past %s, taken as unknown",
+            message.peer,
+            up,
+            down,
+            format_rate(MAX_LINK_BYTES_PER_SECOND),
+        )
+    kept = cpb.PeerAnnouncement()
+    kept.CopyFrom(message)
+    kept.upload_bytes_per_second = plausible_rate(up)
+    kept.download_bytes_per_second = plausible_rate(down)
+    return kept
 
 
 def bandwidth_flag(text: str) -> tuple[float, float]:
