@@ -187,7 +187,7 @@ class PeerRegistry:
         return [
             self._reach[p.peer]
             for p in sorted(self.peers.values(), key=lambda p: p.peer)
-            if p.job in (job_id, "") and self._unreachable(p.peer)
+            if p.job in (job_id, "") and self.is_unreachable(p.peer)
         ]
 
     def lost_relays(self, job_id: str, stages: Collection[int]) -> dict[int, str]:
@@ -206,7 +206,8 @@ class PeerRegistry:
             lost.setdefault(p.stage, []).append(via if cut_off else "")  # "": not the relay's
         return {k: ", ".join(sorted(set(v))) for k, v in lost.items() if v and all(v)}
 
-    def _unreachable(self, peer: str) -> bool:
+    def is_unreachable(self, peer: str) -> bool:
+        """Whether the dial-back found nothing answering at `peer`'s address (nor its relay)."""
         report = self._reach.get(peer)
         return report is not None and report.reachability == cpb.REACHABILITY_UNREACHABLE
 
@@ -222,6 +223,13 @@ class PeerRegistry:
         self._assigned_at[peer] = (job_id, self.clock.now())
         if stage is not None:
             self._given[peer] = (job_id, stage)
+
+    def placed(self, peer: str) -> bool:
+        """Whether the scheduler gave `peer` work it may hold: a stage now or before (kept while
+        its job lets it), an assignment it has not acted on yet, or it serves one."""
+        a = self.peers.get(peer)
+        serves = a is not None and a.state != cpb.PEER_STATE_JOINING
+        return serves or peer in self._given or peer in self._assigned_at
 
     def given(self, job_id: str, peer: str) -> int | None:
         """The stage of `job_id` last given to `peer` (None: none), even if it left since."""
@@ -261,7 +269,7 @@ class PeerRegistry:
                 and p.state == cpb.PEER_STATE_SERVING
                 and p.HasField("stage")
                 and p.stage < stages
-                and not self._unreachable(p.peer)
+                and not self.is_unreachable(p.peer)
                 and not self._silent(job_id, p.peer)
             ):
                 speed = p.samples_per_second.get(p.stage, 0.0)
@@ -321,7 +329,7 @@ class PeerRegistry:
                 p.job == job_id
                 and p.state == cpb.PEER_STATE_SERVING
                 and p.HasField("stage")
-                and not self._unreachable(p.peer)
+                and not self.is_unreachable(p.peer)
             ):
                 speed = p.samples_per_second.get(p.stage, 0.0)
                 if p.stage not in best or speed > best[p.stage][0]:

@@ -34,6 +34,7 @@ from scheduler.history import History, state_change_text
 from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.logged import logged
 from scheduler.options import SchedulerOptions
+from scheduler.peer_room import PeerRoom
 from scheduler.reachability import Dialer, ReachabilityChecker, retained_on
 from scheduler.registry import PeerRegistry
 from scheduler.replica_status import replica_status, unreachable_warnings
@@ -79,6 +80,7 @@ class Scheduler:
             serve_timeout_s=opts.serve_timeout_s,
             require_reachable=True,
         )
+        self.peer_room = PeerRoom(self.peer_registry)  # at most MAX_PEERS of them kept
         # Each unfinished job's waiting and warnings (placement's and the running job's watch).
         self._health: dict[str, Health] = {}
         self.history = History(store, vouched=lambda job, peer: self._training.vouched(job, peer))
@@ -276,16 +278,28 @@ class Scheduler:
     async def _watch_peers(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.peer("+")):
             if isinstance(message, cpb.PeerAnnouncement):
-                old = self.peer_registry.peers.get(message.peer)
-                self.peer_registry.announce(message)
-                self.reachability.announced(message)  # dialled back off this loop's path
-                self.history.peer(old, message)
-                self.assignments.changed.set()
+                # One message's unforeseen failure is said, and the next is read: this task
+                # ending would end the scheduler.
+                with logged(log, f"the announcement of peer {message.peer!r} was not taken"):
+                    self._announced(message)
+
+    def _announced(self, message: cpb.PeerAnnouncement) -> None:
+        gone = self.peer_room.admit(message)  # at most MAX_PEERS kept: room made, or none
+        if gone is None:
+            return
+        for peer in gone:  # as if each had announced itself offline
+            self._announced(cpb.PeerAnnouncement(peer=peer, state=cpb.PEER_STATE_OFFLINE))
+        old = self.peer_registry.peers.get(message.peer)
+        self.peer_registry.announce(message)
+        self.reachability.announced(message)  # dialled back off this loop's path
+        self.history.peer(old, message)
+        self.assignments.changed.set()
 
     async def _watch_load(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.load("+")):
             if isinstance(message, cpb.LoadReport):
-                self.peer_registry.report_load(message)
+                with logged(log, f"the load report of peer {message.peer!r} was not taken"):
+                    self.peer_registry.report_load(message)
 
     # -- one job --------------------------------------------------------------------------------
     def _config(self, spec: str, base_dir: str, name: str, check_data: bool = True) -> JobConfig:

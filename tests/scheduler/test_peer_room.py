@@ -1,0 +1,169 @@
+"""The scheduler keeps at most `MAX_PEERS` peers (`scheduler.peer_room`).
+
+A token holder may log in under any number of made-up ids, announce each (not retained) and
+disconnect cleanly, so that no last-will says it left: every one stayed in the registry, the
+dial-back checker's maps and the scheduler's retained reachability reports for good. Past the
+bound, the peer heard from least recently that nobody can dial and the scheduler never placed
+makes room for a newcomer; with no such peer the newcomer is turned away, said at WARNING."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from scheduler.peer_room import PeerRoom
+from scheduler.registry import PeerRegistry
+from scheduler.service import Scheduler, SchedulerOptions
+from scheduler.store import JobStore
+from swarm.clock import FakeClock
+from swarm.proto import control_pb2 as cpb
+from tests.support.fakes import SilentBus
+from tests.support.waiting import wait_until
+
+CAP = 3
+
+
+def _registry() -> PeerRegistry:
+    return PeerRegistry(FakeClock(), load_silence_s=10.0, serve_timeout_s=300.0)
+
+
+def _joining(peer: str) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(peer=peer, address=f"{peer}.lan:5000", state=cpb.PEER_STATE_JOINING)
+
+
+def _found(registry: PeerRegistry, peer: str, reachability: int) -> None:
+    registry.reached(cpb.ReachabilityReport(peer=peer, reachability=reachability))  # type: ignore[arg-type]
+
+
+def _admitted(room: PeerRoom, registry: PeerRegistry, message: cpb.PeerAnnouncement) -> list[str]:
+    """What the scheduler's watch does: make room, forget those that made it, then keep it."""
+    gone = room.admit(message)
+    if gone is None:
+        return ["(turned away)"]
+    for peer in gone:
+        registry.forget(peer)
+    registry.announce(message)
+    return gone
+
+
+def test_past_the_bound_an_unreachable_peer_never_placed_makes_room() -> None:
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    for peer in ("a", "b", "c"):
+        assert _admitted(room, registry, _joining(peer)) == []
+    _found(registry, "a", cpb.REACHABILITY_DIRECT)
+    _found(registry, "b", cpb.REACHABILITY_UNREACHABLE)
+    _found(registry, "c", cpb.REACHABILITY_UNREACHABLE)
+    assert _admitted(room, registry, _joining("a")) == []  # heard again: not new, no room made
+    assert _admitted(room, registry, _joining("d")) == ["b"]  # the least recently heard of b, c
+    assert set(registry.peers) == {"a", "c", "d"}
+    assert _admitted(room, registry, _joining("e")) == ["c"]
+    assert set(registry.peers) == {"a", "d", "e"}
+
+
+def test_a_peer_the_scheduler_placed_never_makes_room_and_a_newcomer_is_turned_away(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="scheduler.peer_room")
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    for peer in ("a", "b", "c"):
+        _admitted(room, registry, _joining(peer))
+    _found(registry, "a", cpb.REACHABILITY_UNREACHABLE)  # given a stage before it was checked
+    registry.assigned("a", "j", 0)
+    _found(registry, "b", cpb.REACHABILITY_DIRECT)  # reachable: an honest peer waiting for work
+    # c: not checked yet (a made-up peer, or an honest one: nobody can tell yet)
+    for newcomer in ("x", "y"):
+        assert _admitted(room, registry, _joining(newcomer)) == ["(turned away)"]
+    assert set(registry.peers) == {"a", "b", "c"}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "turned away" in lines[0] and f"at most {CAP}" in lines[0], lines
+
+
+def test_a_peer_that_left_frees_its_place() -> None:
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    for peer in ("a", "b", "c"):
+        _admitted(room, registry, _joining(peer))
+    offline = cpb.PeerAnnouncement(peer="b", state=cpb.PEER_STATE_OFFLINE)
+    assert _admitted(room, registry, offline) == []
+    assert _admitted(room, registry, _joining("d")) == []
+    assert set(registry.peers) == {"a", "c", "d"}
+
+
+def test_made_up_peers_stay_within_the_bound() -> None:
+    """50,000 made-up ids, each found unreachable once checked (their addresses are made up):
+    the registry holds at most the bound, the honest peer among them stays."""
+    registry = _registry()
+    room = PeerRoom(registry, cap=1000)
+    _admitted(room, registry, _joining("honest"))
+    _found(registry, "honest", cpb.REACHABILITY_DIRECT)
+    for i in range(50_000):
+        peer = f"made-up-{i}"
+        _admitted(room, registry, _joining(peer))
+        _found(registry, peer, cpb.REACHABILITY_UNREACHABLE)
+    assert len(registry.peers) <= 1000 and "honest" in registry.peers
+    assert len(room) <= 1000
+
+
+# -- the scheduler's watch of announcements -----------------------------------------------------
+
+
+class _Bus(SilentBus):
+    """Takes publications and keeps them; its subscription to announcements delivers `said`."""
+
+    def __init__(self, *said: cpb.PeerAnnouncement) -> None:
+        self.said = list(said)
+        self.published: list[tuple[str, object]] = []
+
+    async def publish(self, topic: str, message: object, retain: bool = False) -> None:
+        self.published.append((topic, message))
+
+    async def subscribe(self, pattern: str) -> AsyncIterator[tuple[str, object]]:
+        for message in self.said if pattern == self.topics.peer("+") else []:
+            yield self.topics.peer(message.peer), message
+        await asyncio.Event().wait()
+
+
+async def test_a_peer_that_makes_room_is_forgotten_as_if_it_left(tmp_path: Path) -> None:
+    bus = _Bus()
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        scheduler = Scheduler(store, bus, SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        scheduler.peer_room.cap = 2
+        for peer in ("a", "b"):
+            scheduler._announced(_joining(peer))
+        _found(scheduler.peer_registry, "b", cpb.REACHABILITY_UNREACHABLE)
+        scheduler._announced(_joining("c"))
+        assert set(scheduler.peer_registry.peers) == {"a", "c"}
+        assert "b" not in scheduler.reachability._targets  # no more dial-backs of it
+        # and its retained dial-back report is cleared
+        await wait_until(lambda: (bus.topics.reachability("b"), b"") in bus.published)
+
+
+async def test_an_announcement_that_fails_unforeseen_is_said_and_the_next_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The watch of announcements runs in the scheduler's task group: an exception out of one
+    message ended the scheduler."""
+    bus = _Bus(_joining("bad"), _joining("good"))
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        scheduler = Scheduler(store, bus, SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        announce = scheduler.peer_registry.announce
+
+        def fails_on_bad(message: cpb.PeerAnnouncement) -> None:
+            if message.peer == "bad":
+                raise RuntimeError("unforeseen")
+            announce(message)
+
+        monkeypatch.setattr(scheduler.peer_registry, "announce", fails_on_bad)
+        watch = asyncio.create_task(scheduler._watch_peers())
+        try:
+            await wait_until(lambda: "good" in scheduler.peer_registry.peers or watch.done())
+            assert not watch.done()
+        finally:
+            watch.cancel()
+        assert any("peer 'bad' was not taken" in r.getMessage() for r in caplog.records)
