@@ -10,8 +10,9 @@ A message a peer publishes (its announcement, its load report) is bounded in byt
 decoded (`MAX_PEER_MESSAGE_BYTES`, `check_size`): a map of 139,000 sparse stages, 2 MB under the
 packet cap, took a quarter second of every reader's event loop to decode before its bounds
 refused it. Fields a reader does not know are not kept (the bounds read the known ones), and
-the peer a topic names is at most a peer id's length (`swarm.net.peer_ids`): it replaces the
-payload's, which was bounded while the topic's was not."""
+the peer a topic names is at most a peer id's length (`swarm.net.peer_ids`), with no control
+character: it replaces the payload's, which was bounded while the topic's was not, and goes into
+log lines as it is."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def check_size(info: TopicInfo, payload: bytes | bytearray) -> None:
     `MAX_PEER_MESSAGE_BYTES` or its topic names a peer past a peer id's length."""
     if info.peer is not None and len(info.peer) > MAX_PEER_ID_CHARS:
         raise DecodeError(f"a peer id of {len(info.peer)} characters (at most {MAX_PEER_ID_CHARS})")
+    if info.peer is not None and not info.peer.isprintable():
+        # no peer id holds one; said in a log line, a newline would forge the next
+        raise DecodeError("a peer id with a control character")
     if info.kind in _PEERS_KINDS and len(payload) > MAX_PEER_MESSAGE_BYTES:
         raise DecodeError(f"{len(payload)} bytes from a peer (at most {MAX_PEER_MESSAGE_BYTES})")
 

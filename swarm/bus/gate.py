@@ -115,13 +115,16 @@ class Gate:
             if name is None:
                 return Refusal(NOT_AUTHORIZED, "its client certificate names nobody (no CN)")
             session.username, certified = name, True
-        if len(session.username or "") > MAX_PEER_ID_CHARS:
+        if (
+            len(session.username or "") > MAX_PEER_ID_CHARS
+            or not (session.username or "").isprintable()
+        ):
             # A peer's user is its peer id, its topics' level: what it retains is kept under a
             # topic that long, and every reader keeps the id.
             return Refusal(
                 NOT_AUTHORIZED,
                 f"a user of {len(session.username or '')} characters: a peer's user is its peer "
-                f"id, at most {MAX_PEER_ID_CHARS}",
+                f"id, at most {MAX_PEER_ID_CHARS}, none a control character",
             )
         if not self._password_fits(session.username, _text(session.password), certified):
             return Refusal(BAD_USERNAME_PASSWORD, "wrong or missing password for its user")

@@ -157,3 +157,12 @@ def _varint(n: int) -> bytes:
         n >>= 7
         if not n:
             return bytes(out)
+
+
+def test_a_peer_id_with_a_control_character_in_a_topic_is_dropped_as_malformed() -> None:
+    """A topic's peer id goes into log lines as it is (the registry's warnings): a newline in it
+    forged a line there; no peer id holds one."""
+    subs, sub, registry = _subscribed()
+    forged = "a\nERROR scheduler: forged"
+    subs.dispatch(Topics().peer(forged), cpb.PeerAnnouncement(device="cpu").SerializeToString())
+    assert _malformed(registry) == 1 and sub._queue.qsize() == 0

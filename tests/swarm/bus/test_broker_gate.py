@@ -153,12 +153,17 @@ async def test_the_embedded_broker_refuses_a_user_named_past_a_peer_ids_bound(
 ) -> None:
     """A peer's user is its peer id, its topics' level: one of 60,000 characters retained an
     announcement of 100 bytes on a topic of 60 kB, which its budget did not count, and every
-    reader kept the id. Refused at its CONNECT; one at the bound gets in."""
+    reader kept the id. Refused at its CONNECT, as is one with a control character; one at the
+    bound gets in."""
     async with _broker("amqtt", tmp_path) as broker:
         async with await RawClient.open(*broker.host_port) as long:
             user = "p" * 60_000
             await long.send(connect_packet("c-long", username=user, password=TOKEN))
             assert await long.connack(WAIT_S) not in (0, None)
+        async with await RawClient.open(*broker.host_port) as forging:
+            user = "a\nERROR scheduler: forged"  # said in log lines as it is
+            await forging.send(connect_packet("c-forging", username=user, password=TOKEN))
+            assert await forging.connack(WAIT_S) not in (0, None)
         async with await RawClient.open(*broker.host_port) as bounded:
             user = "p" * MAX_PEER_ID_CHARS
             await bounded.send(connect_packet("c-bounded", username=user, password=TOKEN))
