@@ -10,8 +10,13 @@ report only from a trainer that leased its microbatch: `StepLedger.leased_to`).
 
 An id unheard for `FORGET_S` is forgotten: it holds no lease by then (a lease runs out
 `lease_timeout_s` after its trainer was last heard, and the job file bounds that by
-`MAX_LEASE_TIMEOUT_S`). At most `MAX_TRAINERS` ids are remembered at once, for all jobs: past it a
-new id is refused (RESOURCE_EXHAUSTED) until an old one is forgotten, never one still heard."""
+`MAX_LEASE_TIMEOUT_S`). At most `MAX_TRAINERS` ids are remembered at once, for all jobs: past it
+the id heard from least recently makes room for a new one, unless it was heard within `KEEP_S`
+(then the new one is refused, RESOURCE_EXHAUSTED). A working trainer calls far more often than
+that, so its binding is never taken from it while it works, and one forgotten is bound again by
+its own caller's next call. Before, a new id was refused until an old one was forgotten: one
+caller registering `MAX_TRAINERS` ids an hour (18 calls a second) refused every new trainer of
+every job; now it takes a new id every `KEEP_S / MAX_TRAINERS` (over a thousand a second)."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from swarm.job.schema import MAX_LEASE_TIMEOUT_S
 
 __all__ = [
     "FORGET_S",
+    "KEEP_S",
     "MAX_KEY_BYTES",
     "MAX_TRAINERS",
     "MIN_KEY_BYTES",
@@ -34,6 +40,9 @@ __all__ = [
 ]
 
 FORGET_S = MAX_LEASE_TIMEOUT_S
+# An id heard within this is never forgotten for another: a trainer's calls (each lease, each
+# report, a renewal every third of `lease_timeout_s`) come far more often while it works.
+KEEP_S = 60.0
 MAX_TRAINERS = 1 << 16  # about 200 bytes each: 13 MB at most
 MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 64
 
@@ -55,7 +64,7 @@ class TrainerKeys:
     def check(self, job: str, trainer: str, key: bytes) -> None:
         """The call of `trainer` of `job` with `key` may go on: InvalidArgument without a key,
         PermissionDenied where another key holds the id, ResourceExhausted past
-        `MAX_TRAINERS`."""
+        `MAX_TRAINERS` ids all heard within `KEEP_S`."""
         if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise InvalidArgument(
                 f"a trainer's call carries its key, {MIN_KEY_BYTES} to {MAX_KEY_BYTES} random "
@@ -76,10 +85,13 @@ class TrainerKeys:
                 "trainer speaks for its own leases only (choose an id of your own)"
             )
         if held is None and len(self._held) >= MAX_TRAINERS:
-            raise ResourceExhausted(
-                f"{MAX_TRAINERS} trainer ids were heard within {FORGET_S:g} s (swarm's "
-                "MAX_TRAINERS): a new one is taken once an old one is forgotten"
-            )
+            (oldest, (_, heard)) = next(iter(self._held.items()))
+            if heard > now - KEEP_S:
+                raise ResourceExhausted(
+                    f"{MAX_TRAINERS} trainer ids were heard within {KEEP_S:g} s (swarm's "
+                    "MAX_TRAINERS): a new one is taken once one is silent for longer"
+                )
+            del self._held[oldest]  # its own caller's next call binds it again
         self._held[(job, trainer)] = (digest, now)
         self._held.move_to_end((job, trainer))
 

@@ -10,9 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
+from scheduler import trainer_keys
 from scheduler.store import JobStore
-from scheduler.trainer_keys import FORGET_S, TrainerKeys, embedded_trainer
-from swarm.errors import PermissionDenied
+from scheduler.trainer_keys import FORGET_S, KEEP_S, TrainerKeys, embedded_trainer
+from swarm.errors import PermissionDenied, ResourceExhausted
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
 from swarm.rpc.lease import Lease
@@ -96,3 +97,28 @@ def test_an_id_unheard_past_any_lease_is_forgotten() -> None:
     now[0] += FORGET_S + 1  # no lease outlives this: the id is free
     keys.check("j", "t", THEIRS)
     keys.check("k", "t", MINE)  # another job's "t" is another id
+
+
+def test_past_the_bound_the_id_heard_least_recently_makes_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One caller registering `MAX_TRAINERS` ids an hour (18 calls a second) refused every new
+    trainer of every job. Past the bound, the id heard from least recently is forgotten, if not
+    within `KEEP_S` (a trainer calls far more often: its binding is never taken from it while
+    it works); its own caller's next call binds it again. A flood of new ids faster than that
+    is refused, and said so."""
+    monkeypatch.setattr(trainer_keys, "MAX_TRAINERS", 2)
+    now = [0.0]
+    keys = TrainerKeys(clock=lambda: now[0])
+    keys.check("j", "a", MINE)
+    keys.check("j", "b", THEIRS)
+    now[0] = KEEP_S + 1
+    keys.check("j", "b", THEIRS)  # b works on; a is silent
+    keys.check("k", "new", MINE)  # before: refused ("MAX_TRAINERS ids were heard ...")
+    with pytest.raises(PermissionDenied):
+        keys.check("j", "b", MINE)  # b kept its binding
+    now[0] += 1
+    with pytest.raises(ResourceExhausted, match="within"):
+        keys.check("j", "c", MINE)  # every id heard within KEEP_S: a flood, refused
+    now[0] += KEEP_S
+    keys.check("j", "a", MINE)  # a's caller back: bound anew, in the place of b, silent since
