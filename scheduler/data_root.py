@@ -102,9 +102,20 @@ def opened(path: Path, root: Path | None) -> BinaryIO:
     return f
 
 
+# The longest path the system opens, with its NUL (Linux's PATH_MAX).
+_PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+
+
 def under_data_root(root: Path, path: Path, key: str) -> Path:
     """`path`'s real path (symlinks and `..` resolved), which must lie under `root` (resolved):
-    a job may make the scheduler read only what it was told to serve."""
+    a job may make the scheduler read only what it was told to serve. One longer than any path
+    the system opens is refused first: `realpath` looks at each of its components (a submitted
+    job's path of a megabyte held the event loop for each of 95,000)."""
+    if len(os.fsencode(path)) >= _PATH_MAX:
+        raise InvalidArgument(
+            f"{key} is a path of {len(os.fsencode(path))} bytes, longer than any the system "
+            f"opens ({_PATH_MAX})"
+        )
     real = Path(os.path.realpath(path))
     if not real.is_relative_to(root):
         raise InvalidArgument(

@@ -51,6 +51,7 @@ from swarm.rpc.lease import (
     result_from_proto,
     working_from_proto,
 )
+from swarm.rpc.reader_idle import READER_IDLE_S
 from swarm.rpc.servicing import Servicing
 from swarm.wire import chunking as wire
 from swarm.wire import codec
@@ -102,7 +103,8 @@ def _request_id(request: scheduler_pb2.SchedulerSubmitJobRequest) -> str:
 
 
 def _unknown(job_id: str) -> NotFound:
-    return NotFound(f"unknown job {job_id!r}; `swarm jobs` lists them")
+    shown = job_id[:80] + ("..." if len(job_id) > 80 else "")  # a caller's, of any length
+    return NotFound(f"unknown job {shown!r}; `swarm jobs` lists them")
 
 
 class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -126,7 +128,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.store, self.control, self.chunk_bytes = store, control, chunk_bytes
         self.callers, self.admission = callers or Callers(), admission or Admission()
         self.data_root = Path(os.path.realpath(data_root))
-        self._serving = Servicing("scheduler")
+        self._serving = Servicing("scheduler", reader_idle_s=READER_IDLE_S)
         self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
         self.trainer_calls = TrainerCalls()  # bounded, each under its own trainer id
         self.trust = TrustMode(trusted_peers)
@@ -205,9 +207,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 assert checked.data.sha256 is not None
                 # Pinned into the stored spec: a remote trainer, or this scheduler after a
                 # restart, refuses a file whose contents changed since.
-                spec = pin_data(spec, checked.data.sha256)
+                spec = await asyncio.to_thread(pin_data, spec, checked.data.sha256)
                 if checked.data.val_sha256 is not None:
-                    spec = pin(spec, "data", "val_sha256", checked.data.val_sha256)
+                    val_sha256 = checked.data.val_sha256
+                    spec = await asyncio.to_thread(pin, spec, "data", "val_sha256", val_sha256)
             if job.model.init_from is not None:  # the initial checkpoint: read and pinned alike
                 real = roots.under_data_root(self.data_root, job.model.init_from, "model.init_from")
                 # every file under the root too: a friend's stage server fetches them all
@@ -215,8 +218,11 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 model = replace(job.model, init_from=real)
                 pinned = await asyncio.to_thread(verify_init, replace(job, model=model))
                 assert pinned.model.init_sha256 is not None
-                spec = pin(spec, "model", "init_sha256", pinned.model.init_sha256)
-            spec = self.trust.stored(spec)  # audits off under --trusted-peers, unless it asks
+                init_sha256 = pinned.model.init_sha256
+                spec = await asyncio.to_thread(pin, spec, "model", "init_sha256", init_sha256)
+            # audits off under --trusted-peers, unless it asks; off the loop, as each pin: a
+            # spec is parsed and written anew
+            spec = await asyncio.to_thread(self.trust.stored, spec)
             check_spec_size(spec, "the job file with the hashes pinned")  # as trainers parse it
             # Again after the awaits, and with no await before the store has it: two calls of
             # one submitter at once cannot both take its last place, nor one request make two.

@@ -53,6 +53,13 @@ class TrainerCalls:
     def report(self, request: spb.SchedulerReportMicrobatchesRequest) -> None:
         """A report, its `next` lease included: all of it, before any of it is taken."""
         trainer_call(request.trainer, results=request.results, released=request.released)
+        if request.HasField("next") and request.next.job != request.job:
+            # Only the report's job is checked as known: a next lease of another would bind its
+            # trainer id under a job of any name, of any length, for an hour.
+            raise InvalidArgument(
+                "a report's next lease is of its own job, not another "
+                f"({len(request.next.job)} characters)"
+            )
         if request.HasField("next"):
             self.lease(request.next, request.trainer_key)
         self.keys.check(request.job, request.trainer, request.trainer_key)

@@ -58,6 +58,7 @@ from swarm.net.commit_auth import state_digest
 from swarm.net.follow_tickets import FollowTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
+from swarm.rpc.reader_idle import taken_within
 from swarm.rpc.stage_client import StageClient
 from swarm.rpc.state_streams import whole_state_s
 from swarm.wire import chunking as wire
@@ -224,30 +225,17 @@ class StateTransfer:
         lane = self.metrics.uplink.waiting(follower)
         # A reader that takes nothing for `rpc_timeout_s` (after which its own client gives up)
         # is let go: its call would hold these updates, each a stage's gradient, for as long as
-        # its connection lived, after the log itself let them go. A generator cannot time its
-        # own `yield`: the call's task is cancelled from outside, which ends it.
-        stall_s, task = self._runtime().job.runtime.rpc_timeout_s, asyncio.current_task()
-        assert task is not None  # a call's handler
+        # its connection lived, after the log itself let them go.
+        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        said = f"{self.peer}: the updates of follower {follower}"
         for part in updates_reply(updates, lane.part_bytes(chunk_bytes)):
             await lane.before()
             handed = loop.time()
-            stalled = loop.call_later(stall_s, self._let_reader_go, task, follower, stall_s)
-            try:
+            with taken_within(stall_s, said):
                 yield part
-            finally:
-                stalled.cancel()
             lane.sent(payload_bytes(part), loop.time() - handed)
             log_.touch(follower)  # still reading: not silent
         lane.done()
-
-    def _let_reader_go(self, task: asyncio.Task[Any], follower: str, stall_s: float) -> None:
-        log.info(
-            "%s: %s took no part of its updates for %.3g s: its call ends",
-            self.peer,
-            follower,
-            stall_s,
-        )
-        task.cancel()
 
     async def download(
         self, job_id: str, follower: str, ticket: bytes, include_optimizer: bool, chunk_bytes: int

@@ -28,6 +28,7 @@ import grpc
 
 from swarm.errors import WireError
 from swarm.net.told_ahead import refuse
+from swarm.rpc.reader_idle import taken_within
 from swarm.rpc.status import error_metadata, status_code
 
 __all__ = ["Observe", "Servicing"]
@@ -40,10 +41,15 @@ Observe = Callable[[str, str, float], None]
 
 
 class Servicing:
-    """`name` starts every log line (a peer id, "scheduler", ...)."""
+    """`name` starts every log line (a peer id, "scheduler", ...). `reader_idle_s`: a streamed
+    answer whose reader takes no part for this long ends (`swarm.rpc.reader_idle`); None: the
+    stream's own body bounds it."""
 
-    def __init__(self, name: str, observe: Observe | None = None) -> None:
+    def __init__(
+        self, name: str, observe: Observe | None = None, reader_idle_s: float | None = None
+    ) -> None:
         self.name, self._observe = name, observe
+        self.reader_idle_s = reader_idle_s
 
     async def run(
         self, method: str, context: grpc.aio.ServicerContext, body: Callable[[], Awaitable[T]]
@@ -70,7 +76,11 @@ class Servicing:
         failed: Exception | None = None
         try:
             async for message in body:
-                yield message
+                if self.reader_idle_s is None:
+                    yield message
+                    continue
+                with taken_within(self.reader_idle_s, f"{self.name} {method}"):
+                    yield message
         except asyncio.CancelledError:
             self._done(method, grpc.StatusCode.CANCELLED, start)
             raise

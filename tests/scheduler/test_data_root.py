@@ -14,8 +14,9 @@ import pytest
 
 import scheduler.main
 from scheduler import cli
+from scheduler.data_root import under_data_root
 from scheduler.main import SchedulerProcessOptions, run_scheduler
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, InvalidArgument
 from swarm.net import tls
 from swarm.net.certs import init_ca, issue
 from tests.support.tls import no_identity  # noqa: F401
@@ -116,3 +117,16 @@ def test_a_data_root_holding_a_secret_file_is_refused_at_start(
     said = str(refused.value)
     assert f"holds --{flag}-file {str(kept)!r}" in said, said
     assert not (tmp_path / "jobs.sqlite").exists(), "refused before anything starts"
+
+
+def test_a_path_longer_than_any_the_system_opens_is_refused_before_it_is_resolved(
+    tmp_path: Path,
+) -> None:
+    """A path of a megabyte (a submitted job's `data.path`, 95,000 components of `x/../`)
+    had `realpath` look at each on the scheduler's event loop, and resolved to a real file
+    under the root. No path the system opens is longer than PATH_MAX."""
+    (tmp_path / "f").write_bytes(b"data")
+    long = Path(str(tmp_path) + "/x/.." * 100_000 + "/f")
+    with pytest.raises(InvalidArgument, match="longer than"):
+        under_data_root(tmp_path, long, "data.path")
+    assert under_data_root(tmp_path, tmp_path / "x" / ".." / "f", "data.path") == tmp_path / "f"

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+import scheduler.job_api
 from client.remote import RemoteCoordinator
 from client.sdk import ClientError, SchedulerClient
 from scheduler import data_hashes
@@ -99,6 +100,14 @@ async def test_unknown_job(client: SchedulerClient) -> None:
         assert isinstance(e.value.error, NotFound)  # the swarm error the status means
 
 
+async def test_an_unknown_job_id_of_megabytes_is_not_echoed_whole(client: SchedulerClient) -> None:
+    """The id went into the error's details whole (and its status trailer, and a log line): a
+    caller's id of 3 MB came back as a metadata error instead of NOT_FOUND."""
+    with pytest.raises(ClientError, match="unknown job 'xxx") as e:
+        await client.get("x" * 3_000_000)
+    assert e.value.code == "NOT_FOUND" and len(str(e.value)) < 1024
+
+
 async def test_cancel(api: RunningApi, client: SchedulerClient, tmp_path: Path) -> None:
     job = (await client.submit(write_job(tmp_path, "idle"))).job
     cancelled = await client.cancel(job)
@@ -159,6 +168,42 @@ async def test_exports_at_once_are_bounded_and_the_rest_told_to_come_back(
     assert len(refused) == 5 - MAX_EXPORTS and done.count(7) == MAX_EXPORTS, done
     assert all(e.code == "RESOURCE_EXHAUSTED" and "try again" in str(e) for e in refused)
     assert await client.export(job, tmp_path / "model.pt") == 7  # their room is given back
+
+
+async def test_an_export_whose_reader_stops_reading_gives_its_place_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two exports whose readers took a part and stopped, their connections open, held both
+    places (and a whole model each) for as long as their connections lived: every other export
+    was refused. Each ends once its reader takes nothing for the job API's reader bound."""
+    monkeypatch.setattr(scheduler.job_api, "READER_IDLE_S", 1.0)
+    api = await start_api(tmp_path)
+    api.control.state = {"big": torch.zeros(16 * 2**20)}  # 64 MiB: past what gRPC takes unread
+    try:
+        async with SchedulerClient(api.address) as client:
+            job = (await client.submit(write_job(tmp_path, "exp"))).job
+            async with grpc.aio.insecure_channel(api.address) as channel:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+                request = scheduler_pb2.SchedulerExportModelRequest(job=job)
+                stalled = [stub.ExportModel(request) for _ in range(MAX_EXPORTS)]
+                for call in stalled:
+                    await call.read()  # a part each, then no more
+                with pytest.raises(ClientError, match="try again"):
+                    await client.export(job, tmp_path / "refused.pt")
+                api.control.state = {"small": torch.ones(4)}
+                # past the bound both are let go (before: held on while connected)
+                async with asyncio.timeout(30):
+                    while True:
+                        try:
+                            assert await client.export(job, tmp_path / "model.pt") == 7
+                            break
+                        except ClientError as e:
+                            assert "try again" in str(e)
+                            await asyncio.sleep(0.2)
+                for call in stalled:
+                    call.cancel()
+    finally:
+        await api.stop()
 
 
 async def test_a_data_file_is_hashed_once_however_many_submissions_ask(

@@ -12,8 +12,9 @@ import pytest
 
 from scheduler import trainer_keys
 from scheduler.store import JobStore
+from scheduler.trainer_calls import TrainerCalls
 from scheduler.trainer_keys import FORGET_S, KEEP_S, TrainerKeys, embedded_trainer
-from swarm.errors import PermissionDenied, ResourceExhausted
+from swarm.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
 from swarm.rpc.lease import Lease
@@ -122,3 +123,22 @@ def test_past_the_bound_the_id_heard_least_recently_makes_room(
         keys.check("j", "c", MINE)  # every id heard within KEEP_S: a flood, refused
     now[0] += KEEP_S
     keys.check("j", "a", MINE)  # a's caller back: bound anew, in the place of b, silent since
+
+
+def test_a_reports_next_lease_is_of_its_own_job() -> None:
+    """The job API checks a report's job, not its `next` lease's: a next lease naming a job of
+    megabytes (or any made-up one) was bound under its trainer id for an hour, a new id a call
+    (`MAX_TRAINERS` of them, each as large), before the lease was refused as of no job."""
+    calls = TrainerCalls()
+    request = spb.SchedulerReportMicrobatchesRequest(
+        job="j",
+        trainer="u",
+        trainer_key=MINE,
+        next=spb.SchedulerLeaseMicrobatchesRequest(job="x" * 1_000_000, trainer="v"),
+    )
+    with pytest.raises(InvalidArgument, match="its own job"):
+        calls.report(request)
+    assert not calls.keys._held
+    request.next.job = "j"
+    calls.report(request)
+    assert set(calls.keys._held) == {("j", "u"), ("j", "v")}
