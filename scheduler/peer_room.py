@@ -4,21 +4,31 @@ Any token holder may log in under a made-up id, announce it (not retained) and d
 cleanly, so that no last-will says it left: each such id stayed in the registry, the dial-back
 checker's maps and the scheduler's retained reachability report for good, and every
 announcement woke placement, which walks them all. So the peers are counted as they are first
-heard. Past the bound a newcomer gets the place of the peer heard from least recently that
-nobody can dial (its dial-back found it unreachable) and that the scheduler never placed: a
-made-up id's address answers nobody, and such a peer does nothing here but fill its place. With
-no such peer the newcomer is turned away, said at WARNING (rated): the places are all taken by
-peers that serve, wait reachable for work, or are not checked yet (a flood of made-up ids
-before their checks end turns honest newcomers away too, and says so).
+heard, and past the bound a newcomer takes the place of a peer heard from least recently that
+does nothing here but hold its place:
+- never one the scheduler gave work (by its own records: a peer's word on what it serves is
+  anyone's), nor a relay a present peer is reached through, nor one its dial-back reached: an
+  honest peer waiting for work announces once and is silent after, and one forgotten would not
+  come back (its announcement is retained on the broker, which the scheduler reads as it
+  subscribes, not again);
+- first one the dial-back found unreachable or with nothing to dial (a made-up id's address
+  answers nobody), looked for among the next `_LOOK_PAST` candidates;
+- else one not checked yet (a flood of made-up ids comes faster than their checks: each
+  newcomer takes the oldest unchecked place, so an honest newcomer is checked, and kept, long
+  before the flood reaches it).
+With every place kept so, the newcomer is turned away, said at WARNING (rated), and waits (at
+most `MAX_WAITING`, the oldest going first) for the next place a peer leaves: its announcement
+is not sent again.
 
 Pure state beside the registry (`scheduler.registry`): the scheduler asks `admit` before it
-hands the registry an announcement, and forgets the peers it names as if each had announced
-itself offline.
+hands the registry an announcement, forgets the peers it names as if each had announced itself
+offline, and offers a waiting one (`waiting`) as a place frees.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 
 from scheduler.registry import PeerRegistry
@@ -30,8 +40,16 @@ __all__ = ["MAX_PEERS", "PeerRoom"]
 log = logging.getLogger(__name__)
 
 # Peers kept at once: a few KiB each in the scheduler (an announcement, a dial-back report, its
-# retained copy), tens of MiB in all. A swarm of thousands of volunteers fits.
+# retained copy), tens of MiB in all. A swarm of thousands of volunteers fits. (The embedded
+# broker's retained total, `BrokerLimits.max_retained_bytes`, holds as many announcements.)
 MAX_PEERS = 1 << 14
+# Turned-away announcements kept for the next place that frees.
+MAX_WAITING = 1024
+# Candidates looked at past the first one not checked yet, for one found unreachable first.
+_LOOK_PAST = 64
+# After a round of every place found none to take, newcomers are turned away this long without
+# another round (16,384 places looked at for each of a flood's newcomers held the event loop).
+_FULL_S = 1.0
 
 
 class PeerRoom:
@@ -40,7 +58,9 @@ class PeerRoom:
     def __init__(self, registry: PeerRegistry, cap: int = MAX_PEERS) -> None:
         self._registry, self.cap = registry, cap
         self._heard: OrderedDict[str, None] = OrderedDict()
-        self._turned_away = 0
+        self._waiting: OrderedDict[str, cpb.PeerAnnouncement] = OrderedDict()
+        self._turned_away = self._made_room = 0
+        self._full_until = -math.inf  # till when no place may be taken (a round just found none)
         self._said = RatedLog(log)
 
     def __len__(self) -> int:
@@ -52,6 +72,7 @@ class PeerRoom:
         peer = message.peer
         if message.state == cpb.PEER_STATE_OFFLINE:
             self._heard.pop(peer, None)
+            self._waiting.pop(peer, None)
             return []
         if peer in self._heard:
             self._heard.move_to_end(peer)
@@ -60,33 +81,88 @@ class PeerRoom:
         if len(self._heard) >= self.cap:
             freed = self._room()
             if freed is None:
-                self._turn_away(peer)
+                self._turn_away(message)
                 return None
             gone.append(freed)
         self._heard[peer] = None
         return gone
 
+    def waiting(self) -> cpb.PeerAnnouncement | None:
+        """The oldest turned-away announcement, offered again (a place freed), if any."""
+        return self._waiting.popitem(last=False)[1] if self._waiting else None
+
     def _room(self) -> str | None:
         """The peer whose place a newcomer takes, forgotten here; None: no place may be taken.
-        Those passed over go to the back, so that the next look starts past them."""
-        registry = self._registry
+        Those kept go to the back as they are passed over, so that the next look starts past
+        them: each is passed over once a round of the places, not once a newcomer."""
+        now = self._registry.clock.now()
+        if now < self._full_until:
+            return None  # a whole round of the places just found none: not again at once
+        registry, relays = self._registry, self._registry.relays()
+        unchecked: str | None = None
+        looked = 0
         for _ in range(len(self._heard)):
             peer = next(iter(self._heard))
-            gone = peer not in registry.peers  # forgotten there since: its place is free
-            if gone or (registry.is_unreachable(peer) and not registry.placed(peer)):
-                del self._heard[peer]
-                return peer
             self._heard.move_to_end(peer)
-        return None
+            kind = _kind(registry, relays, peer)
+            if kind == _KEPT:
+                continue
+            if kind == _IDLE:
+                unchecked = unchecked or peer
+                looked += 1
+                if looked <= _LOOK_PAST:
+                    continue
+            chosen = peer if kind == _GONE else unchecked
+            break
+        else:
+            chosen = unchecked
+        if chosen is None:
+            self._full_until = now + _FULL_S
+        if chosen is not None:
+            del self._heard[chosen]
+            self._made_room += 1
+            self._said.info(
+                "room",
+                "peer %s forgotten to make room for a newcomer (%d so far: the scheduler keeps "
+                "at most %d peers; it never reached this one, nor placed it)",
+                chosen[:128],
+                self._made_room,
+                self.cap,
+            )
+        return chosen
 
-    def _turn_away(self, peer: str) -> None:
+    def _turn_away(self, message: cpb.PeerAnnouncement) -> None:
+        peer = message.peer
+        self._waiting.pop(peer, None)
+        self._waiting[peer] = message  # its newest, at the back
+        while len(self._waiting) > MAX_WAITING:
+            self._waiting.popitem(last=False)
         self._turned_away += 1
         self._said.warning(
             "full",
-            "the scheduler keeps at most %d peers (swarm's MAX_PEERS), each serving, waiting "
-            "reachable for work, or not checked yet: %s turned away (%d so far; a flood of "
-            "made-up peer ids?)",
+            "the scheduler keeps at most %d peers (swarm's MAX_PEERS), each given work, a "
+            "relay in use or reached by its dial-back: %s turned away until a place frees (%d "
+            "so far)",
             self.cap,
             peer[:128],
             self._turned_away,
         )
+
+
+_KEPT, _GONE, _IDLE = "kept", "gone", "idle"
+
+
+def _kind(registry: PeerRegistry, relays: set[str], peer: str) -> str:
+    """Whether `peer`'s place may be taken: never (`_KEPT`), first (`_GONE`: forgotten by the
+    registry, found unreachable, or with nothing to dial), or else (`_IDLE`: not checked yet)."""
+    announced = registry.peers.get(peer)
+    if announced is None:
+        return _GONE  # forgotten there since: its place is free
+    if registry.placed(peer) or peer in relays:
+        return _KEPT
+    report = registry.reachability(peer)
+    if registry.is_unreachable(peer) or not announced.address:
+        return _GONE
+    if report is not None and report.reachability != cpb.REACHABILITY_UNKNOWN:
+        return _KEPT  # reached: an honest peer waiting for work
+    return _IDLE

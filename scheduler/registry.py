@@ -225,11 +225,14 @@ class PeerRegistry:
             self._given[peer] = (job_id, stage)
 
     def placed(self, peer: str) -> bool:
-        """Whether the scheduler gave `peer` work it may hold: a stage now or before (kept while
-        its job lets it), an assignment it has not acted on yet, or it serves one."""
-        a = self.peers.get(peer)
-        serves = a is not None and a.state != cpb.PEER_STATE_JOINING
-        return serves or peer in self._given or peer in self._assigned_at
+        """Whether the scheduler gave `peer` work it may hold, by its own records (never the
+        peer's word): a stage now or before (kept while its job lets it), or an assignment it
+        has not acted on yet."""
+        return peer in self._given or peer in self._assigned_at
+
+    def relays(self) -> set[str]:
+        """The peers some present peer is reached through (or announces as its relay)."""
+        return set(self._via.values())
 
     def given(self, job_id: str, peer: str) -> int | None:
         """The stage of `job_id` last given to `peer` (None: none), even if it left since."""

@@ -294,6 +294,10 @@ class Scheduler:
         self.reachability.announced(message)  # dialled back off this loop's path
         self.history.peer(old, message)
         self.assignments.changed.set()
+        if message.state == cpb.PEER_STATE_OFFLINE and old is not None:
+            again = self.peer_room.waiting()  # a place freed: a peer turned away takes it
+            if again is not None:
+                self._announced(again)
 
     async def _watch_load(self) -> None:
         async for _topic, message in self.bus.subscribe(self.bus.topics.load("+")):

@@ -291,6 +291,10 @@ class AclBroker(Broker):
         why = None
         if client_session.will_flag and not self._gate.may_publish(user, topic):
             why = "not its topic"
+        elif client_session.will_flag and (
+            oversized := _oversized(self._gate, topic, client_session.will_message)
+        ):
+            why = oversized  # every reader drops it, as a message published so
         elif client_session.will_flag and client_session.will_retain:
             why = self._retain_refusal(user, topic, len(client_session.will_message or b""))
         if why is not None:

@@ -51,10 +51,13 @@ class BrokerLimits:
     max_retained_bytes_per_user: int = 64 * _KiB
     """Retained payload bytes one user other than the scheduler may leave on the broker: a peer
     retains its announcement (or its last-will) on its own topic, a few hundred bytes."""
-    max_retained_bytes: int = 16 * _MiB
+    max_retained_bytes: int = 32 * _MiB
     """Retained payload bytes of all users but the scheduler together: with the shared token
     anyone can log in as any number of made-up peers. A retained message past either bound is
-    dropped (and logged); the scheduler's own (jobs, assignments, steps) are not counted."""
+    dropped (and logged); the scheduler's own (jobs, assignments, steps) are not counted. Each
+    counts its topic and the broker's record beside its payload (`RetainedBudget`): this holds
+    the announcements of the most peers a scheduler keeps (`scheduler.peer_room.MAX_PEERS`) at
+    about 2 KiB each."""
     max_queued_bytes: int = 16 * _MiB
     """Payload bytes waiting to be sent to one subscriber (or for its acknowledgement); past it,
     or past `max_queued_messages`, the subscriber is disconnected: it stopped reading, and what

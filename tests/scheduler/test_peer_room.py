@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler import peer_room
 from scheduler.peer_room import PeerRoom
 from scheduler.registry import PeerRegistry
 from scheduler.service import Scheduler, SchedulerOptions
@@ -65,23 +66,85 @@ def test_past_the_bound_an_unreachable_peer_never_placed_makes_room() -> None:
     assert set(registry.peers) == {"a", "d", "e"}
 
 
-def test_a_peer_the_scheduler_placed_never_makes_room_and_a_newcomer_is_turned_away(
+def test_a_placed_peer_a_relay_in_use_and_a_reached_one_never_make_room(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="scheduler.peer_room")
     registry = _registry()
     room = PeerRoom(registry, cap=CAP)
-    for peer in ("a", "b", "c"):
-        _admitted(room, registry, _joining(peer))
+    _admitted(room, registry, _joining("a"))
     _found(registry, "a", cpb.REACHABILITY_UNREACHABLE)  # given a stage before it was checked
     registry.assigned("a", "j", 0)
-    _found(registry, "b", cpb.REACHABILITY_DIRECT)  # reachable: an honest peer waiting for work
-    # c: not checked yet (a made-up peer, or an honest one: nobody can tell yet)
+    relay = cpb.PeerAnnouncement(peer="r", role=cpb.PEER_ROLE_RELAY, state=cpb.PEER_STATE_SERVING)
+    _admitted(room, registry, relay)  # nothing to dial, but a's calls go through it
+    behind = _joining("a")
+    behind.relay = "r"
+    _admitted(room, registry, behind)
+    _admitted(room, registry, _joining("b"))
+    _found(registry, "b", cpb.REACHABILITY_DIRECT)  # reached: an honest peer waiting for work
     for newcomer in ("x", "y"):
         assert _admitted(room, registry, _joining(newcomer)) == ["(turned away)"]
-    assert set(registry.peers) == {"a", "b", "c"}
+    assert set(registry.peers) == {"a", "r", "b"}
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "turned away" in lines[0] and f"at most {CAP}" in lines[0], lines
+
+
+def test_a_peers_word_keeps_no_place() -> None:
+    """Made-up peers that announce they serve, or give no address to dial, were never found
+    unreachable, nor counted as not placed: 16,384 of them locked every newcomer out for good."""
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    serving = cpb.PeerAnnouncement(peer="s", address="s:1", state=cpb.PEER_STATE_SERVING, job="j")
+    no_address = cpb.PeerAnnouncement(peer="n", state=cpb.PEER_STATE_JOINING)
+    for message in (serving, no_address, _joining("c")):
+        _admitted(room, registry, message)
+    _found(registry, "s", cpb.REACHABILITY_UNREACHABLE)
+    _found(registry, "c", cpb.REACHABILITY_DIRECT)
+    assert _admitted(room, registry, _joining("d")) == ["s"]
+    assert _admitted(room, registry, _joining("e")) == ["n"]
+
+
+def test_with_none_found_unreachable_the_oldest_not_checked_makes_room() -> None:
+    """A flood of made-up ids comes faster than their checks: each newcomer takes the place of
+    the oldest not checked yet, so an honest newcomer is checked (and kept) before the flood
+    reaches it."""
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    for peer in ("a", "b", "c"):
+        _admitted(room, registry, _joining(peer))
+    _found(registry, "a", cpb.REACHABILITY_DIRECT)
+    assert _admitted(room, registry, _joining("honest")) == ["b"]
+    _found(registry, "honest", cpb.REACHABILITY_DIRECT)
+    assert _admitted(room, registry, _joining("made-up")) == ["c"]
+    assert _admitted(room, registry, _joining("made-up-2")) == ["made-up"]
+    assert {"a", "honest"} <= set(registry.peers)
+
+
+def test_a_full_room_is_not_looked_over_again_for_each_newcomer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every place kept: each newcomer of a flood looked at all of them (16,384) on the event
+    loop. A round that found none turns newcomers away for a second without another."""
+    clock = FakeClock()
+    registry = PeerRegistry(clock, load_silence_s=10.0, serve_timeout_s=300.0)
+    room = PeerRoom(registry, cap=100)
+    for i in range(100):
+        _admitted(room, registry, _joining(f"p{i}"))
+        _found(registry, f"p{i}", cpb.REACHABILITY_DIRECT)
+    looked = [0]
+    kind = peer_room._kind
+
+    def counted(*args: object) -> str:
+        looked[0] += 1
+        return kind(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(peer_room, "_kind", counted)
+    for i in range(50):
+        assert _admitted(room, registry, _joining(f"new{i}")) == ["(turned away)"]
+    assert looked[0] == 100  # one round, not 50
+    clock.advance(2.0)
+    assert _admitted(room, registry, _joining("later")) == ["(turned away)"]
+    assert looked[0] == 200
 
 
 def test_a_peer_that_left_frees_its_place() -> None:
@@ -142,6 +205,21 @@ async def test_a_peer_that_makes_room_is_forgotten_as_if_it_left(tmp_path: Path)
         assert "b" not in scheduler.reachability._targets  # no more dial-backs of it
         # and its retained dial-back report is cleared
         await wait_until(lambda: (bus.topics.reachability("b"), b"") in bus.published)
+
+
+async def test_a_peer_turned_away_takes_the_next_place_that_frees(tmp_path: Path) -> None:
+    """Its announcement is not sent again (retained on the broker, read as the scheduler
+    subscribes): turned away and forgotten, it waited for work that never came."""
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        scheduler = Scheduler(store, _Bus(), SchedulerOptions(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        scheduler.peer_room.cap = 1
+        scheduler._announced(_joining("a"))
+        _found(scheduler.peer_registry, "a", cpb.REACHABILITY_DIRECT)
+        scheduler._announced(_joining("b"))  # no place: turned away
+        assert set(scheduler.peer_registry.peers) == {"a"}
+        scheduler._announced(cpb.PeerAnnouncement(peer="a", state=cpb.PEER_STATE_OFFLINE))
+        assert set(scheduler.peer_registry.peers) == {"b"}
+        assert "b" in scheduler.reachability._targets  # and it is checked
 
 
 async def test_an_announcement_that_fails_unforeseen_is_said_and_the_next_is_taken(
