@@ -18,8 +18,8 @@ Invariants, and why:
   (`stage_server.replica.snapshot`: the replica's own tensors, copied only if an update comes before
   they are sent), at most `--max-state-downloads` at once: a request of a few bytes may cost a copy
   of the state, so their number is bounded, and nothing more is built ahead of the reader. A
-  download whose reader took nothing for `rpc_timeout_s` (its client gave up) gives its place to the
-  next; an answer of updates whose reader took nothing for as long ends, and lets them go.
+  download whose reader took nothing for `rpc_timeout_s` (its client gave up) ends, its place and
+  its snapshot let go; so does an answer of updates, and the updates it holds.
 - Info says the rollback epoch of the state a replica holds, set only with the state: a
   rollback's LoadState, or a loaded copy (the epoch of the Join that began it; a copy from
   before a rollback fails at its next ask, its source's update log cleared). A Join raises only
@@ -257,6 +257,8 @@ class StateTransfer:
         assert task is not None  # a call's handler
         began = loop.time()
         self._served[task] = (began, began)
+        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        said = f"{self.peer}: a state download of {follower or 'a caller'}"
         log_, registered, sent = self._runtime().updates, None, False
         off: OffLoop | None = None
         try:
@@ -275,7 +277,11 @@ class StateTransfer:
             started, nbytes = loop.time(), 0  # its bytes over its time: this link's upload
             while (part := await off.next(parts)) is not None:
                 await lane.before()
-                yield part
+                # Its reader's own client waits `rpc_timeout_s` for a part: one that stops
+                # reading holds its snapshot (a copy of the state once an update comes) no
+                # longer, whether or not another download wants its place.
+                with taken_within(stall_s, said):
+                    yield part
                 nbytes += payload_bytes(part)
                 if (why := self._ending.pop(task, None)) is not None:
                     raise ResourceExhausted(

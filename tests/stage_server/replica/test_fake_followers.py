@@ -7,7 +7,9 @@ its updates."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -99,6 +101,25 @@ async def test_followers_that_never_ask_for_updates_are_let_go(
     await _real_joiner(server, job)
 
 
+@contextlib.asynccontextmanager
+async def _downloads_of(
+    job: JobConfig,
+) -> AsyncIterator[tuple[RunningStageServer, stage_pb2_grpc.StageServiceStub]]:
+    """Stage 0 of `job` served, and a stub of it whose windows stay small (no BDP probe): a
+    reader that stops reading stalls the sender."""
+    running = await start_stage_server(job, StageServerOptions(stage=0))
+    options = [("grpc.http2.bdp_probe", 0)]
+    try:
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            yield running, stage_pb2_grpc.StageServiceStub(channel)
+    finally:
+        await running.stop()
+
+
+def _download(job: JobConfig) -> pb.StageDownloadStateRequest:
+    return pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+
+
 async def test_downloads_whose_readers_stall_give_their_places_to_a_joiner(
     tmp_path: Path,
 ) -> None:
@@ -112,31 +133,41 @@ async def test_downloads_whose_readers_stall_give_their_places_to_a_joiner(
         model=WIDE,
         runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0},
     )
-    running = await start_stage_server(job, StageServerOptions(stage=0))
-    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the stalled reader stalls the sender
-    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
-    try:
-        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
-            stub = stage_pb2_grpc.StageServiceStub(channel)
-            stalled = [stub.DownloadState(request, timeout=60) for _ in range(4)]
-            for call in stalled:
-                await call.read()
-            await asyncio.sleep(2.5)  # past rpc_timeout_s: none of them took a byte since
-            # The joiner's own client waits longer for a byte than the server's 1 s: a 32 MiB
-            # snapshot made on a loaded machine, or a scheduling pause, must not fail it (the
-            # server still ends the stalled downloads after 1 s, which is what is tested).
-            patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
-            client = StageClient(running.address, patient, fingerprint(job), 0)
-            try:
-                expect = running.runtime.checks.state
-                step, state = await client.download_state(True, "", expect=expect)
-                assert step == 0 and state
-            finally:
-                await client.close()
-            for call in stalled:
-                call.cancel()
-    finally:
-        await running.stop()
+    async with _downloads_of(job) as (running, stub):
+        stalled = [stub.DownloadState(_download(job), timeout=60) for _ in range(4)]
+        for call in stalled:
+            await call.read()
+        await asyncio.sleep(2.5)  # past rpc_timeout_s: none of them took a byte since
+        # The joiner's own client waits longer for a byte than the server's 1 s: a 32 MiB
+        # snapshot made on a loaded machine, or a scheduling pause, must not fail it (the
+        # server still ends the stalled downloads after 1 s, which is what is tested).
+        patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
+        client = StageClient(running.address, patient, fingerprint(job), 0)
+        try:
+            expect = running.runtime.checks.state
+            step, state = await client.download_state(True, "", expect=expect)
+            assert step == 0 and state
+        finally:
+            await client.close()
+        for call in stalled:
+            call.cancel()
+
+
+async def test_a_stalled_download_lets_go_of_its_snapshot_with_nobody_else_asking(
+    tmp_path: Path,
+) -> None:
+    # A stalled download gave its place back only when another download found every place
+    # taken: until then it held its snapshot (a copy of the whole state, once the replica
+    # applies an update before the snapshot is sent) for as long as its connection lived. Now
+    # each part must be taken within rpc_timeout_s, as the reader's own client would wait.
+    job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
+    async with _downloads_of(job) as (running, stub):
+        stalled = stub.DownloadState(_download(job), timeout=60)
+        await stalled.read()
+        transfer = running.servicer._transfer
+        assert transfer._downloads == 1
+        await wait_until(lambda: transfer._downloads == 0, "the stalled download let go")
+        stalled.cancel()
 
 
 async def test_a_download_that_trickles_past_its_whole_bound_gives_its_place(
