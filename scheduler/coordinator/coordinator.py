@@ -336,19 +336,21 @@ class LocalCoordinator:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         live = self._window.at(result.step)
-        if live is not None and not live.ledger.speaks_for(trainer, result.index):
+        if not self._window.speaks_for(trainer, result.step, result.index):
             # Any token holder may report: its word on a microbatch whose lease is another's
-            # (its holders, its loss, its audit's verdicts) is not taken; what it says landed
-            # is looked for in the members' receipts (`StepLedger.speaks_for`, `recheck`).
+            # (its holders, its loss, its audit's verdicts) is not taken, its step live or
+            # committed (an audit's own report comes after); what it says landed is looked for
+            # in the members' receipts (`StepLedger.speaks_for`, `recheck`).
             self._rated.warning(
                 "not-its-lease",
-                "trainer %s reported microbatch (%d, %d), whose lease is not its own: its word "
-                "is not taken, the replicas' receipts of it are looked at instead",
+                "trainer %s reported microbatch (%d, %d), whose lease is not its own (or of a "
+                "step long past): its word is not taken, the replicas' receipts of it are "
+                "looked at instead",
                 trainer,
                 result.step,
                 result.index,
             )
-            if not result.late:
+            if live is not None and not result.late:
                 live.ledger.recheck(result.index)
                 self._wake()  # leasable again once its receipts were looked at
             return

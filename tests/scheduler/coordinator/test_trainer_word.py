@@ -13,7 +13,7 @@ import pytest
 from scheduler.coordinator.ledger import LEASE_LIFE_TIMEOUTS, Holding, StepLedger
 from swarm.clock import FakeClock
 from swarm.job.fingerprint import fingerprint
-from swarm.rpc.lease import MicrobatchResult
+from swarm.rpc.lease import MicrobatchResult, Verdict
 from tests.support.coordinator import MakeHarness, job_of
 from tests.support.replicas import FakeSwarm
 
@@ -94,3 +94,24 @@ def test_a_lease_renewed_forever_goes_to_another_after_its_life() -> None:
     life = LEASE_LIFE_TIMEOUTS * 10
     assert life - 8 < clock.now() <= life + 8, clock.now()  # renewed for its life, no more
     assert [t.index for t in ledger.lease("B", 1)] == [0]  # at once: it ran out at its life
+
+
+async def test_a_late_report_of_a_committed_step_speaks_only_for_its_lease(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # A report of a step no longer live (an audit's own report, after its step committed) was
+    # checked against no lease: any token holder's, with a verdict (and none of its auditors:
+    # the contribution's own commitment convicts), banned the peer it named, and rolled the job
+    # back. Only the trainer that spoke for the microbatch speaks for it after the commit.
+    job = job_of(tmp_path, steps=4)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a"), swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    await h.step()  # step 0 committed, its microbatches leased and reported by "t"
+    forged = Verdict("c", 1, "its contribution differs from its commitment")
+    late = MicrobatchResult(0, 0, {}, None, 0, verdicts=(forged,), late=True)
+    await h.coordinator.report("F", late)  # F leased nothing
+    assert "c" not in h.coordinator.bans.banned and h.rollbacks.empty()
+    await h.coordinator.report("t", late)  # its lessee's own late report is acted on
+    assert "c" in h.coordinator.bans.banned
