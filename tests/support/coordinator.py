@@ -15,13 +15,14 @@ from scheduler.coordinator import LocalCoordinator
 from swarm.clock import FakeClock
 from swarm.deadline import within
 from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
 from swarm.ops.progress import StepRecord
 from swarm.rpc.lease import MicrobatchResult, Task
 from tests.support.jobs import make_job
 from tests.support.replicas import FakeSwarm
 from tests.support.waiting import wait_until
 
-__all__ = ["LEASE_S", "Harness", "MakeHarness", "job_of", "make_harness", "until"]
+__all__ = ["LEASE_S", "Harness", "MakeHarness", "job_of", "make_harness", "started", "until"]
 
 LEASE_S = 10.0  # the jobs' lease timeout, on the fake clock
 
@@ -128,6 +129,22 @@ async def make_harness() -> AsyncIterator[MakeHarness]:
     yield make
     for h in made:
         await h.coordinator.close()
+
+
+async def started(
+    tmp_path: Path, make_harness: MakeHarness, *stages: str, **training: Any
+) -> Harness:
+    """A harness of a two-stage job (`job_of` with `training`), its coordinator started over
+    fake replicas: stage 0's peers the first of `stages` names, space-separated ("a"), stage
+    1's the second ("c d")."""
+    job = job_of(tmp_path, **training)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    for stage, peers in enumerate(stages):
+        for peer in peers.split():
+            swarm.add(stage, peer)
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    return h
 
 
 def until(condition: Callable[[], object], what: str = "the condition") -> Awaitable[object]:

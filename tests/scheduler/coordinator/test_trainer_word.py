@@ -14,7 +14,7 @@ from scheduler.coordinator.ledger import LEASE_LIFE_TIMEOUTS, Holding, StepLedge
 from swarm.clock import FakeClock
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import MicrobatchResult, Verdict
-from tests.support.coordinator import MakeHarness, job_of
+from tests.support.coordinator import MakeHarness, job_of, started
 from tests.support.replicas import FakeSwarm
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.attack("trainer-word")]
@@ -103,11 +103,7 @@ async def test_a_late_report_of_a_committed_step_speaks_only_for_its_lease(
     # checked against no lease: any token holder's, with a verdict (and none of its auditors:
     # the contribution's own commitment convicts), banned the peer it named, and rolled the job
     # back. Only the trainer that spoke for the microbatch speaks for it after the commit.
-    job = job_of(tmp_path, steps=4)
-    swarm = FakeSwarm(fingerprint(job), 2)
-    swarm.add(0, "a"), swarm.add(1, "c")
-    h = make_harness(job, swarm)
-    await h.coordinator.start()
+    h = await started(tmp_path, make_harness, "a", "c", steps=4)
     await h.step()  # step 0 committed, its microbatches leased and reported by "t"
     forged = Verdict("c", 1, "its contribution differs from its commitment")
     late = MicrobatchResult(0, 0, {}, None, 0, verdicts=(forged,), late=True)
