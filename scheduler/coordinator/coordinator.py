@@ -181,7 +181,7 @@ class LocalCoordinator:
         self.rounds = rounds_of(context)
         self.voids = voids = Voids(context)
         self.recovery = Recovery(
-            job, self.clients, self.checkpoint_dir, checkpoint_every_s, self.clock
+            job, self.clients, self.checkpoint_dir, checkpoint_every_s, self.clock, self.on_status
         )
         self._rollback = Rollback(
             job,

@@ -42,7 +42,7 @@ async def _download(
         try:
             step, part = await coordinator.client(stage, replica).download_state()
         except SwarmError as e:
-            problems.append(f"{replica.peer}: {type(e).__name__}")
+            problems.append(f"{replica.peer}: {type(e).__name__}: {str(e)[:200]}")  # its cause
             continue
         if want is None or step == want:
             return step, part

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from scheduler.coordinator.replicas import ReplicaClients
+from scheduler.coordinator.status_news import OnStatus, tell
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
@@ -70,10 +71,15 @@ class Recovery:
         directory: Path | None,
         every_s: float | None = None,
         clock: Clock | None = None,
+        on_status: OnStatus | None = None,
     ) -> None:
         """`every_s`: checkpoint at least this often (seconds of `clock`) besides every
-        `checkpoint_every` steps; None: by steps only."""
+        `checkpoint_every` steps; None: by steps only. `on_status(text)`: what `swarm status`
+        should say (a checkpoint not written, and once one is again)."""
         self.job, self.clients, self.directory = job, clients, directory
+        self.on_status = on_status
+        # Why the last checkpoint was not written (said once while it stays); None: it was.
+        self._failing: str | None = None
         self.every_s, self.clock = every_s, clock or MonotonicClock()
         self._last_at = self.clock.now()  # the last checkpoint started (or training did)
         self._saving: asyncio.Task[None] | None = None  # the checkpoint being written
@@ -105,9 +111,32 @@ class Recovery:
 
     async def _checkpoint(self, step: int, members: list[list[Replica]], bans: int) -> None:
         try:
-            await self.save(step, members, bans)
+            missing = await self.save(step, members, bans)
         except OSError as e:  # a full or broken disk: training goes on without this one
             log.error("checkpoint of step %d not written: %s", step, e)
+            missing = str(e)
+        await self._told(step, missing)
+
+    async def _told(self, step: int, missing: str | None) -> None:
+        """Say in the job's status that checkpoints are not written (once while the cause
+        stays: a full disk fails each of them), and that they are again: a job whose
+        checkpoints fail rolls back further at its next lost stage, which its operator should
+        know before."""
+        if missing == "":
+            return  # dropped for a ban, as it said
+        if missing is None:
+            text = f"checkpoints are written again: step {step}'s is sealed"
+            said, self._failing = self._failing is not None, None
+        else:
+            latest = self.latest()
+            text = (
+                f"checkpoint of step {step} not written ({missing}): a rollback goes back to "
+                f"step {latest}, the last written"
+            )
+            said, self._failing = missing != self._failing, missing
+        if said:
+            log.warning("%s", text)
+            await tell(self.on_status, text)
 
     async def flush(self, timeout_s: float | None = None) -> None:
         """Wait (at most `timeout_s`) until the checkpoint being written is sealed or skipped."""
@@ -140,15 +169,18 @@ class Recovery:
             return False
         return not rule_of(self.job).rounds or is_boundary(self.job, step)
 
-    async def save(self, step: int, members: list[list[Replica]], bans: int | None = None) -> None:
+    async def save(
+        self, step: int, members: list[list[Replica]], bans: int | None = None
+    ) -> str | None:
         """Save every stage's state at `step` (from one member each), then seal it, unless a ban
         after the `bans`th (by default: after this call) went back before `step`. A write that
         fails raises `OSError` (`checkpoint.CheckpointError`) with the unsealed files removed:
         the caller skips this checkpoint, and a rollback uses the last sealed one. A save
-        cancelled midway removes them too: its stages already written are of no use alone."""
+        cancelled midway removes them too: its stages already written are of no use alone.
+        Returns None once sealed, "" when dropped for a ban, else why it was not written."""
         assert self.directory is not None
         try:
-            await self._save(
+            return await self._save(
                 self.directory, step, members, len(self._bans) if bans is None else bans
             )
         except (OSError, asyncio.CancelledError):  # cancelled: a job's end, a shutdown
@@ -157,7 +189,7 @@ class Recovery:
 
     async def _save(
         self, directory: Path, step: int, members: list[list[Replica]], bans: int
-    ) -> None:
+    ) -> str | None:
         # Every stage at once: each replica snapshots its state when the download reaches it,
         # so all do so at `step`, before the next commit, however long the transfers take.
         # Every stage's write ends before a failure is raised: the caller's discard must not
@@ -169,13 +201,14 @@ class Recovery:
         for failed in saved:
             if isinstance(failed, BaseException):
                 raise failed
-        if not all(saved) or self._banned_since(bans, step):
+        silent = [k for k, ok in enumerate(saved) if not ok]
+        if silent or self._banned_since(bans, step):
             await to_thread_to_the_end(checkpoint.discard, directory, step)  # never sealed
-            return
+            return f"no replica of stage {silent[0]} answered at it" if silent else ""
         await to_thread_to_the_end(checkpoint.seal, directory, step, self.job.training.stages)
         if self._banned_since(bans, step):  # banned while it was sealed: gone as the ban said
             await to_thread_to_the_end(checkpoint.drop_after, directory, min(self._bans[bans:]))
-            return
+            return ""
         log.info("checkpoint of step %d written to %s", step, directory)
         keep = self.job.training.keep_checkpoints
         try:  # after the seal: the newest sealed one is never the one deleted
@@ -185,6 +218,7 @@ class Recovery:
         else:
             if pruned:
                 log.info("checkpoints of steps %s deleted: the %d newest are kept", pruned, keep)
+        return None
 
     def _banned_since(self, bans: int, step: int) -> bool:
         """Whether a ban since the `bans`th went back before `step` (said): the checkpoint of

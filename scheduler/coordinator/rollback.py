@@ -20,6 +20,7 @@ from scheduler.coordinator.metrics import CoordinatorMetrics
 from scheduler.coordinator.reconcile import reconcile
 from scheduler.coordinator.recovery import Recovery
 from scheduler.coordinator.round_strategy import Rounds
+from scheduler.coordinator.status_news import tell
 from swarm.clock import Clock
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
@@ -201,14 +202,7 @@ class Rollback:
             return
         self._waiting = tuple(silent)
         log.warning("%s", text)
-        if self.on_status is None:
-            return
-        try:  # news: a store or bus that fails to take it must not fail the job
-            said = self.on_status(text)
-            if said is not None:
-                await said
-        except Exception as e:
-            log.warning("the rollback's wait was not said in the job's status: %s", e)
+        await tell(self.on_status, text)  # news: a status that fails to take it fails no job
 
     async def _silent(self) -> list[int]:
         """The stages none of whose replicas answers Info now."""

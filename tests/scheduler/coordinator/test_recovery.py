@@ -232,3 +232,38 @@ async def test_what_a_killed_write_left_is_swept_at_the_start(
     await h.coordinator.start()
     assert sorted(p.name for p in directory.iterdir()) == ["step-00000002"]
     assert not stray.exists() and checkpoint.sealed(directory) == [2]
+
+
+async def test_a_checkpoint_not_written_is_said_in_the_jobs_status_once_until_one_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full checkpoint disk was said in the scheduler's log alone: `swarm status` said
+    "training" for hours, and the first lost stage rolled the job back to step 0. It is said
+    where status says it (once while the cause stays), and so is its end."""
+    job = make_job(tmp_path, training={"stages": 1})
+    whole = initial_state(job, 0)
+    directory = tmp_path / "checkpoints"
+    clients = ReplicaClients(grpc_replicas(job, "job"))
+    told: list[str] = []
+    recovery = Recovery(job, clients, directory, on_status=told.append)
+    seal = checkpoint.seal
+
+    def full(*args: object) -> None:
+        raise checkpoint.CheckpointError(28, "No space left on device")
+
+    try:
+        for step in (2, 4, 6):
+            async with serving(HostileStage(lambda: whole.items(), step=step)) as address:
+                monkeypatch.setattr(checkpoint, "seal", full if step < 6 else seal)
+                recovery.checkpoint(step, [[Replica("peer-a", address)]])
+                await asyncio.wait_for(recovery.flush(), 10)
+        recovery.checkpoint(8, [[Replica("peer-a", "127.0.0.1:1")]])  # nobody answers
+        await asyncio.wait_for(recovery.flush(), 10)
+    finally:
+        await clients.close()
+    assert checkpoint.sealed(directory) == [6]
+    assert len(told) == 3, told
+    assert told[0].startswith("checkpoint of step 2 not written (") and "No space left" in told[0]
+    assert "a rollback goes back to step 0" in told[0]
+    assert told[1] == "checkpoints are written again: step 6's is sealed"
+    assert told[2].startswith("checkpoint of step 8 not written (no replica of stage 0 answered")
