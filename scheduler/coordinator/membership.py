@@ -93,6 +93,7 @@ class Membership:
         self.clock = clock
         # joiner -> (why its last Join failed, when it is tried again): until it answers
         self._failed: dict[str, tuple[str, float]] = {}
+        self._refused: dict[str, str] = {}  # joiners whose last Join was refused: why
         self._copied: set[str] = set()  # joiners at the open step, waiting to be admitted
         # Told (step, stage, peer, the member it copied: "" for one re-admitted) whenever a
         # replica becomes a member: from then on it counts (the job's history says so).
@@ -128,6 +129,11 @@ class Membership:
                 elif r.peer in self._copying:
                     said[r.peer] = (
                         f"downloading state from {self._sources.get(r.peer) or 'a member'}"
+                    )
+                elif r.peer in self._refused:
+                    said[r.peer] = (
+                        f"its Join was refused ({self._refused[r.peer]}); asked again at the "
+                        "next step's end"
                     )
                 elif failed is not None:
                     again = max(0.0, failed[1] - self.clock.now())
@@ -290,6 +296,7 @@ class Membership:
         self.synced &= current  # those that left are forgotten, with their pauses and clients
         self._joins.forget(set[Hashable](current))
         self._failed = {p: f for p, f in self._failed.items() if p in current}
+        self._refused = {p: why for p, why in self._refused.items() if p in current}
         for peer in [p for p in self._joining if p not in current]:
             self._joining.pop(peer).cancel()
         self.entry.forget(current)
@@ -363,8 +370,10 @@ class Membership:
                         joiner.peer,
                         e,
                     )
+                    self._refused[joiner.peer] = str(e)[:200]  # status says why it waits
                     return
                 self._failed.pop(joiner.peer, None)
+                self._refused.pop(joiner.peer, None)
                 self._copying[joiner.peer] = (stage, joiner, source)
                 self._sources[joiner.peer] = source.peer
                 if self._admit(stage, joiner, step, at, epoch):

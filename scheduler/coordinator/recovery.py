@@ -78,6 +78,7 @@ class Recovery:
         should say (a checkpoint not written, and once one is again)."""
         self.job, self.clients, self.directory = job, clients, directory
         self.on_status = on_status
+        self.unloaded: dict[str, str] = {}  # the last restore's replicas that did not load, why
         # Why the last checkpoint was not written (said once while it stays); None: it was.
         self._failing: str | None = None
         self.every_s, self.clock = every_s, clock or MonotonicClock()
@@ -300,6 +301,7 @@ class Recovery:
         work leased before rollback `epoch` (`swarm.rpc.epoch`); returns the peers that loaded it
         (the members from now on)."""
         loaded: set[str] = set()
+        self.unloaded = {}
         for stage, replicas in enumerate(members):
             state = await asyncio.to_thread(self.stage_state, step, stage)
             for r in replicas:
@@ -308,6 +310,7 @@ class Recovery:
                     loaded.add(r.peer)
                 except SwarmError as e:
                     log.warning("rollback: %s could not load step %d: %s", r.peer, step, e)
+                    self.unloaded[r.peer] = str(e)[:200]
         # Loaded where it could be: the steps checkpointed from now on are trained anew (where
         # no replica of a stage loaded it, the rollback runs again, a ban's with its `latest`).
         self._going_back = None

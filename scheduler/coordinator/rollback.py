@@ -64,6 +64,7 @@ class Rollback:
         self.open_step, self.on_rollback, self.wake, self.fail = open_step, on_rollback, wake, fail
         self.on_status = on_status
         self._waiting: tuple[int, ...] | None = None  # the silent stages a wait was said for
+        self._unloaded: str | None = None  # why no replica of a stage loaded, as said last
         self.error: BaseException | None = None  # what failed the job, if a rollback did
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(first_s=0.5, cap_s=30.0)
@@ -157,8 +158,11 @@ class Rollback:
             rolled = max(self.leasing + 1, time.time_ns() // 1_000_000)
             self.membership.synced = await self.recovery.restore(step, self.members(), rolled)
             self.leasing = self.membership.rolled_back = rolled
-            if any(not stage for stage in self.membership.replicas()):
-                return  # not every stage could load it: the next lease tries again
+            lost = [k for k, stage in enumerate(self.membership.replicas()) if not stage]
+            if lost:  # not every stage could load it: the next lease tries again
+                await self._unloaded_said(step, lost)
+                return
+            self._unloaded = None
             self.metrics.rollbacks.inc()
             self.rolled, done = self.rolled + 1, True
             if before is not None:
@@ -203,6 +207,29 @@ class Rollback:
         self._waiting = tuple(silent)
         log.warning("%s", text)
         await tell(self.on_status, text)  # news: a status that fails to take it fails no job
+
+    async def _unloaded_said(self, step: int, lost: list[int]) -> None:
+        """Say (in the job's status, once while it stays so) which stages no replica loaded
+        the rollback's state on, and each of their replicas' cause: such a rollback is tried
+        again at every backoff, and can end only once one loads it (a replica with memory
+        freed, another peer)."""
+        members = self.members()
+        causes = "; ".join(
+            f"{r.peer}: {self.recovery.unloaded[r.peer]}"
+            for k in lost
+            for r in members[k]
+            if r.peer in self.recovery.unloaded
+        )
+        stages = ("stages " if len(lost) > 1 else "stage ") + ", ".join(map(str, lost))
+        text = (
+            f"rollback to step {step}: no replica of {stages} loaded its state "
+            f"({causes or 'none serves it'}); tried again"
+        )
+        if text == self._unloaded:
+            return
+        self._unloaded = text
+        log.warning("%s", text)
+        await tell(self.on_status, text)
 
     async def _silent(self) -> list[int]:
         """The stages none of whose replicas answers Info now."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from scheduler.coordinator.replicas import StageReplica
-from swarm.errors import PeerUnavailable
+from swarm.errors import FailedPrecondition, PeerUnavailable
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Replica
-from tests.support.coordinator import Harness, job_of, until
+from tests.support.coordinator import Harness, MakeHarness, job_of, started, until
 from tests.support.replicas import FakeSwarm
 
 
@@ -79,3 +79,24 @@ async def test_a_joiner_that_did_not_answer_is_asked_again_over_a_new_connection
         assert dialed.count("m") == 2, dialed
     finally:
         await h.coordinator.close()
+
+
+async def test_a_joiner_that_refuses_its_join_says_why(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A Join refused (not a peer gone: it answered) was said in the log alone; status said
+    the joiner waited "for a step's end to download state", at every boundary."""
+    h = await started(tmp_path, make_harness, "a", "c", steps=5)
+    m = h.swarm.add(1, "m")
+    m.fail("join", FailedPrecondition("stage 1: a Join sent before the rollback: stale"))
+    membership = h.coordinator.membership
+    await h.step()
+    await until(lambda: len(m.called("join")) == 1)
+    await until(lambda: "refused" in membership.waits().get("m", ""))
+    assert membership.waits()["m"] == (
+        "its Join was refused (stage 1: a Join sent before the rollback: stale); asked again "
+        "at the next step's end"
+    )
+    await h.step()  # asked again: it joins
+    await until(lambda: "m" in membership.synced)
+    assert membership.waits() == {}

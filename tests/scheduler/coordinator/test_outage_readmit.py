@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from scheduler.coordinator.discards import Discards
-from swarm.errors import PeerUnavailable, SwarmError
+from swarm.errors import PeerUnavailable, ResourceExhausted, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Task
-from tests.support.coordinator import Harness, MakeHarness, job_of
+from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeReplica, FakeSwarm
 
 Told = tuple[int, str, str]  # (stage, peer, text): what a `Discards.said` hook is told
@@ -184,6 +184,31 @@ async def test_a_wait_the_status_could_not_take_still_waits(
     )
     replay = await _lease_after_backoffs(h)
     assert {t.step for t in replay} == {1} and h.rollbacks.empty()
+
+
+async def test_a_rollback_no_replica_of_a_stage_can_load_says_why_in_status(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """Stage 1's only replica refuses every LoadState (out of memory, say): the rollback tried
+    again every backoff for good, its cause in the log per replica, and status said the
+    stall's generic words. Now status says which stage loads nothing, and why, once while it
+    stays so."""
+    job = job_of(tmp_path, steps=5)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a")
+    c = swarm.add(1, "c")
+    status: list[str] = []
+    h = make_harness(job, swarm, on_status=status.append)
+    await h.coordinator.start()
+    c.fail("load_state", *[ResourceExhausted("out of device memory")] * 3)
+    h.coordinator.bans.roll_back_to(0)
+    await until(lambda: len(c.called("load_state")) >= 2)
+    said = [s for s in status if "load" in s]
+    assert said == [
+        "rollback to step 0: no replica of stage 1 loaded its state (c: out of device memory); "
+        "tried again"
+    ], status
+    assert await h.rollbacks.get() == 0  # c loads it once it can
 
 
 async def _only_replica_dropped(
