@@ -127,7 +127,9 @@ class Assignments:
                         f"waiting for peers: {stages_text(missing)} without a replica; this "
                         f"job's {stages} stage(s) need at least {stages} stage server(s), one "
                         f"per stage ({stages - len(missing)} served, {len(available)} more "
-                        f"peer(s) measured): {REMEDY} ({more} more)" + self._unreachable(job_id),
+                        f"peer(s) measured): {REMEDY} ({more} more)"
+                        + self._unreachable(job_id)
+                        + self._refused(job_id),
                     )
                     await self._change(5.0)
                     continue
@@ -302,6 +304,18 @@ class Assignments:
             return ""
         who = "; ".join(f"{r.peer} at {r.address} ({r.detail})" for r in reports)
         return f"; not placed, UNREACHABLE: {who}: {reports[0].remedy}"
+
+    def _refused(self, job_id: str) -> str:
+        """The peers that say they refused the job, with why ("" when none): a server is there,
+        and its own log alone said why it is not measured."""
+        refusals = sorted(
+            (p, a.refused)
+            for p, a in self.registry.peers.items()
+            if a.refused_job == job_id and a.refused  # the peer's word, said as such
+        )
+        if not refusals:
+            return ""
+        return "; refused by " + "; ".join(f"{peer}: {why}" for peer, why in refusals)
 
     def _priced(self, speeds: dict[str, list[float]]) -> dict[str, list[float]]:
         """`speeds` as placement counts them: a relayed peer's at its path's share."""

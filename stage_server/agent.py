@@ -47,6 +47,7 @@ from stage_server.server import (
     check_device,
     start_grpc,
 )
+from swarm.bus.bounds import MAX_TEXT_CHARS
 from swarm.bus.connection import Bus, BusLike, refusal_said
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
 from swarm.clock import Clock, MonotonicClock
@@ -135,6 +136,7 @@ class PeerAgent:
         self._active: dict[str, cpb.JobAnnouncement] = {}  # jobs to join once free
         # Jobs this peer could not measure: their spec's hash and when; bounded like `_ended`.
         self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._refusal: tuple[str, str] | None = None  # the last job refused, and why: said
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
         self.init = init
@@ -160,6 +162,8 @@ class PeerAgent:
         fill_rates(msg, self.metrics)  # its link rates (issue 43), announced anew as they move
         if self.stage is not None:
             msg.stage = self.stage
+        if self._refusal is not None and not self.job_id:  # the job's status names it
+            msg.refused_job, msg.refused = self._refusal
         return msg
 
     def activity(self) -> tuple[str, str, int | None]:
@@ -354,6 +358,7 @@ class PeerAgent:
         except Exception as e:  # too big for this peer, say: free for the other jobs
             await self._refuse(job, e)
             return False
+        self._refusal = None  # a job taken up: an old refusal is no news
         log.info(
             "%s: measured for job %s: samples/s per stage %s; waiting for a stage",
             self.peer,
@@ -391,6 +396,10 @@ class PeerAgent:
             error,
             REFUSED_RETRY_S,
         )
+        # said in its announcements (`refused_job`, `refused`) until it takes up a job
+        why = f"{failed} failed ({type(error).__name__}: {error})"
+        short = why if len(why) <= MAX_TEXT_CHARS else why[: MAX_TEXT_CHARS - 3] + "..."
+        self._refusal = (job.job, short)
         self._refused[job.job] = (_spec_hash(job), self.clock.now())
         self._refused.move_to_end(job.job)
         while len(self._refused) > ENDED_REMEMBERED:

@@ -62,7 +62,7 @@ JOB_STATE_CANCELLED: JobState
 JOB_STATE_STALLED: JobState
 
 class PeerAnnouncement(_message.Message):
-    __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time", "memory_bytes", "role", "relay", "relay_address", "upload_bytes_per_second", "download_bytes_per_second", "incarnation", "host_id", "public_address")
+    __slots__ = ("peer", "address", "metrics_address", "device", "state", "job", "stage", "samples_per_second", "throttle", "time", "memory_bytes", "role", "relay", "relay_address", "upload_bytes_per_second", "download_bytes_per_second", "incarnation", "host_id", "public_address", "refused_job", "refused")
     class SamplesPerSecondEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class PeerAnnouncement(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_JOB_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     peer: str
     address: str
     metrics_address: str
@@ -108,7 +110,9 @@ class PeerAnnouncement(_message.Message):
     incarnation: str
     host_id: str
     public_address: str
-    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_second: _Optional[_Mapping[int, float]] = ..., throttle: _Optional[float] = ..., time: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., role: _Optional[_Union[PeerRole, str]] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ..., incarnation: _Optional[str] = ..., host_id: _Optional[str] = ..., public_address: _Optional[str] = ...) -> None: ...
+    refused_job: str
+    refused: str
+    def __init__(self, peer: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[PeerState, str]] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_second: _Optional[_Mapping[int, float]] = ..., throttle: _Optional[float] = ..., time: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., role: _Optional[_Union[PeerRole, str]] = ..., relay: _Optional[str] = ..., relay_address: _Optional[str] = ..., upload_bytes_per_second: _Optional[float] = ..., download_bytes_per_second: _Optional[float] = ..., incarnation: _Optional[str] = ..., host_id: _Optional[str] = ..., public_address: _Optional[str] = ..., refused_job: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class ReachabilityReport(_message.Message):
     __slots__ = ("peer", "reachability", "address", "relay", "detail", "remedy", "time")

@@ -325,6 +325,49 @@ async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits
     assert health.waiting_since == 0.0
 
 
+async def test_a_job_waiting_for_peers_names_those_that_refused_it_and_why() -> None:
+    """A peer that could not measure the job (or fetch its checkpoint, or build its stage)
+    announces itself free, its speeds gone: the job said it waited "for peers ... start a stage
+    server", while a server was there and had said why only in its own log."""
+    clock = FakeClock()
+    reg = registry(clock)
+    refusing = cpb.PeerAnnouncement(
+        peer="gpu-1",
+        address="gpu-1:5000",
+        state=cpb.PEER_STATE_JOINING,
+        refused_job="j",
+        refused="building stage 1 failed (OutOfDeviceMemory: out of device memory)",
+    )
+    reg.announce(refusing)
+    reg.announce(joining("p"))
+    said: list[str] = []
+    health = Health()
+
+    async def say(job_id: str, message: str) -> None:
+        said.append(message)
+
+    assignments = Assignments(
+        reg,
+        _RecordingBus(),  # type: ignore[arg-type]
+        say,
+        grace_s=0.0,
+        serve_timeout_s=SERVE_TIMEOUT_S,
+        lost_stage_grace_s=30.0,
+        health=lambda _: health,
+    )
+    place = asyncio.create_task(assignments.place("j", 4, lambda: 0, []))
+    async with asyncio.timeout(10.0):
+        while not said:
+            await asyncio.sleep(0.01)
+    place.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await place
+    assert said[0].startswith("waiting for peers: "), said
+    assert said[0].endswith(
+        "; refused by gpu-1: building stage 1 failed (OutOfDeviceMemory: out of device memory)"
+    ), said
+
+
 async def test_a_peer_measured_while_placement_speaks_is_placed_at_once() -> None:
     """An announcement that lands after placement read the registry but before it waits (here,
     while it publishes what it waits for) wakes it: it used to clear the wake-up and sleep its

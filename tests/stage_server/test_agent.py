@@ -168,10 +168,16 @@ async def test_a_job_the_peer_cannot_measure_does_not_capture_it(
             cpb.PEER_STATE_JOINING,
             {},
         ), "it announces itself free again, so the scheduler can place it elsewhere"
+        # and says why, for the job's status (before: in this peer's log alone, and the job
+        # waited "for peers ... start more stage servers")
+        assert said.refused_job == "big" and said.refused.startswith(
+            "measuring its stages failed (RuntimeError: CUDA out of memory. Tried to allocate"
+        ), said.refused
         await agent._consume(_Messages(_placing("big"), _placing("small", small)))
         await agent.settled()  # its take-up (fetched, measured) done
         assert measured == [2, 3], "the refused job is not measured again in a loop"
         assert agent.job_id == "small" and published[-1].job == "small"
+        assert not published[-1].refused_job  # a job taken up: the refusal is old news
     finally:
         executor.shutdown()
 
