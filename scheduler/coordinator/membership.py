@@ -93,7 +93,7 @@ class Membership:
         self.clock = clock
         # joiner -> (why its last Join failed, when it is tried again): until it answers
         self._failed: dict[str, tuple[str, float]] = {}
-        self._refused: dict[str, str] = {}  # joiners whose last Join was refused: why
+        self._refused: dict[str, str] = {}  # joiners whose last Join failed (or its copy): why
         self._copied: set[str] = set()  # joiners at the open step, waiting to be admitted
         # Told (step, stage, peer, the member it copied: "" for one re-admitted) whenever a
         # replica becomes a member: from then on it counts (the job's history says so).
@@ -132,7 +132,7 @@ class Membership:
                     )
                 elif r.peer in self._refused:
                     said[r.peer] = (
-                        f"its Join was refused ({self._refused[r.peer]}); asked again at the "
+                        f"its last Join failed ({self._refused[r.peer]}); asked again at the "
                         "next step's end"
                     )
                 elif failed is not None:
@@ -373,7 +373,8 @@ class Membership:
                     self._refused[joiner.peer] = str(e)[:200]  # status says why it waits
                     return
                 self._failed.pop(joiner.peer, None)
-                self._refused.pop(joiner.peer, None)
+                if at >= 0:  # its copy came somewhere: a failure said before is past
+                    self._refused.pop(joiner.peer, None)
                 self._copying[joiner.peer] = (stage, joiner, source)
                 self._sources[joiner.peer] = source.peer
                 if self._admit(stage, joiner, step, at, epoch):

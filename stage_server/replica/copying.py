@@ -117,6 +117,9 @@ class Copy:
         except SwarmError as e:
             self.error = e
             log.warning("%s: copying %s failed: %s", self.peer, self.address, e)
+        except Exception as e:  # torch's out of memory in the load, say: kept, not lost
+            self.error = e
+            log.warning("%s: copying %s failed", self.peer, self.address, exc_info=True)
         finally:
             await self.source.close()
 

@@ -176,8 +176,9 @@ class StateTransfer:
                 )
                 self.metrics.committed(rt.step, applied=False)
             return rt.copy_step if copy.loaded and rt.following else -1
-        if copy is not None and copy.error is not None and copy.address == source:
-            log.info("%s: copying %s again after: %s", self.peer, source, copy.error)
+        failed = copy.error if copy is not None and copy.address == source else None
+        if failed is not None:
+            log.info("%s: copying %s again after: %s", self.peer, source, failed)
         # Not copying `source` (a first ask, another source, a copy that failed or ended): start
         # one; the answer is where this replica is now, which the coordinator does not take for
         # a member's step.
@@ -188,6 +189,12 @@ class StateTransfer:
         # The member's answers are bounded by the job within this peer's limits.
         client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
         self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied, epoch)
+        if failed is not None:
+            # Begun again, and said: answered -1, the coordinator's status would say the
+            # joiner downloads, while each copy fails (a source refusing it, a state too large)
+            raise FailedPrecondition(
+                f"its copy of {source} failed ({str(failed)[:300]}); copying it again"
+            )
         return -1
 
     def _copied(self, nbytes: int, seconds: float) -> None:

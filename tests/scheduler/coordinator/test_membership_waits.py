@@ -92,9 +92,9 @@ async def test_a_joiner_that_refuses_its_join_says_why(
     membership = h.coordinator.membership
     await h.step()
     await until(lambda: len(m.called("join")) == 1)
-    await until(lambda: "refused" in membership.waits().get("m", ""))
+    await until(lambda: "failed" in membership.waits().get("m", ""))
     assert membership.waits()["m"] == (
-        "its Join was refused (stage 1: a Join sent before the rollback: stale); asked again "
+        "its last Join failed (stage 1: a Join sent before the rollback: stale); asked again "
         "at the next step's end"
     )
     await h.step()  # asked again: it joins

@@ -280,7 +280,8 @@ async def test_a_loaded_copy_holds_its_joins_epoch_until_its_source_rolls_back(
         await to_source.load_state(0, source.runtime.export_state(), rollback_epoch=AFTER + 1)
         await wait_until(lambda: not first.running, "the copy from before the rollback ends")
         assert first.error is not None and "does not follow" in str(first.error)
-        await client.join(source.address, 0, rollback_epoch=AFTER + 1)
+        with pytest.raises(FailedPrecondition, match="does not follow"):  # said, and begun again
+            await client.join(source.address, 0, rollback_epoch=AFTER + 1)
         again = transfer.copy
         assert again is not None and again is not first
         await wait_until(lambda: again.loaded, "the copy loads again")
@@ -316,4 +317,26 @@ async def test_a_join_sent_before_a_rollback_is_refused_while_the_rollbacks_stat
         gate.set()
         await asyncio.gather(held, loading, return_exceptions=True)
         server.servicer._transfer.stop_copy()
+        await client.close()
+
+
+async def test_a_join_after_a_failed_copy_says_why_as_it_copies_again(
+    job: JobConfig, server: RunningStageServer
+) -> None:
+    """A copy that failed was begun again by the next Join, which answered -1 as for any copy
+    under way: the coordinator's status said "downloading state from X" for good, the cause
+    in the joiner's log alone. The Join says it now (FAILED_PRECONDITION), the copy begun
+    again all the same."""
+    client = StageClient(server.address, job, fingerprint(job), 1)
+    transfer = server.servicer._transfer
+    try:
+        assert await client.join("127.0.0.1:1", 0) == -1  # nothing listens there
+        first = transfer.copy
+        assert first is not None
+        await wait_until(lambda: first.error is not None, "the copy fails")
+        with pytest.raises(FailedPrecondition, match=r"its copy of 127\.0\.0\.1:1 failed \("):
+            await client.join("127.0.0.1:1", 0)
+        assert transfer.copy is not first  # copying again
+    finally:
+        transfer.stop_copy()
         await client.close()
