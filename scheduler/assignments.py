@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 Say = Callable[[str, str], Awaitable[None]]
 
 
+# The peers' refusals a job's waiting message names at most (the others counted).
+REFUSALS_SHOWN = 3
+
+
 class Assignments:
     def __init__(
         self,
@@ -315,7 +319,11 @@ class Assignments:
         )
         if not refusals:
             return ""
-        return "; refused by " + "; ".join(f"{peer}: {why}" for peer, why in refusals)
+        # At most a few, each escaped: any token holder's peer may say it refused any job, and
+        # the job's message is stored, logged and sent with its status.
+        said = "; ".join(f"{peer}: {_escaped(why)}" for peer, why in refusals[:REFUSALS_SHOWN])
+        more = len(refusals) - REFUSALS_SHOWN
+        return f"; refused by {said}" + (f" (and {more} more)" if more > 0 else "")
 
     def _priced(self, speeds: dict[str, list[float]]) -> dict[str, list[float]]:
         """`speeds` as placement counts them: a relayed peer's at its path's share."""
@@ -370,3 +378,8 @@ def _measuring(registry: PeerRegistry, job_id: str, stages: int) -> bool:
         and not all(k in p.samples_per_second for k in range(stages))
         for p in registry.peers.values()
     )
+
+
+def _escaped(text: str) -> str:
+    """`text` with its control characters escaped (a newline would forge a log line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

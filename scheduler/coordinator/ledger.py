@@ -219,6 +219,15 @@ class StepLedger:
         held = lease is not None and lease.trainer == trainer
         return held or self._reporters.get(index) == trainer
 
+    def spoken(self) -> dict[int, frozenset[str]]:
+        """Each microbatch's trainers whose word on it `speaks_for` takes (its lease's holder,
+        its taken report's trainer): all a report of this step needs once it is no longer live
+        (`scheduler.coordinator.live_steps`), without the rest of the ledger."""
+        held = {i: {lease.trainer} for i, lease in self._leases.items()}
+        for i, trainer in self._reporters.items():
+            held.setdefault(i, set()).add(trainer)
+        return {i: frozenset(trainers) for i, trainers in held.items()}
+
     def recheck(self, index: int) -> None:
         """Microbatch `index` was reported by a trainer whose word is not taken (`speaks_for`):
         a straggler whose lease went to another, a trainer of before a scheduler restart, or

@@ -72,10 +72,13 @@ class LiveSteps:
         """`steps`: the job's; after the last, only its final evaluation opens."""
         self.job, self.steps, self.clock = job, steps, clock
         self._live: list[Live] = []
-        # The ledgers of the steps live last, newest last: who spoke for each microbatch there
-        # speaks for it after (an audit's own report comes at most a step after its step's
-        # commit, `client.audit.late_audits`); anyone else's word on it is not taken.
-        self._gone: collections.deque[StepLedger] = collections.deque(maxlen=SPOKEN_STEPS)
+        # Of the steps live last, newest last: who spoke for each microbatch there speaks for it
+        # after (an audit's own report comes at most a step after its step's commit,
+        # `client.audit.late_audits`); anyone else's word on it is not taken. Only that is
+        # kept of their ledgers (`StepLedger.spoken`).
+        self._gone: collections.deque[tuple[int, dict[int, frozenset[str]]]] = collections.deque(
+            maxlen=SPOKEN_STEPS
+        )
 
     def __iter__(self) -> Iterator[Live]:
         return iter(list(self._live))
@@ -128,7 +131,7 @@ class LiveSteps:
                 old = live.commit.task
                 if old is not None and old is not asyncio.current_task():
                     old.cancel()  # a retry of a ledger that is history now would void replicas
-                self._gone.append(live.ledger)
+                self._gone.append((live.ledger.step, live.ledger.spoken()))
             self._live = []
         t = self.job.training
         evaluates = t.eval_every > 0 and (step % t.eval_every == 0 or step >= self.steps)
@@ -149,16 +152,17 @@ class LiveSteps:
 
     def remove(self, live: Live) -> None:
         self._live.remove(live)
-        self._gone.append(live.ledger)
+        self._gone.append((live.ledger.step, live.ledger.spoken()))
 
     def speaks_for(self, trainer: str, step: int, index: int) -> bool | None:
         """Whether `trainer`'s word on microbatch `(step, index)` is taken (`StepLedger.speaks_for`)
         while its step is live or among the last `SPOKEN_STEPS` live; None: a step older than
         those, or none this coordinator opened, whose microbatches nobody speaks for."""
         live = self.at(step)
-        ledger = live.ledger if live is not None else None
-        ledger = ledger or next((g for g in reversed(self._gone) if g.step == step), None)
-        return None if ledger is None else ledger.speaks_for(trainer, index)
+        if live is not None:
+            return live.ledger.speaks_for(trainer, index)
+        spoken = next((spoken for at, spoken in reversed(self._gone) if at == step), None)
+        return None if spoken is None else trainer in spoken.get(index, frozenset())
 
     def beside(self, ledger: StepLedger) -> int | None:
         """The step to open beside `ledger`'s as its commit starts, if any."""

@@ -121,6 +121,11 @@ class Membership:
                     said[r.peer] = (
                         f"waiting its turn to enter stage {stage}: {self.entry.why(stage)}"
                     )
+                elif r.peer in self._refused:  # before its copy: the copy begun again fails
+                    said[r.peer] = (
+                        f"its last Join failed ({self._refused[r.peer]}); asked again at the "
+                        "next step's end"
+                    )
                 elif r.peer in self._copied:
                     said[r.peer] = (
                         "state copied; waiting for the step's commit (or the round's end) to "
@@ -129,11 +134,6 @@ class Membership:
                 elif r.peer in self._copying:
                     said[r.peer] = (
                         f"downloading state from {self._sources.get(r.peer) or 'a member'}"
-                    )
-                elif r.peer in self._refused:
-                    said[r.peer] = (
-                        f"its last Join failed ({self._refused[r.peer]}); asked again at the "
-                        "next step's end"
                     )
                 elif failed is not None:
                     again = max(0.0, failed[1] - self.clock.now())

@@ -59,6 +59,11 @@ async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
     return future.result()
 
 
+# While checkpoints keep failing for one cause, it is said again this often (seconds): the
+# job's status moves on (its message, its newest events), and the operator must still see it.
+RETOLD_S = 3600.0
+
+
 class _OtherStep(Exception):
     """A replica's state is of another step than the checkpoint's."""
 
@@ -79,8 +84,8 @@ class Recovery:
         self.job, self.clients, self.directory = job, clients, directory
         self.on_status = on_status
         self.unloaded: dict[str, str] = {}  # the last restore's replicas that did not load, why
-        # Why the last checkpoint was not written (said once while it stays); None: it was.
-        self._failing: str | None = None
+        # Why the last checkpoint was not written, and when that was said; None: it was.
+        self._failing: tuple[str | None, float] | None = None
         self.every_s, self.clock = every_s, clock or MonotonicClock()
         self._last_at = self.clock.now()  # the last checkpoint started (or training did)
         self._saving: asyncio.Task[None] | None = None  # the checkpoint being written
@@ -113,18 +118,20 @@ class Recovery:
     async def _checkpoint(self, step: int, members: list[list[Replica]], bans: int) -> None:
         try:
             missing = await self.save(step, members, bans)
+            cause = missing
         except OSError as e:  # a full or broken disk: training goes on without this one
             log.error("checkpoint of step %d not written: %s", step, e)
-            missing = str(e)
-        await self._told(step, missing)
+            missing, cause = str(e), f"{type(e).__name__} {e.errno}"  # its text names the step
+        await self._told(step, missing, cause)
 
-    async def _told(self, step: int, missing: str | None) -> None:
-        """Say in the job's status that checkpoints are not written (once while the cause
-        stays: a full disk fails each of them), and that they are again: a job whose
-        checkpoints fail rolls back further at its next lost stage, which its operator should
-        know before."""
+    async def _told(self, step: int, missing: str | None, cause: str | None) -> None:
+        """Say in the job's status that checkpoints are not written (once while the `cause`
+        stays, and again each `RETOLD_S` while it does: a full disk fails each of them, and a
+        job's status moves on), and that they are written again: a job whose checkpoints fail
+        rolls back further at its next lost stage, which its operator should know before."""
         if missing == "":
             return  # dropped for a ban, as it said
+        now = self.clock.now()
         if missing is None:
             text = f"checkpoints are written again: step {step}'s is sealed"
             said, self._failing = self._failing is not None, None
@@ -134,7 +141,10 @@ class Recovery:
                 f"checkpoint of step {step} not written ({missing}): a rollback goes back to "
                 f"step {latest}, the last written"
             )
-            said, self._failing = missing != self._failing, missing
+            last = self._failing
+            said = last is None or cause != last[0] or now - last[1] >= RETOLD_S
+            if said:
+                self._failing = (cause, now)
         if said:
             log.warning("%s", text)
             await tell(self.on_status, text)
@@ -205,7 +215,7 @@ class Recovery:
         silent = [k for k, ok in enumerate(saved) if not ok]
         if silent or self._banned_since(bans, step):
             await to_thread_to_the_end(checkpoint.discard, directory, step)  # never sealed
-            return f"no replica of stage {silent[0]} answered at it" if silent else ""
+            return f"no replica of stage {silent[0]} gave its state at it" if silent else ""
         await to_thread_to_the_end(checkpoint.seal, directory, step, self.job.training.stages)
         if self._banned_since(bans, step):  # banned while it was sealed: gone as the ban said
             await to_thread_to_the_end(checkpoint.drop_after, directory, min(self._bans[bans:]))

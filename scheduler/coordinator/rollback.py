@@ -64,7 +64,7 @@ class Rollback:
         self.open_step, self.on_rollback, self.wake, self.fail = open_step, on_rollback, wake, fail
         self.on_status = on_status
         self._waiting: tuple[int, ...] | None = None  # the silent stages a wait was said for
-        self._unloaded: str | None = None  # why no replica of a stage loaded, as said last
+        self._unloaded: str | None = None  # the stages no replica loaded, and whose, said last
         self.error: BaseException | None = None  # what failed the job, if a rollback did
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(first_s=0.5, cap_s=30.0)
@@ -214,20 +214,20 @@ class Rollback:
         again at every backoff, and can end only once one loads it (a replica with memory
         freed, another peer)."""
         members = self.members()
-        causes = "; ".join(
-            f"{r.peer}: {self.recovery.unloaded[r.peer]}"
-            for k in lost
-            for r in members[k]
-            if r.peer in self.recovery.unloaded
-        )
+        failed = [r.peer for k in lost for r in members[k] if r.peer in self.recovery.unloaded]
+        causes = "; ".join(f"{peer}: {self.recovery.unloaded[peer]}" for peer in failed)
         stages = ("stages " if len(lost) > 1 else "stage ") + ", ".join(map(str, lost))
         text = (
             f"rollback to step {step}: no replica of {stages} loaded its state "
             f"({causes or 'none serves it'}); tried again"
         )
-        if text == self._unloaded:
+        # Said once for these stages and replicas: their causes' words may change at each try
+        # (torch's free memory), and each saying is an event of the job's history.
+        said = f"{step} {lost} {failed}"
+        if said == self._unloaded:
+            log.info("%s", text)
             return
-        self._unloaded = text
+        self._unloaded = said
         log.warning("%s", text)
         await tell(self.on_status, text)
 

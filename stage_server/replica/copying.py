@@ -115,11 +115,11 @@ class Copy:
             )
             await self._follow()
         except SwarmError as e:
-            self.error = e
             log.warning("%s: copying %s failed: %s", self.peer, self.address, e)
+            self.error = e.with_traceback(None)  # its frames (the state downloaded) go now
         except Exception as e:  # torch's out of memory in the load, say: kept, not lost
-            self.error = e
             log.warning("%s: copying %s failed", self.peer, self.address, exc_info=True)
+            self.error = e.with_traceback(None)
         finally:
             await self.source.close()
 

@@ -189,9 +189,11 @@ class StateTransfer:
         # The member's answers are bounded by the job within this peer's limits.
         client = StageClient(source, self._limits.clamp(rt.job), job_id, rt.stage, self.token)
         self.copy = Copy(client, rt, self._worker.run, self.peer, ticket, self._copied, epoch)
-        if failed is not None:
+        if failed is not None and not isinstance(failed, ResourceExhausted):
             # Begun again, and said: answered -1, the coordinator's status would say the
-            # joiner downloads, while each copy fails (a source refusing it, a state too large)
+            # joiner downloads, while each copy fails (a source refusing it, a state too large).
+            # Not a source busy serving others (its places taken): that is no failure of this
+            # copy, and a standby's asks that fail are counted toward its replacement.
             raise FailedPrecondition(
                 f"its copy of {source} failed ({str(failed)[:300]}); copying it again"
             )

@@ -339,6 +339,11 @@ async def test_a_job_waiting_for_peers_names_those_that_refused_it_and_why() -> 
         refused="building stage 1 failed (OutOfDeviceMemory: out of device memory)",
     )
     reg.announce(refusing)
+    for i in range(10):  # any token holder's peers may say so: a few are named, the rest counted
+        said_too = cpb.PeerAnnouncement()
+        said_too.CopyFrom(refusing)
+        said_too.peer, said_too.refused = f"z{i}", "forged\nERROR scheduler: a line"
+        reg.announce(said_too)
     reg.announce(joining("p"))
     said: list[str] = []
     health = Health()
@@ -364,7 +369,8 @@ async def test_a_job_waiting_for_peers_names_those_that_refused_it_and_why() -> 
         await place
     assert said[0].startswith("waiting for peers: "), said
     assert said[0].endswith(
-        "; refused by gpu-1: building stage 1 failed (OutOfDeviceMemory: out of device memory)"
+        "; refused by gpu-1: building stage 1 failed (OutOfDeviceMemory: out of device memory); "
+        "z0: forged\\nERROR scheduler: a line; z1: forged\\nERROR scheduler: a line (and 8 more)"
     ), said
 
 

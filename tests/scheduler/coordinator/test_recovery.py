@@ -248,8 +248,8 @@ async def test_a_checkpoint_not_written_is_said_in_the_jobs_status_once_until_on
     recovery = Recovery(job, clients, directory, on_status=told.append)
     seal = checkpoint.seal
 
-    def full(*args: object) -> None:
-        raise checkpoint.CheckpointError(28, "No space left on device")
+    def full(root: Path, step: int, *args: object) -> None:  # as a real one: it names the step
+        raise checkpoint.CheckpointError(28, f"No space left on device: step-{step}/manifest")
 
     try:
         for step in (2, 4, 6):
@@ -266,4 +266,4 @@ async def test_a_checkpoint_not_written_is_said_in_the_jobs_status_once_until_on
     assert told[0].startswith("checkpoint of step 2 not written (") and "No space left" in told[0]
     assert "a rollback goes back to step 0" in told[0]
     assert told[1] == "checkpoints are written again: step 6's is sealed"
-    assert told[2].startswith("checkpoint of step 8 not written (no replica of stage 0 answered")
+    assert told[2].startswith("checkpoint of step 8 not written (no replica of stage 0 gave its")

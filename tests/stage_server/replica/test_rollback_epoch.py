@@ -34,7 +34,7 @@ from scheduler.coordinator.replicas import grpc_replicas
 from stage_server.replica.runtime import StageRuntime
 from stage_server.replica.step_sums import Sums
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import FailedPrecondition, RemoteError
+from swarm.errors import FailedPrecondition, RemoteError, ResourceExhausted
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.commit_auth import SchedulerKey
@@ -334,9 +334,17 @@ async def test_a_join_after_a_failed_copy_says_why_as_it_copies_again(
         first = transfer.copy
         assert first is not None
         await wait_until(lambda: first.error is not None, "the copy fails")
+        # kept without its frames (the state it downloaded, a load's tensors go with them)
+        assert first.error is not None and first.error.__traceback__ is None
         with pytest.raises(FailedPrecondition, match=r"its copy of 127\.0\.0\.1:1 failed \("):
             await client.join("127.0.0.1:1", 0)
-        assert transfer.copy is not first  # copying again
+        again = transfer.copy
+        assert again is not None and again is not first  # copying again
+        # A source busy serving others (its places taken) is no failure to say: a standby's
+        # failed asks are counted toward its replacement.
+        await wait_until(lambda: again.error is not None, "the copy fails again")
+        again.error = ResourceExhausted("4 state downloads are being served already")
+        assert await client.join("127.0.0.1:1", 0) == -1
     finally:
         transfer.stop_copy()
         await client.close()
