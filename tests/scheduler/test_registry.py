@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -291,11 +292,11 @@ async def test_grow_ends_when_cancelled_as_an_announcement_wakes_it() -> None:
     assert grow in done and grow.cancelled()
 
 
-async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits() -> None:
-    reg = registry(FakeClock())
-    reg.announce(joining("a", speeds=(1.0, 1.0, 1.0, 1.0)))
+@contextlib.asynccontextmanager
+async def _placing(reg: PeerRegistry, stages: int, health: Health) -> AsyncIterator[list[str]]:
+    """Placement of job "j" of `stages` stages under way: what it said, once it said something;
+    it is cancelled on the way out."""
     said: list[str] = []
-    health = Health()
 
     async def say(job_id: str, message: str) -> None:
         said.append(message)
@@ -309,19 +310,30 @@ async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits
         lost_stage_grace_s=30.0,
         health=lambda _: health,
     )
-    place = asyncio.create_task(assignments.place("j", 4, lambda: 0, []))
-    async with asyncio.timeout(10.0):
-        while not said:
-            await asyncio.sleep(0.01)
-    assert said[0] == (
-        "waiting for peers: stages 0, 1, 2, 3 without a replica; this job's 4 stage(s) need at "
-        "least 4 stage server(s), one per stage (0 served, 1 more peer(s) measured): start a "
-        "stage server for this job (`swarm stage-server --broker URL`, as for the others) (3 more)"
-    )
-    assert health.waiting_since > 0  # `swarm status` counts how long
-    place.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await place
+    place = asyncio.create_task(assignments.place("j", stages, lambda: 0, []))
+    try:
+        async with asyncio.timeout(10.0):
+            while not said:
+                await asyncio.sleep(0.01)
+        yield said
+    finally:
+        place.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await place
+
+
+async def test_placement_says_how_many_peers_a_job_needs_and_since_when_it_waits() -> None:
+    reg = registry(FakeClock())
+    reg.announce(joining("a", speeds=(1.0, 1.0, 1.0, 1.0)))
+    health = Health()
+    async with _placing(reg, 4, health) as said:
+        assert said[0] == (
+            "waiting for peers: stages 0, 1, 2, 3 without a replica; this job's 4 stage(s) need "
+            "at least 4 stage server(s), one per stage (0 served, 1 more peer(s) measured): start "
+            "a stage server for this job (`swarm stage-server --broker URL`, as for the others) "
+            "(3 more)"
+        )
+        assert health.waiting_since > 0  # `swarm status` counts how long
     assert health.waiting_since == 0.0
 
 
@@ -329,8 +341,7 @@ async def test_a_job_waiting_for_peers_names_those_that_refused_it_and_why() -> 
     """A peer that could not measure the job (or fetch its checkpoint, or build its stage)
     announces itself free, its speeds gone: the job said it waited "for peers ... start a stage
     server", while a server was there and had said why only in its own log."""
-    clock = FakeClock()
-    reg = registry(clock)
+    reg = registry(FakeClock())
     refusing = cpb.PeerAnnouncement(
         peer="gpu-1",
         address="gpu-1:5000",
@@ -345,29 +356,8 @@ async def test_a_job_waiting_for_peers_names_those_that_refused_it_and_why() -> 
         said_too.peer, said_too.refused = f"z{i}", "forged\nERROR scheduler: a line"
         reg.announce(said_too)
     reg.announce(joining("p"))
-    said: list[str] = []
-    health = Health()
-
-    async def say(job_id: str, message: str) -> None:
-        said.append(message)
-
-    assignments = Assignments(
-        reg,
-        _RecordingBus(),  # type: ignore[arg-type]
-        say,
-        grace_s=0.0,
-        serve_timeout_s=SERVE_TIMEOUT_S,
-        lost_stage_grace_s=30.0,
-        health=lambda _: health,
-    )
-    place = asyncio.create_task(assignments.place("j", 4, lambda: 0, []))
-    async with asyncio.timeout(10.0):
-        while not said:
-            await asyncio.sleep(0.01)
-    place.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await place
-    assert said[0].startswith("waiting for peers: "), said
+    async with _placing(reg, 4, Health()) as said:
+        assert said[0].startswith("waiting for peers: "), said
     assert said[0].endswith(
         "; refused by gpu-1: building stage 1 failed (OutOfDeviceMemory: out of device memory); "
         "z0: forged\\nERROR scheduler: a line; z1: forged\\nERROR scheduler: a line (and 8 more)"
