@@ -27,6 +27,7 @@ from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.net.seats import MAX_SEATS, seat
+from swarm.ops.printable import shown
 from swarm.policy.placement import path_speeds, place_new
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -321,7 +322,7 @@ class Assignments:
             return ""
         # At most a few, each escaped: any token holder's peer may say it refused any job, and
         # the job's message is stored, logged and sent with its status.
-        said = "; ".join(f"{peer}: {_escaped(why)}" for peer, why in refusals[:REFUSALS_SHOWN])
+        said = "; ".join(f"{peer}: {shown(why)}" for peer, why in refusals[:REFUSALS_SHOWN])
         more = len(refusals) - REFUSALS_SHOWN
         return f"; refused by {said}" + (f" (and {more} more)" if more > 0 else "")
 
@@ -378,8 +379,3 @@ def _measuring(registry: PeerRegistry, job_id: str, stages: int) -> bool:
         and not all(k in p.samples_per_second for k in range(stages))
         for p in registry.peers.values()
     )
-
-
-def _escaped(text: str) -> str:
-    """`text` with its control characters escaped (a newline would forge a log line)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
