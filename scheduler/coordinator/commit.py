@@ -265,6 +265,7 @@ class TwoPhaseCommit:
         """PREPARE everywhere: each member's squared gradient norm, as (stage, peer, norm) in
         stage order, or None when the round failed."""
         total, calls = ledger.samples(), list[tuple[int, Replica, Awaitable[float | None]]]()
+        pools: list[list[str]] = []  # the addresses each call averages with, in calls' order
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         taken: dict[int, dict[int, int]] = {}  # stage -> contributor -> its microbatches held
@@ -297,8 +298,10 @@ class TwoPhaseCommit:
                     peers=round_group.peers,
                 )
                 calls.append((stage, r, prepare))
-        # A replica the registry leaves out meanwhile (hung) is not waited for: `listed`.
-        results = await while_listed(self.membership.members, calls, "PREPARE")
+                pools.append(pool)
+        # A replica the registry leaves out meanwhile (hung, moved) is not waited for, nor are
+        # its round's others, who wait for its parts: `listed`.
+        results = await while_listed(self.membership.members, calls, "PREPARE", pools=pools)
         failed = [
             (stage, r, e)
             for (stage, r), e in zip(where, results, strict=True)

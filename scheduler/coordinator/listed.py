@@ -8,6 +8,12 @@ stopped. Had it been left out before the call, the attempt would have gone on wi
 does once it is left out during the call: the call is cancelled and counts as the replica gone
 (`PeerUnavailable`: the attempt drops it and its microbatches are replayed on the others).
 
+A left-out replica's round partners cannot end their round without it either: each waits for
+its parts until the round's averaging timeout (a minute by default; a replica moved to another
+stage mid-PREPARE, or a hung one, never sends them). So their calls are called off with it
+(`pools`: the round each call averages in), each an `Aborted` naming it, and the retry goes
+without it at once.
+
 The registry is pure state, asked and never telling (`scheduler.registry`: a peer's silence is
 judged when its members are asked), so the calls' replicas are looked for in it every
 `LISTED_EVERY_S` while any call is in flight: one registry look per quarter second of a commit,
@@ -21,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from swarm.errors import PeerUnavailable
+from swarm.errors import Aborted, PeerUnavailable
 from swarm.rpc.lease import Replica
 
 __all__ = ["LISTED_EVERY_S", "listed_as", "while_listed"]
@@ -40,30 +46,44 @@ async def while_listed(
     calls: Sequence[tuple[int, Replica, Awaitable[T]]],
     what: str,
     every_s: float = LISTED_EVERY_S,
+    *,
+    pools: Sequence[Sequence[str]] = (),
 ) -> list[T | BaseException]:
     """Each of `calls` ((stage, replica, call)) at once, their outcomes in order as
     `asyncio.gather(..., return_exceptions=True)` gives them; but a call whose replica
     `members()` (the registry's, per stage) no longer lists at its stage is cancelled and its
-    outcome is `PeerUnavailable`, saying why (`what`: the call, in words, for the log). A
-    cancellation of the caller cancels every call, as gather's does."""
+    outcome is `PeerUnavailable`, saying why (`what`: the call, in words, for the log). So is
+    every call of the same stage whose round (`pools[i]`: the addresses call i averages with,
+    itself included; none given: no rounds) holds that replica's address, its outcome `Aborted`
+    naming the replica's place in the round. A cancellation of the caller cancels every call,
+    as gather's does."""
     tasks = [asyncio.ensure_future(call) for _, _, call in calls]
-    left: dict[int, PeerUnavailable] = {}  # index -> why its call was not waited for
+    pending: set[asyncio.Future[T]] = set(tasks)
+    left: dict[int, Exception] = {}  # index -> why its call was not waited for
+
+    def give_up(index: int, why: Exception) -> None:
+        left[index] = why
+        tasks[index].cancel()
+        tasks[index].add_done_callback(_retrieve)  # nobody awaits it: its ending is not news
+        pending.discard(tasks[index])
+
     try:
-        pending: set[asyncio.Future[T]] = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=every_s)
             if not pending:
                 break
             listed = members()
             for index, (stage, replica, _) in enumerate(calls):
-                task = tasks[index]
-                if index in left or task.done() or _listed(listed, stage, replica):
+                if index in left or tasks[index].done() or _listed(listed, stage, replica):
                     continue
-                left[index] = _left_out(stage, replica, what)
+                give_up(index, _left_out(stage, replica, what))
                 log.warning("%s", left[index])
-                task.cancel()
-                task.add_done_callback(_retrieve)  # nobody awaits it: its ending is not news
-                pending.discard(task)
+                for partner, pool in enumerate(pools):
+                    if partner in left or tasks[partner].done() or partner == index:
+                        continue
+                    if calls[partner][0] == stage and replica.address in pool:
+                        give_up(partner, _called_off(stage, replica, what, pool))
+                        log.info("%s: %s", calls[partner][1].peer, left[partner])
     finally:
         for task in tasks:
             task.cancel()  # the caller was cancelled: so are its calls (a no-op once done)
@@ -98,6 +118,14 @@ def _left_out(stage: int, replica: Replica, what: str) -> PeerUnavailable:
         f"stage {stage}: {replica.peer} was left out by the peer registry while its {what} was "
         "in flight (its load reports stopped: hung or cut off; or it went offline, moved or "
         "was banned): the call is not waited for, and the others go on without it"
+    )
+
+
+def _called_off(stage: int, replica: Replica, what: str, pool: Sequence[str]) -> Aborted:
+    return Aborted(
+        f"stage {stage}: its round's {what} was called off: {replica.peer}, a member of the "
+        "round, was left out by the peer registry, and the round cannot end without its parts",
+        [list(pool).index(replica.address)],
     )
 
 

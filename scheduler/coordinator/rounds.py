@@ -420,8 +420,10 @@ class PoolRounds:
                 if (check := checked(group, seed)) is not None:
                     checks.setdefault(stage, {})[index] = check
                 calls.append((stage, r, call(stage, r, total, group, index, round_id, check)))
-        # A replica the registry leaves out meanwhile (hung) is not waited for: `listed`.
-        results = await while_listed(self.membership.members, calls, "round's PREPARE")
+        # A replica the registry leaves out meanwhile (hung, moved) is not waited for, nor are
+        # its round's others, who wait for its parts: `listed`.
+        pools = [groups[stage].members for stage, _ in where]
+        results = await while_listed(self.membership.members, calls, "round's PREPARE", pools=pools)
         failed = [
             (k, r, e)
             for (k, r), e in zip(where, results, strict=True)

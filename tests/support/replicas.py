@@ -60,6 +60,7 @@ class FakeReplica:
         self.gates: dict[str, Gate] = {}
         self.failures: dict[str, list[BaseException]] = {}
         self.unreachable: set[str] = set()  # addresses whose PoolService this one cannot reach
+        self.awaited: set[str] = set()  # addresses whose parts never come: their rounds wait
         self.sq_norm = 0.0  # what PREPARE answers: the squared norm of its averaged gradient
         self.applied: tuple[int, float] = (-1, 1.0)  # (step, clipping coefficient) applied last
         self.scales: list[float] = []  # the clipping coefficient of every APPLY, in order
@@ -96,6 +97,21 @@ class FakeReplica:
         """From now on, every round whose group holds one of `others` aborts here, naming them
         (as a real replica's averaging names the members it could not reach)."""
         self.unreachable.update(o.address for o in others)
+
+    def waits_on(self, *others: FakeReplica) -> None:
+        """From now on, every round whose group holds one of `others` waits here until its
+        call is cancelled, as a real replica's averaging waits for a member that never sends
+        its parts (hung, or moved away mid-round) until the round's averaging timeout."""
+        self.awaited.update(o.address for o in others)
+
+    async def _averaged(self, group: Sequence[str], round: str) -> None:
+        """The round with `group` as this fake averages it: it waits on a member of
+        `awaited`, else aborts naming those it `cannot_reach`."""
+        if self.awaited.intersection(group):
+            await asyncio.Event().wait()  # until cancelled
+        missing = [i for i, address in enumerate(group) if address in self.unreachable]
+        if missing:
+            raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
 
     def accumulate(self, index: int) -> None:
         """A trainer's Backward added microbatch `index`'s gradient here."""
@@ -177,9 +193,7 @@ class FakeReplica:
         await self._enter("prepare", args)
         if step != self.step or sorted(self.receipts) != sorted(microbatches):
             raise FailedPrecondition(f"{self.peer} holds {sorted(self.receipts)} at {self.step}")
-        missing = [i for i, address in enumerate(group) if address in self.unreachable]
-        if missing:
-            raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
+        await self._averaged(group, round)
         self.prepared = args
         return self.sq_norm
 
@@ -200,6 +214,7 @@ class FakeReplica:
         await self._enter("prepare_round", (boundary, total_samples, list(group), round))
         if boundary != self.step:
             raise FailedPrecondition(f"{self.peer} is at {self.step}, not at {boundary}")
+        await self._averaged(group, round)
         return False
 
     async def apply_round(self, boundary: int) -> None:
@@ -222,9 +237,7 @@ class FakeReplica:
         self.parts.append((name, parts.weights, parts.contributors))
         _peers_named(group or [], peers)
         await self._enter(name, (boundary, total_samples, list(group or []), round))
-        missing = [i for i, address in enumerate(group or []) if address in self.unreachable]
-        if missing:
-            raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
+        await self._averaged(group or [], round)
         return False
 
     async def eager_last_apply(self, boundary: int) -> None:

@@ -14,13 +14,13 @@ import pytest
 
 from scheduler.coordinator.listed import while_listed
 from swarm.deadline import within
-from swarm.errors import PeerUnavailable
+from swarm.errors import Aborted, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Replica, Task
 from tests.support.coordinator import LEASE_S, MakeHarness
 from tests.support.jobs import make_job
-from tests.support.replicas import FakeSwarm
+from tests.support.replicas import FakeReplica, FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,14 +33,28 @@ def _job(tmp_path: Path, **pool: object) -> JobConfig:
     return make_job(tmp_path, training=training, runtime=runtime, pool=pool)
 
 
+def _partner(a: FakeReplica, b: FakeReplica, how: str) -> None:
+    """How a's averaging takes b's silence: it `answers` (b's part is not needed: a fake's
+    round), `aborts` naming b (it cannot reach b), or `waits` for b's parts until the round's
+    averaging timeout (an hour here), as a real replica's does for a member that hangs, or
+    moved to another stage mid-PREPARE, and never sends them. Waiting, a's call is called off
+    with b's: its round cannot end; before, the step waited out a's averaging timeout (the
+    rebalancing test's 60 s)."""
+    if how == "aborts":
+        a.cannot_reach(b)
+    elif how == "waits":
+        a.waits_on(b)
+
+
+@pytest.mark.parametrize("how", ["aborts", "waits"])
 async def test_a_prepare_in_flight_to_a_replica_the_registry_leaves_out_is_not_waited_for(
-    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     job = _job(tmp_path)
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     hung = b.hold("prepare")  # b stops (SIGSTOP) with the PREPARE on its way: it never answers
-    a.cannot_reach(b)  # a's round aborts, naming b, as a real replica's would
+    _partner(a, b, how)
     h = make_harness(job, swarm)
     await h.coordinator.start()
     first, second = await h.lease()
@@ -56,12 +70,15 @@ async def test_a_prepare_in_flight_to_a_replica_the_registry_leaves_out_is_not_w
         assert (await within(h.steps.get(), 10)).step == 0
     assert not hung.opened.is_set() and b.called("apply") == []  # b never answered
     assert (a.step, c.step) == (1, 1)
+    groups = [p.group for p in a.called("prepare")]
+    assert groups == [[a.address, b.address], [a.address]], groups
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("b" in s and "left out by the peer registry" in s for s in said), said
 
 
+@pytest.mark.parametrize("how", ["answers", "waits"])
 async def test_a_round_prepare_in_flight_to_a_replica_the_registry_leaves_out_is_not_waited_for(
-    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     # pool.mode = "local": the round after step 1 averages a and b; b hangs in it.
     job = _job(tmp_path, mode="local", sync_every=2)
@@ -71,6 +88,7 @@ async def test_a_round_prepare_in_flight_to_a_replica_the_registry_leaves_out_is
     await h.coordinator.start()
     await h.step({0: "a"})
     hung = b.hold("prepare_round")
+    _partner(a, b, how)
     stepped = asyncio.ensure_future(h.step({0: "a"}))  # step 1, and the round that ends with it
     await within(hung.entered.wait(), 10)
     with caplog.at_level(logging.WARNING, logger="scheduler.coordinator"):
@@ -78,8 +96,44 @@ async def test_a_round_prepare_in_flight_to_a_replica_the_registry_leaves_out_is
         assert (await within(stepped, 10)).step == 1
     assert not hung.opened.is_set() and b.called("apply_round") == []
     assert a.called("apply_round") == [2] and c.called("apply_round") == [2]
+    if how == "waits":  # called off, and again without b (one that answered needs no retry)
+        groups = [args[2] for args in a.called("prepare_round")]
+        assert groups == [[a.address, b.address], [a.address]], groups
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("b" in s and "left out by the peer registry" in s for s in said), said
+
+
+async def test_a_call_left_out_calls_off_the_others_of_its_round_alone() -> None:
+    # b is left out: a, in b's round, cannot end it and is called off, its outcome Aborted
+    # naming b's place in the round; c (another stage's round) and d (a round of its own at
+    # b's stage: a local step) are waited for and answer.
+    a, b, c, d = (Replica(p, f"fake:{p}") for p in "abcd")
+    released = asyncio.Event()
+
+    async def hangs() -> str:
+        await asyncio.Event().wait()
+        return "never"
+
+    async def answers() -> str:
+        await released.wait()
+        return "answered"
+
+    looks = 0
+
+    def listed() -> list[list[Replica]]:
+        nonlocal looks
+        looks += 1
+        if looks > 1:
+            released.set()  # after b was left out
+        return [[a, d], [c]]
+
+    calls = [(0, a, hangs()), (0, b, hangs()), (1, c, answers()), (0, d, answers())]
+    pools = [[a.address, b.address], [a.address, b.address], [c.address], [d.address]]
+    outcomes = await within(while_listed(listed, calls, "PREPARE", 0.01, pools=pools), 10)
+    assert isinstance(outcomes[1], PeerUnavailable)
+    assert isinstance(outcomes[0], Aborted) and outcomes[0].missing == (1,), outcomes[0]
+    assert "b" in str(outcomes[0]) and "left out" in str(outcomes[0])
+    assert outcomes[2:] == ["answered", "answered"]
 
 
 async def test_calls_while_listed_answer_as_gather_and_end_with_their_caller() -> None:

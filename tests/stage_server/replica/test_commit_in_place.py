@@ -22,6 +22,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.rpc.stage_client import StageClient, as_tensor
 from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,8 +30,10 @@ STAGE = 1  # a middle stage: its inputs are activations, its gradient comes from
 
 
 @pytest.fixture
-def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3}, runtime={"averaging_timeout_s": 1.0})
+def job(tmp_path: Path, request: pytest.FixtureRequest) -> JobConfig:
+    """The pool's job; its averaging timeout 1 s unless a test gives its own (`indirect`)."""
+    timeout_s = getattr(request, "param", 1.0)
+    return make_job(tmp_path, training={"stages": 3}, runtime={"averaging_timeout_s": timeout_s})
 
 
 @pytest.fixture
@@ -72,7 +75,7 @@ def _never_sums_its_own_part(running: RunningStageServer, hold_s: float) -> None
 async def test_a_retry_after_a_round_died_half_way_applies_the_survivors_sums_exactly(
     job: JobConfig, servers: list[RunningStageServer], tmp_path: Path
 ) -> None:
-    a, b, c, alone = servers
+    a, b, c, _ = servers
     clients = [StageClient(s.address, job, fingerprint(job), STAGE) for s in servers]
     try:
         for index, client in enumerate(clients[:3]):
@@ -101,30 +104,89 @@ async def test_a_retry_after_a_round_died_half_way_applies_the_survivors_sums_ex
             spill = survivor.runtime.sums.spill(0, None)
             assert spill is not None and spill.kept_bytes > 0
         assert os.listdir(tmp_path / "spill-0") == []  # kept in a file without a name
-        survivors = group[:2]
-        await asyncio.gather(
-            *(
-                client.commit(
-                    0,
-                    [k],
-                    8,
-                    phase=pb.COMMIT_PHASE_PREPARE,
-                    group=survivors,
-                    group_index=k,
-                    round="0/1",
-                )
-                for k, client in enumerate(clients[:2])
-            )
-        )
-        for client in clients[:2]:
-            await client.commit(0, [], 8, phase=pb.COMMIT_PHASE_APPLY)
-        await clients[3].commit(0, [0, 1], 8)
-        expected = alone.runtime.state_dict()
-        for survivor in (a, b):
-            got = survivor.runtime.state_dict()
-            assert survivor.runtime.step == 1
-            for name, value in expected.items():
-                assert torch.equal(got[name], value), name
+        await _survivors_commit(servers, clients)
     finally:
         for client in clients:
             await client.close()
+
+
+@pytest.mark.parametrize("job", [60.0], indirect=True)  # no round here ends by its timeout
+async def test_a_retry_after_a_round_called_off_half_way_applies_the_survivors_sums_exactly(
+    job: JobConfig, servers: list[RunningStageServer]
+) -> None:
+    # The coordinator calls a round's PREPAREs off half way when the peer registry leaves one
+    # of its members out (moved to another stage, or hung: `scheduler.coordinator.listed`):
+    # each replica's call is cancelled, with its own part landed over its sums, while it waits
+    # for the part the member left out never sums. The retry among the survivors is exact.
+    a, b, c, _ = servers
+    clients = [StageClient(s.address, job, fingerprint(job), STAGE) for s in servers]
+    first: list[asyncio.Future[Any]] = []
+    try:
+        for index, client in enumerate(clients[:3]):
+            await _microbatch(client, index, job)
+        for index in (0, 1):
+            await _microbatch(clients[3], index, job)
+        _never_sums_its_own_part(c, hold_s=3600.0)
+        group = [s.address for s in (a, b, c)]
+        first += [
+            asyncio.ensure_future(
+                client.commit(
+                    0,
+                    [k],
+                    12,
+                    phase=pb.COMMIT_PHASE_PREPARE,
+                    group=group,
+                    group_index=k,
+                    round="0/0",
+                )
+            )
+            for k, client in enumerate(clients[:3])
+        ]
+        for survivor in (a, b):  # its own part lands over its sums; c's never comes
+            await wait_until(lambda s=survivor: _kept_bytes(s) > 0, f"{survivor.address} kept")
+        for call in first:
+            call.cancel()
+        await asyncio.gather(*first, return_exceptions=True)
+        assert all(call.cancelled() for call in first)
+        await _survivors_commit(servers, clients)
+    finally:
+        for call in first:
+            call.cancel()  # a failed wait: the calls go before their channels
+        await asyncio.gather(*first, return_exceptions=True)
+        for client in clients:
+            await client.close()
+
+
+def _kept_bytes(running: RunningStageServer) -> int:
+    spill = running.runtime.sums.spill(0, None)
+    return 0 if spill is None else spill.kept_bytes
+
+
+async def _survivors_commit(servers: list[RunningStageServer], clients: list[StageClient]) -> None:
+    """The round again among the first two (round "0/1"), applied; each then equals the fourth
+    replica, which committed their microbatches (0 and 1) alone."""
+    a, b, _, alone = servers
+    survivors = [a.address, b.address]
+    await asyncio.gather(
+        *(
+            client.commit(
+                0,
+                [k],
+                8,
+                phase=pb.COMMIT_PHASE_PREPARE,
+                group=survivors,
+                group_index=k,
+                round="0/1",
+            )
+            for k, client in enumerate(clients[:2])
+        )
+    )
+    for client in clients[:2]:
+        await client.commit(0, [], 8, phase=pb.COMMIT_PHASE_APPLY)
+    await clients[3].commit(0, [0, 1], 8)
+    expected = alone.runtime.state_dict()
+    for survivor in (a, b):
+        got = survivor.runtime.state_dict()
+        assert survivor.runtime.step == 1
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), name
