@@ -3,7 +3,7 @@ of jobs, their steps, evaluations, events, bans and members (`scheduler.store_ba
 its schema and transactions: `scheduler.store_file`).
 
 Every write is its own committed transaction (WAL, synchronous=FULL), so what a call reported as
-stored survives a killed process; one the file cannot take (a full disk) raises `StoreError`.
+stored survives a killed process; one the file cannot take (a full disk) raises `StoreWriteError`.
 A step record so refused is kept in memory: the job's next step record writes it first, so a
 passing write problem loses no committed step (a scheduler that dies meanwhile loses the kept
 rows; the replicas still hold the steps' state). Methods are synchronous and fast (one small
@@ -23,7 +23,14 @@ from types import TracebackType
 from typing import Any, Self, cast
 
 from scheduler.store_bans import MAX_BANS, BanRow, bans_of, insert_ban, replayed, see, seen_of
-from scheduler.store_file import SCHEMA_VERSION, StoreError, open_store, taken, transaction
+from scheduler.store_file import (
+    SCHEMA_VERSION,
+    StoreError,
+    StoreWriteError,
+    open_store,
+    taken,
+    transaction,
+)
 from scheduler.store_pages import page_of, position
 from scheduler.store_requests import job_of, remember
 from scheduler.store_rows import EventRow, JobRecord, StepRow  # re-exported
@@ -42,6 +49,7 @@ __all__ = [
     "JobStore",
     "StepRow",
     "StoreError",
+    "StoreWriteError",
 ]
 
 # Allowed moves besides "failed"/"cancelled" (reachable from any unfinished state) and staying put.
@@ -263,7 +271,7 @@ class JobStore:
                 inserted = [self._insert_step(job_id, s, *r) for s, r in rows]
         except sqlite3.Error as e:
             kept.setdefault(step, row)  # a retried report keeps the first, as the table does
-            raise StoreError(
+            raise StoreWriteError(
                 f"step {step} of job {job_id!r} not recorded in {str(self.path)!r} ({e}); "
                 f"kept, and written with the next step ({len(kept)} waiting)"
             ) from e
@@ -301,7 +309,7 @@ class JobStore:
                     (job_id, step, val_loss, self._clock()),
                 )
         except sqlite3.Error as e:
-            raise StoreError(
+            raise StoreWriteError(
                 f"evaluation at step {step} of job {job_id!r} not recorded in "
                 f"{str(self.path)!r} ({e})"
             ) from e
@@ -322,7 +330,7 @@ class JobStore:
                     (job_id, job_id, MAX_EVENTS),
                 )
         except sqlite3.Error as e:
-            raise StoreError(f"event of job {job_id!r} not recorded ({e}): {text}") from e
+            raise StoreWriteError(f"event of job {job_id!r} not recorded ({e}): {text}") from e
 
     def events(self, job_id: str, newest: int = MAX_EVENTS) -> Events:
         """The job's newest `newest` events, oldest first."""

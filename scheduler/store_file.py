@@ -12,15 +12,30 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from swarm.errors import SwarmError
+from swarm.errors import ResourceExhausted, SwarmError
 from swarm.ops.private import FILE_MODE
 
-__all__ = ["SCHEMA_VERSION", "StoreError", "hold", "open_store", "taken", "transaction"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "StoreError",
+    "StoreWriteError",
+    "hold",
+    "open_store",
+    "taken",
+    "transaction",
+]
 
 
 class StoreError(SwarmError):
     """The store file cannot be used (written by a newer swarm, or not a swarm store), or did
-    not take a write (a full disk)."""
+    not take a write (`StoreWriteError`)."""
+
+
+class StoreWriteError(StoreError, ResourceExhausted):
+    """The store's file did not take a write (a full disk, most often; nothing changed). A
+    call that needed it is answered RESOURCE_EXHAUSTED, gRPC's code for a full file system, in
+    words, not INTERNAL as a bug: the disk is the operator's to free, the call the caller's to
+    make again."""
 
 
 # Migration i (0-based) takes the schema from version i to i + 1; PRAGMA user_version records
@@ -144,7 +159,7 @@ def taken(path: Path) -> Iterator[None]:
     except sqlite3.IntegrityError:
         raise
     except sqlite3.Error as e:
-        raise StoreError(f"the job store {str(path)!r} did not take a write: {e}") from e
+        raise StoreWriteError(f"the job store {str(path)!r} did not take a write: {e}") from e
 
 
 @contextlib.contextmanager
