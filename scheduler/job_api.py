@@ -161,7 +161,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def _status(self, record: JobRecord, events: int = 0) -> scheduler_pb2.JobStatus:
         """`events`: how many of the job's newest events to include."""
-        mean = self.store.mean_speed(record.id) if record.finished else 0.0
+        mean = record.mean_speed if record.finished else 0.0  # in its row: no sum of its steps
         shown = self.store.events(record.id, events) if events else []
         return self.trust.shown(job_status(record, self.control, shown, mean))
 

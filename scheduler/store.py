@@ -289,8 +289,9 @@ class JobStore:
             # Right-hand sides see the old row: the loss follows the newest step only.
             self._db.execute(
                 "UPDATE jobs SET loss = CASE WHEN ? >= step THEN ? ELSE loss END,"
-                " step = MAX(step, ?), updated = ? WHERE id = ?",
-                (step + 1, loss, step + 1, now, job_id),
+                " step = MAX(step, ?), updated = ?, samples_done = samples_done + ?,"
+                " seconds_done = seconds_done + ? WHERE id = ?",
+                (step + 1, loss, step + 1, now, samples, seconds, job_id),
             )
         return bool(inserted)
 
@@ -341,14 +342,6 @@ class JobStore:
         )
         return [EventRow(r["time"], r["kind"], r["text"]) for r in rows]
 
-    def mean_speed(self, job_id: str) -> float:
-        """The job's samples per second over its recorded steps (0 before the first)."""
-        row = self._db.execute(
-            "SELECT SUM(samples) AS samples, SUM(seconds) AS seconds FROM steps WHERE job = ?",
-            (job_id,),
-        ).fetchone()
-        return row["samples"] / row["seconds"] if row["seconds"] else 0.0
-
     def evals(self, job_id: str) -> Evals:
         """The job's evaluations in order: (step, validation loss)."""
         rows = self._db.execute(
@@ -367,10 +360,13 @@ class JobStore:
             replayed(self._db, job_id, step)  # the bans whose work starts here have none in it
             # The parameters after `step` updates are the checkpoint's: their evaluation holds.
             self._db.execute("DELETE FROM evals WHERE job = ? AND step > ?", (job_id, step))
+            # The totals over the steps left: a rollback is rare, a status read is not.
             self._db.execute(
                 "UPDATE jobs SET step = ?, updated = ?, loss = (SELECT loss FROM steps"
-                " WHERE job = ? AND step = ?) WHERE id = ?",
-                (step, self._clock(), job_id, step - 1, job_id),
+                " WHERE job = ? AND step = ?), samples_done = (SELECT COALESCE(SUM(samples), 0)"
+                " FROM steps WHERE job = ?), seconds_done = (SELECT COALESCE(SUM(seconds), 0)"
+                " FROM steps WHERE job = ?) WHERE id = ?",
+                (step, self._clock(), job_id, step - 1, job_id, job_id, job_id),
             )
 
     def resume(self, job_id: str, step: int) -> None:

@@ -91,6 +91,14 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX requests_job ON requests (job)",
     ),
+    (  # each job's samples and seconds over its recorded steps: its mean speed, in its own row
+        "ALTER TABLE jobs ADD COLUMN samples_done INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN seconds_done REAL NOT NULL DEFAULT 0",
+        """UPDATE jobs SET
+            samples_done = COALESCE((SELECT SUM(samples) FROM steps WHERE steps.job = jobs.id), 0),
+            seconds_done = COALESCE((SELECT SUM(seconds) FROM steps WHERE steps.job = jobs.id), 0)
+        """,
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 

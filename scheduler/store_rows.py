@@ -29,10 +29,17 @@ class JobRecord:
     val_loss: float = math.nan  #: validation loss at the newest evaluation; NaN before one
     val_step: int = -1  #: the updates the evaluated parameters had; -1 before an evaluation
     submitter: str = ""  #: who submitted it (`scheduler.callers`); "": the swarm token alone
+    samples_done: int = 0  #: samples over its recorded steps
+    seconds_done: float = 0.0  #: seconds over its recorded steps
 
     @property
     def finished(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def mean_speed(self) -> float:
+        """Samples per second over its recorded steps (0 before the first)."""
+        return self.samples_done / self.seconds_done if self.seconds_done else 0.0
 
 
 @dataclass(frozen=True)

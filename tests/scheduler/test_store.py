@@ -8,7 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support.cli import ROOT
 from tests.support.disks import fill, tiny_disk
+from tests.support.store_schema import as_before
 
 
 @pytest.fixture
@@ -319,9 +320,67 @@ def test_events_are_kept_newest_bounded_and_deleted_with_the_job(
     assert store.events(a) == [] and len(store.events(b)) == 1
 
 
+def _speed(store: JobStore, job: str) -> float:
+    record = store.get(job)
+    assert record is not None
+    return record.mean_speed
+
+
 def test_mean_speed_is_over_the_recorded_steps(store: JobStore) -> None:
     job = store.create("tiny", "spec", "/data", steps=5).id
-    assert store.mean_speed(job) == 0.0
+    assert _speed(store, job) == 0.0
     store.record_step(job, 0, 2.0, 16, 0.5)
     store.record_step(job, 1, 1.9, 16, 1.5)
-    assert store.mean_speed(job) == 16.0
+    store.record_step(job, 1, 1.9, 16, 9.0)  # a retried report: the first record stands
+    assert _speed(store, job) == 16.0
+    store.record_step(job, 2, 1.8, 32, 2.0)
+    assert _speed(store, job) == 16.0
+    store.rewind(job, 2)  # a rollback to the checkpoint after step 1: step 2 is trained again
+    assert _speed(store, job) == 16.0
+    store.rewind(job, 0)
+    assert _speed(store, job) == 0.0
+
+
+def _work(store: JobStore, read: Callable[[], object]) -> int:
+    """SQLite's virtual-machine instructions `read()` takes on the store's connection."""
+    count = 0
+
+    def counted() -> int:
+        nonlocal count
+        count += 1
+        return 0  # go on
+
+    store._db.set_progress_handler(counted, 1)
+    try:
+        read()
+    finally:
+        store._db.set_progress_handler(None, 1)
+    return count
+
+
+def test_a_jobs_mean_speed_is_read_in_work_that_its_steps_do_not_grow(store: JobStore) -> None:
+    # Each status of an ended job (GetJob, each job of a ListJobs page) summed every step it
+    # recorded, on the scheduler's event loop: a job of a million steps, a scan of a million
+    # rows per read. The totals are the job's own row's now.
+    job = store.create("long", "spec", "/data", steps=1_000_000).id
+    for step in range(10):
+        store.record_step(job, step, 1.0, 16, 0.5)
+    few = _work(store, lambda: _speed(store, job))
+    store._db.executemany(  # as a long job's steps leave the table (written here at once)
+        "INSERT INTO steps VALUES (?, ?, 1.0, 16, 0.5, 0.0)",
+        [(job, step) for step in range(10, 50_000)],
+    )
+    many = _work(store, lambda: _speed(store, job))
+    assert many < few * 2, (few, many)  # an index's depth, not a scan (that is 50,000+)
+    assert _speed(store, job) == 32.0
+
+
+def test_a_store_of_the_schema_before_gains_each_jobs_totals(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as store:
+        job = store.create("j", "spec", "/data", 9).id
+        store.record_step(job, 0, 2.0, 16, 0.5)
+        store.record_step(job, 1, 1.9, 48, 1.5)
+    as_before(path, 7)  # as a swarm before the totals left it
+    with JobStore(path) as store:
+        assert _speed(store, job) == 32.0  # summed once, as the store opens

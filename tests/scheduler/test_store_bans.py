@@ -4,7 +4,6 @@ before the ban's first step, deleted with the job, and added to a store of the s
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import scheduler.store_bans as store_bans
 from scheduler.store import BanRow, JobStore, StoreError
 from scheduler.store_bans import MAX_BANNED_ID
+from tests.support.store_schema import as_before
 
 
 @pytest.fixture
@@ -72,13 +72,7 @@ def test_a_store_of_the_schema_before_gains_the_bans(tmp_path: Path) -> None:
     path = tmp_path / "jobs.db"
     with JobStore(path) as store:
         job = store.create("j", "spec", "/data", 9).id
-    db = sqlite3.connect(path)  # as a swarm before kept bans left it
-    db.execute("DROP TABLE requests")  # kept since (tests/scheduler/test_submit_once.py)
-    db.execute("DROP TABLE members")  # kept since (issue 64)
-    db.execute("DROP TABLE bans")
-    db.execute("PRAGMA user_version = 4")
-    db.commit()
-    db.close()
+    as_before(path, 4)  # as a swarm before kept bans left it
     with JobStore(path) as store:
         assert store.bans(job) == []
         assert store.record_ban(job, BanRow("liar", 0, 1, 0, "its outputs differ"))

@@ -8,7 +8,6 @@ file, training beside the first on the same peers."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import BASE, render, write_job
 from tests.support.owners import ADMIN, ALICE, BOB, TOKEN, owned_api  # noqa: F401
+from tests.support.store_schema import as_before
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,11 +102,7 @@ def test_a_store_of_the_schema_before_gains_the_requests(tmp_path: Path) -> None
     path = tmp_path / "jobs.db"
     with JobStore(path) as store:
         old = store.create("j", "spec", "/data", 9).id
-    db = sqlite3.connect(path)  # as a swarm before request ids left it
-    db.execute("DROP TABLE requests")
-    db.execute("PRAGMA user_version = 6")
-    db.commit()
-    db.close()
+    as_before(path, 6)  # as a swarm before request ids left it
     with JobStore(path) as store:
         made = store.create("k", "spec", "/data", 9, "alice", "r-1").id
         assert store.by_request("alice", "r-1") == store.get(made)
