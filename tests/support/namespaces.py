@@ -32,6 +32,7 @@ __all__ = [
     "host_env",
     "listen",
     "network",
+    "network_sweep",
     "run_on",
     "scheduler_args",
     "seen_peers",
@@ -114,6 +115,12 @@ def maker_alive(pid: int) -> bool:
         return False
 
 
+def network_sweep(prefix: str) -> list[str]:
+    """What a lab of `prefix` removes as it starts: the namespaces of runs killed before they
+    cleaned up (`netns.remove_leftovers`), whichever test or worker made them."""
+    return netns.remove_leftovers(prefix, maker_alive)
+
+
 @contextlib.contextmanager
 def network(
     prefix: str, addresses: Mapping[str, str], lans: Sequence[netns.Lan] = ()
@@ -124,7 +131,7 @@ def network(
     problem = netns.available(routers=bool(lans))
     if problem:
         pytest.skip(problem)
-    netns.remove_leftovers(prefix, maker_alive)
+    network_sweep(prefix)
     net = netns.Network(prefix, addresses, lans)
     try:
         net.create()

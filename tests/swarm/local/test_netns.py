@@ -110,11 +110,16 @@ def test_destroy_leaves_no_namespace() -> None:
     assert [ns for ns in _namespaces() if ns.startswith(f"{net.tag}-")] == []
 
 
+# The killed run's own prefix: every lab of the tests here sweeps "swn-" leftovers as it starts
+# (`tests.support.namespaces.network`), and under `make test` one may start on the other worker
+# while this test counts what its own sweep removes (CI: "swn-22177-net" gone from under it).
+KILLED_PREFIX = "swk-"
+
 _MAKER = f"""
 import sys, time
 from swarm.local import netns
 lan = netns.Lan("home", "10.82.0.2", "192.168.82.0/24", {{"inside": "192.168.82.10"}})
-net = netns.Network("{PREFIX}", {{"pub": "10.82.0.10"}}, [lan])
+net = netns.Network("{KILLED_PREFIX}", {{"pub": "10.82.0.10"}}, [lan])
 net.create()
 print("made", net.tag, flush=True)
 time.sleep(600)
@@ -142,11 +147,16 @@ def test_a_killed_run_s_routers_and_lans_are_removed_by_the_next() -> None:
     assert f"{tag}-home" in left and f"{tag}-inside" in left
     # a process still inside a router is killed with it
     sleeper = subprocess.Popen(["ip", "netns", "exec", f"{tag}-home", "sleep", "600"])
-    time.sleep(0.3)
-    removed = netns.remove_leftovers(PREFIX, lambda pid: Path(f"/proc/{pid}").exists())
-    assert sorted(left) == sorted(n for n in removed if n.startswith(f"{tag}-"))
-    assert [ns for ns in _namespaces() if ns.startswith(f"{tag}-")] == []
-    assert sleeper.wait(10) == -signal.SIGKILL
+    try:
+        time.sleep(0.3)
+        namespaces.network_sweep(PREFIX)  # another lab starts meanwhile, on the other worker
+        removed = netns.remove_leftovers(KILLED_PREFIX, lambda pid: Path(f"/proc/{pid}").exists())
+        assert sorted(left) == sorted(n for n in removed if n.startswith(f"{tag}-"))
+        assert [ns for ns in _namespaces() if ns.startswith(f"{tag}-")] == []
+        assert sleeper.wait(10) == -signal.SIGKILL
+    finally:
+        sleeper.kill()  # a failed assertion: not left running (a no-op once it ended)
+        sleeper.wait(10)
 
 
 # An xdist worker's command line, as execnet starts it: no "pytest" in it.
