@@ -350,11 +350,16 @@ def latest(root: Path) -> int | None:
 
 
 def load_stage(root: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
+    """Stage `stage`'s state in the checkpoint after `step`: its tensors map the file's pages
+    (safetensors' loading maps them; `mmap` does for the older `.pt`), so a reader that sends a
+    stage on (a rollback, one stage at a time) holds page cache, not a copy of the stage."""
     path = _dir(root, step) / f"stage-{stage}.safetensors"
     if path.exists():
         return load_file(path)
     # a checkpoint written before the safetensors format
-    state: dict[str, torch.Tensor] = torch.load(path.with_suffix(".pt"), weights_only=True)
+    state: dict[str, torch.Tensor] = torch.load(
+        path.with_suffix(".pt"), weights_only=True, mmap=True
+    )
     return state
 
 
