@@ -313,15 +313,22 @@ def _charged(sizes: list[int], max_bytes: int, tensor_overhead: int, limit_name:
 async def within_deadline(
     stream: AsyncIterable[M], timeout_s: float, limit_name: str
 ) -> AsyncIterator[M]:
-    """`stream`'s messages, every one after the first (a request's header, from which `receive`
-    reserves its body's bytes) within `timeout_s` of that first: else DeadlineExceeded naming
-    `limit_name`. A server's defence against a caller that declares a body, so holds its share
-    of the receive budget, and never sends it (with no deadline of its own)."""
+    """`stream`'s messages: the first (a request's header, from which `receive` reserves its
+    body's bytes) within `timeout_s` of the call's start, every one after within `timeout_s` of
+    that first; else DeadlineExceeded naming `limit_name`. A server's defence against a caller
+    with no deadline of its own that declares a body, so holds its share of the receive
+    budget, and never sends it; or that sends nothing at all, and holds one of the server's
+    concurrent calls for as long as its connection lives."""
     it = stream.__aiter__()
     try:
-        first = await it.__anext__()
+        first = await within(it.__anext__(), timeout_s)
     except StopAsyncIteration:
         return
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"the request's header did not come within {timeout_s:g} s of the call's start "
+            f"({limit_name}): the call is ended"
+        ) from None
     yield first
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

@@ -516,6 +516,43 @@ async def test_a_body_that_never_comes_gives_its_reservation_back(
         await running.stop()
 
 
+@pytest.mark.parametrize("method", ["Reduce", "Forward"])
+async def test_a_call_whose_header_never_comes_ends_at_the_jobs_timeout(
+    tmp_path: Path, method: str
+) -> None:
+    # A review's repro: a caller with no deadline of its own opens a call and writes nothing.
+    # The body's deadline ran from the header only, so the call held one of the server's
+    # `max_concurrent_rpcs` for as long as its connection lived (4 h by default): 1024 such
+    # calls refused every other call, the scheduler's Commit and Join too. The header is
+    # bounded by the job's timeout as the body is: DEADLINE_EXCEEDED, naming it.
+    job = make_job(
+        tmp_path,
+        training={"stages": 3},
+        runtime={"rpc_timeout_s": 0.5, "averaging_timeout_s": 0.5},
+    )
+    running = await start_stage_server(job, StageServerOptions(stage=1))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            if method == "Reduce":
+                call = pool_pb2_grpc.PoolServiceStub(channel).Reduce()  # no deadline
+                setting = "averaging_timeout_s"
+            else:
+                call = stage_pb2_grpc.StageServiceStub(channel).Forward()
+                setting = "rpc_timeout_s"
+            for _ in range(250):  # 2.5 s at most, five times the deadline
+                if call.done():
+                    break
+                await asyncio.sleep(0.01)
+            done = call.done()
+            call.cancel()  # (before the fix: the call still waits for its header)
+        assert done, "the call still open 2.5 s after a 0.5 s deadline"
+        assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = await call.details() or ""
+        assert "header" in details and f"runtime.{setting}" in details, details
+    finally:
+        await running.stop()
+
+
 async def test_the_activation_cache_is_bounded_by_bytes_on_a_live_replica(tmp_path: Path) -> None:
     # Issue 41: the cache was bounded by count only (64 by default): 64 microbatches' graphs of
     # a large stage fill a GPU. The peer's --max-activation-cache-bytes bounds their bytes too,
