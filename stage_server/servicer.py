@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.error_feedback import ErrorFeedback
@@ -51,6 +52,7 @@ from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.push_call import PushCall
+from swarm.rpc.reader_idle import READER_IDLE_S, taken_within
 from swarm.rpc.servicing import Servicing
 from swarm.wire.budget import Held, ReceiveBudget
 from swarm.wire.chunking import (
@@ -295,6 +297,26 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return await self._serving.run(method, context, held_body)
 
+    async def _answered(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        body: Callable[[Held], Awaitable[Message]],
+    ) -> AsyncIterator[Any]:
+        """`body`'s answer (run as `_run_held` runs it), in chunks. Its bytes are held in the
+        receive budget, whatever is free (they are made), until its reader has taken it, and a
+        reader that takes no chunk within the job's `rpc_timeout_s` is let go
+        (`taken_within`). Before, a caller that half-closed and never read kept a microbatch's
+        outputs (a record's tensors) for as long as its connection lived, outside every bound."""
+        with self.budget.hold(Busy) as sending:
+            answer = await self._run_held(method, context, body)
+            sending.charge(answer.ByteSize())
+            rt = self._runtime
+            stall_s = READER_IDLE_S if rt is None else rt.job.runtime.rpc_timeout_s
+            for part in self._messages.split(answer):
+                with taken_within(stall_s, f"{self.peer}: {method}"):
+                    yield part
+
     # -- the data plane -------------------------------------------------------------------------
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StageForwardResponse:
@@ -317,8 +339,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
             return pb.StageForwardResponse(tensors=outputs, queued_seconds=queued)
 
-        for msg in self._messages.split(await self._run_held("Forward", context, body)):
-            yield msg
+        async for part in self._answered("Forward", context, body):
+            yield part
 
     async def Backward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StageBackwardResponse:
@@ -340,8 +362,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
             return pb.StageBackwardResponse(**done.answer())
 
-        for msg in self._messages.split(await self._run_held("Backward", context, body)):
-            yield msg
+        async for part in self._answered("Backward", context, body):
+            yield part
 
     async def ForwardBackward(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
@@ -369,8 +391,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
             return pb.StageForwardBackwardResponse(loss_sum=done.loss, **done.answer())
 
-        for msg in self._messages.split(await self._run_held("ForwardBackward", context, body)):
-            yield msg
+        async for part in self._answered("ForwardBackward", context, body):
+            yield part
 
     async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def body(held: Held) -> pb.StagePushResponse:
@@ -380,8 +402,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             await self._commits.before(call.step)  # the step before's APPLY, if on its way
             return await self._push.push(h, call, context.time_remaining, came)
 
-        for msg in self._messages.split(await self._run_held("Push", context, body)):
-            yield msg
+        async for part in self._answered("Push", context, body):
+            yield part
 
     async def Record(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """A push record (`stage_server.replica.push_records`), its tensors if asked."""
@@ -390,8 +412,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             h, _, _ = await self._receive(request_iterator, held)
             return await self._push.records.answered(h)
 
-        for msg in self._messages.split(await self._run_held("Record", context, body)):
-            yield msg
+        async for part in self._answered("Record", context, body):
+            yield part
 
     # -- commit ---------------------------------------------------------------------------------
     async def _scheduler_only(

@@ -64,6 +64,12 @@ class Held:
         budget.in_use += nbytes
         self.nbytes += nbytes
 
+    def charge(self, nbytes: int) -> None:
+        """Hold `nbytes` more for this call whatever is free: bytes made already (a reply on its
+        way out), counted so that the calls after them are refused while they are held."""
+        self._budget.in_use += nbytes
+        self.nbytes += nbytes
+
     def expect(self, nbytes: int) -> None:
         """A body of `nbytes` in all (with what this call holds already) is declared: refused
         now when it would not fit beside what every call holds, but nothing more is held for it
