@@ -30,6 +30,7 @@ from scheduler.store_file import (
     open_store,
     taken,
     transaction,
+    write_failed,
 )
 from scheduler.store_pages import page_of, position
 from scheduler.store_requests import job_of, remember
@@ -74,7 +75,7 @@ _COLUMNS = (
 _LISTED = _COLUMNS.replace(
     "*",
     "id, name, '' AS spec, base_dir, state, step, steps, loss, error, message, created, updated,"
-    " submitter",
+    " submitter, samples_done, seconds_done",
     1,
 )
 
@@ -271,9 +272,10 @@ class JobStore:
                 inserted = [self._insert_step(job_id, s, *r) for s, r in rows]
         except sqlite3.Error as e:
             kept.setdefault(step, row)  # a retried report keeps the first, as the table does
-            raise StoreWriteError(
+            raise write_failed(
+                e,
                 f"step {step} of job {job_id!r} not recorded in {str(self.path)!r} ({e}); "
-                f"kept, and written with the next step ({len(kept)} waiting)"
+                f"kept, and written with the next step ({len(kept)} waiting)",
             ) from e
         self._kept.pop(job_id, None)
         return inserted[-1]
@@ -310,9 +312,10 @@ class JobStore:
                     (job_id, step, val_loss, self._clock()),
                 )
         except sqlite3.Error as e:
-            raise StoreWriteError(
+            raise write_failed(
+                e,
                 f"evaluation at step {step} of job {job_id!r} not recorded in "
-                f"{str(self.path)!r} ({e})"
+                f"{str(self.path)!r} ({e})",
             ) from e
 
     # -- events -------------------------------------------------------------------------------
@@ -331,7 +334,7 @@ class JobStore:
                     (job_id, job_id, MAX_EVENTS),
                 )
         except sqlite3.Error as e:
-            raise StoreWriteError(f"event of job {job_id!r} not recorded ({e}): {text}") from e
+            raise write_failed(e, f"event of job {job_id!r} not recorded ({e}): {text}") from e
 
     def events(self, job_id: str, newest: int = MAX_EVENTS) -> Events:
         """The job's newest `newest` events, oldest first."""

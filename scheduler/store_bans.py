@@ -19,7 +19,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from scheduler.store_file import StoreWriteError, transaction
+from scheduler.store_file import transaction, write_failed
 
 __all__ = [
     "MAX_BANNED_ID",
@@ -77,7 +77,7 @@ def insert_ban(db: sqlite3.Connection, job_id: str, ban: BanRow, now: float) -> 
                 ).rowcount
             )
     except sqlite3.Error as e:
-        raise StoreWriteError(f"the ban of {ban.peer} in job {job_id!r} not recorded ({e})") from e
+        raise write_failed(e, f"the ban of {ban.peer} in job {job_id!r} not recorded ({e})") from e
 
 
 def bans_of(db: sqlite3.Connection, job_id: str) -> list[BanRow]:
@@ -121,7 +121,7 @@ def see(db: sqlite3.Connection, job_id: str, peer: str, step: int) -> bool:
             db.execute("INSERT INTO members VALUES (?, ?, ?)", (job_id, peer, step))
             return True
     except sqlite3.Error as e:
-        raise StoreWriteError(f"when {peer} joined job {job_id!r} not recorded ({e})") from e
+        raise write_failed(e, f"when {peer} joined job {job_id!r} not recorded ({e})") from e
 
 
 def seen_of(db: sqlite3.Connection, job_id: str) -> dict[str, int]:

@@ -23,6 +23,7 @@ __all__ = [
     "open_store",
     "taken",
     "transaction",
+    "write_failed",
 ]
 
 
@@ -32,10 +33,25 @@ class StoreError(SwarmError):
 
 
 class StoreWriteError(StoreError, ResourceExhausted):
-    """The store's file did not take a write (a full disk, most often; nothing changed). A
-    call that needed it is answered RESOURCE_EXHAUSTED, gRPC's code for a full file system, in
-    words, not INTERNAL as a bug: the disk is the operator's to free, the call the caller's to
-    make again."""
+    """The store's disk did not take a write (full, or failing its I/O; nothing changed). A call
+    that needed it is answered RESOURCE_EXHAUSTED, gRPC's code for a full file system, in words,
+    not INTERNAL as a bug: the disk is the operator's to free, the call the caller's to make
+    again. Any other failed write (a schema that lacks what the code asks, a damaged file,
+    another process's lock) stays a plain `StoreError`: a bug, or a store to look at."""
+
+
+# SQLite's primary result codes of a write its disk refused (`sqlite3.Error.sqlite_errorcode`,
+# whose extended codes keep the primary one in their low byte).
+_DISK_CODES = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR})
+
+
+def write_failed(error: sqlite3.Error, said: str) -> StoreError:
+    """What a write that raised `error` raises, saying `said`: `StoreWriteError` where the
+    store's disk refused it, else `StoreError`."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in _DISK_CODES:
+        return StoreWriteError(said)
+    return StoreError(said)
 
 
 # Migration i (0-based) takes the schema from version i to i + 1; PRAGMA user_version records
@@ -167,7 +183,7 @@ def taken(path: Path) -> Iterator[None]:
     except sqlite3.IntegrityError:
         raise
     except sqlite3.Error as e:
-        raise StoreWriteError(f"the job store {str(path)!r} did not take a write: {e}") from e
+        raise write_failed(e, f"the job store {str(path)!r} did not take a write: {e}") from e
 
 
 @contextlib.contextmanager

@@ -138,6 +138,21 @@ async def test_a_full_disk_under_the_store_is_refused_in_words_and_the_api_serve
             await api.stop()
 
 
+async def test_a_write_the_store_refuses_for_no_disks_doing_is_answered_as_a_bug(
+    api: RunningApi, client: SchedulerClient, tmp_path: Path
+) -> None:
+    # Only a disk's refusal is the operator's to free, said RESOURCE_EXHAUSTED: a write that
+    # fails otherwise (here a write into a table the schema lacks: a bug) stays INTERNAL,
+    # logged with its traceback, not told as a full disk.
+    job = (await client.submit(write_job(tmp_path, "ok"))).job
+    api.store._db.execute(  # the cancel's update of the job's row now writes to no table
+        "CREATE TRIGGER a_bug BEFORE UPDATE ON jobs BEGIN INSERT INTO missing VALUES (1); END"
+    )
+    with pytest.raises(ClientError) as e:
+        await client.cancel(job)
+    assert e.value.code == "INTERNAL", e.value
+
+
 async def test_cancel(api: RunningApi, client: SchedulerClient, tmp_path: Path) -> None:
     job = (await client.submit(write_job(tmp_path, "idle"))).job
     cancelled = await client.cancel(job)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError
+from scheduler.store import SCHEMA_VERSION, JobState, JobStore, StoreError, StoreWriteError
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.support.cli import ROOT
 from tests.support.disks import fill, tiny_disk
@@ -201,7 +201,7 @@ def test_a_full_disk_fails_a_step_record_clearly_and_the_next_step_records_both(
             job = store.create("j", "", "/", 9)
             store.record_step(job.id, 0, 3.0, 16, 0.1)
             filler = fill(disk)
-            with pytest.raises(StoreError, match=r"step 1 of job .* not recorded .*full"):
+            with pytest.raises(StoreWriteError, match=r"step 1 of job .* not recorded .*full"):
                 store.record_step(job.id, 1, 2.0, 16, 0.1)
             assert [r.step for r in store.steps(job.id)] == [0]  # nothing half-written
             filler.unlink()  # room again: the next step's record writes the kept one first
@@ -232,7 +232,7 @@ def test_every_write_on_a_full_disk_raises_the_stores_error_and_changes_nothing(
             lambda: store.rewind(job.id, 0),  # a rollback's
         ]
         for write in writes:
-            with pytest.raises(StoreError, match=r"full"):
+            with pytest.raises(StoreWriteError, match=r"full"):  # the disk's doing
                 write()
         record = store.get(job.id)
         assert record is not None and (record.state, record.message) == ("queued", "")
@@ -337,6 +337,9 @@ def test_mean_speed_is_over_the_recorded_steps(store: JobStore) -> None:
     assert _speed(store, job) == 16.0
     store.rewind(job, 2)  # a rollback to the checkpoint after step 1: step 2 is trained again
     assert _speed(store, job) == 16.0
+    store.set_state(job, "cancelled")
+    (listed,), _ = store.page(10, "")  # as `swarm jobs` lists it (without its spec)
+    assert listed.mean_speed == 16.0
     store.rewind(job, 0)
     assert _speed(store, job) == 0.0
 
