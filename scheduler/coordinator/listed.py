@@ -55,8 +55,9 @@ async def while_listed(
     outcome is `PeerUnavailable`, saying why (`what`: the call, in words, for the log). So is
     every call of the same stage whose round (`pools[i]`: the addresses call i averages with,
     itself included; none given: no rounds) holds that replica's address, its outcome `Aborted`
-    naming the replica's place in the round. A cancellation of the caller cancels every call,
-    as gather's does."""
+    naming the replica's place in the round, unless it is left out itself (at that look or a
+    later one: then `PeerUnavailable`, as it is gone). A cancellation of the caller cancels
+    every call, as gather's does."""
     tasks = [asyncio.ensure_future(call) for _, _, call in calls]
     pending: set[asyncio.Future[T]] = set(tasks)
     left: dict[int, Exception] = {}  # index -> why its call was not waited for
@@ -73,13 +74,23 @@ async def while_listed(
             if not pending:
                 break
             listed = members()
-            for index, (stage, replica, _) in enumerate(calls):
-                if index in left or tasks[index].done() or _listed(listed, stage, replica):
-                    continue
+            # Every replica left out at this look is gone, a partner called off before too: a
+            # home outage takes a round's members together, and each is dropped as gone.
+            gone = [
+                index
+                for index, (stage, replica, _) in enumerate(calls)
+                if not isinstance(left.get(index), PeerUnavailable)
+                and (index in left or not tasks[index].done())
+                and not _listed(listed, stage, replica)
+            ]
+            for index in gone:
+                stage, replica, _ = calls[index]
                 give_up(index, _left_out(stage, replica, what))
                 log.warning("%s", left[index])
+            for index in gone:  # then the others of its round, which wait for its parts
+                stage, replica, _ = calls[index]
                 for partner, pool in enumerate(pools):
-                    if partner in left or tasks[partner].done() or partner == index:
+                    if partner in left or tasks[partner].done():
                         continue
                     if calls[partner][0] == stage and replica.address in pool:
                         give_up(partner, _called_off(stage, replica, what, pool))

@@ -136,6 +136,47 @@ async def test_a_call_left_out_calls_off_the_others_of_its_round_alone() -> None
     assert outcomes[2:] == ["answered", "answered"]
 
 
+async def test_members_of_one_round_left_out_together_or_in_turn_are_each_gone() -> None:
+    # A home outage takes a round's members at one look: each is gone (dropped, replayed), none
+    # called off as the other's partner, which would keep it a member though unlisted. One
+    # called off, then left out itself at a later look, is gone too.
+    a, b, c = (Replica(p, f"fake:{p}") for p in "abc")
+    looks: list[list[list[Replica]]] = [[[]]]
+
+    async def hangs() -> str:
+        await asyncio.Event().wait()
+        return "never"
+
+    pool = [a.address, b.address]
+    calls = [(0, a, hangs()), (0, b, hangs())]
+    together = await within(
+        while_listed(lambda: looks[0], calls, "PREPARE", 0.01, pools=[pool, pool]), 10
+    )
+    assert [type(o) for o in together] == [PeerUnavailable, PeerUnavailable], together
+    # Another stage's call (d's) still in flight keeps the looks going.
+    d, released = Replica("d", "fake:d"), asyncio.Event()
+    pool = [a.address, b.address, c.address]
+    seen = 0
+
+    async def answers() -> str:
+        await released.wait()
+        return "answered"
+
+    def in_turn() -> list[list[Replica]]:
+        nonlocal seen
+        seen += 1
+        if seen > 2:
+            released.set()
+        return [[b, c], [d]] if seen == 1 else [[c], [d]]  # a first; b, called off, next
+
+    calls = [(0, a, hangs()), (0, b, hangs()), (0, c, hangs()), (1, d, answers())]
+    pools = [pool, pool, pool, [d.address]]
+    outcomes = await within(while_listed(in_turn, calls, "PREPARE", 0.01, pools=pools), 10)
+    kinds = [type(o) for o in outcomes[:3]]
+    assert kinds == [PeerUnavailable, PeerUnavailable, Aborted], outcomes
+    assert outcomes[3] == "answered"
+
+
 async def test_calls_while_listed_answer_as_gather_and_end_with_their_caller() -> None:
     # Listed replicas' calls are waited for whatever they take; their outcomes (answers and
     # errors) come back in order. A caller cancelled cancels every call still in flight.
