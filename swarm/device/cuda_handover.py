@@ -38,13 +38,17 @@ from swarm.device.offer import Offer
 from swarm.errors import InvalidArgument
 from swarm.proto import tensor_pb2
 
-__all__ = ["MAX_HANDLE_BYTES", "CudaHandover", "rebuild_args"]
+__all__ = ["MAX_HANDLE_BYTES", "REF_COUNTERS", "CudaHandover", "rebuild_args"]
 
 log = logging.getLogger(__name__)
 
 # The most bytes one of torch's opaque handles may have here: not torch's format (which this
 # assumes nothing of), a bound on what a hostile message makes this process hold and pass on.
 MAX_HANDLE_BYTES = 1024
+# The slots of torch's file of share counters (its CUDA_IPC_REF_COUNTER_FILE_SIZE): a handle's
+# `ref_counter_offset` names one, and torch counts a share there (and back at its end) without
+# a check of its own; a slot past the file's end would be a write past the file's mapping.
+REF_COUNTERS = 10_000
 
 
 class CudaHandover:
@@ -126,7 +130,8 @@ def rebuild_args(handle: tensor_pb2.Handover, nbytes: int, index: int) -> tuple[
     """The arguments of torch's `rebuild_cuda_tensor` for the `nbytes` bytes `handle` names on
     device `index`: a 1-D uint8 tensor at `offset` in the shared storage, its handles passed as
     they came. InvalidArgument for a handle of another kind or device, handles past
-    `MAX_HANDLE_BYTES`, negative sizes or offsets, or bytes past the storage's end."""
+    `MAX_HANDLE_BYTES`, negative sizes or offsets, a counter slot past `REF_COUNTERS`, or bytes
+    past the storage's end (as the handle says it: the storage's true size is the driver's)."""
     if not handle.HasField("cuda"):
         raise InvalidArgument("not a CUDA handover")
     c = handle.cuda
@@ -142,6 +147,10 @@ def rebuild_args(handle: tensor_pb2.Handover, nbytes: int, index: int) -> tuple[
             )
     if min(nbytes, c.offset, c.storage_bytes, c.storage_offset_bytes, c.ref_counter_offset) < 0:
         raise InvalidArgument("a CUDA handover with a negative size or offset")
+    if c.ref_counter_offset >= REF_COUNTERS:
+        raise InvalidArgument(
+            f"a CUDA handover's ref counter slot {c.ref_counter_offset} of {REF_COUNTERS}"
+        )
     if c.offset + nbytes > c.storage_bytes:
         raise InvalidArgument(
             f"CUDA handover: {nbytes} bytes at {c.offset} of a {c.storage_bytes}-byte storage"

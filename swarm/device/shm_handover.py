@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 
@@ -94,14 +95,23 @@ class _opened:
         self.path, self.flags, self.nbytes = path, flags, nbytes
 
     def __enter__(self) -> int:
+        # Non-blocking: a FIFO of a segment's name (any local process may make one) blocks its
+        # open until another end opens, on the event loop (a take) or the worker (a fill). A
+        # regular file's reads and writes never block on the flag; it is cleared anyway.
         try:
-            self.fd = os.open(self.path, self.flags | os.O_NOFOLLOW)
+            self.fd = os.open(self.path, self.flags | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             raise InvalidArgument(f"handover {self.path.name}: {e.strerror}") from None
-        size = os.fstat(self.fd).st_size
-        if self.nbytes is not None and size != self.nbytes:
+        stat = os.fstat(self.fd)
+        if not S_ISREG(stat.st_mode):
             os.close(self.fd)
-            raise InvalidArgument(f"handover {self.path.name}: {size} bytes, not {self.nbytes}")
+            raise InvalidArgument(f"handover {self.path.name}: not a regular file")
+        os.set_blocking(self.fd, True)
+        if self.nbytes is not None and stat.st_size != self.nbytes:
+            os.close(self.fd)
+            raise InvalidArgument(
+                f"handover {self.path.name}: {stat.st_size} bytes, not {self.nbytes}"
+            )
         return self.fd
 
     def __exit__(self, *_: object) -> None:

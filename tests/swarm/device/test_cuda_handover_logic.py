@@ -19,7 +19,7 @@ import torch
 
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.handing import Handing
-from swarm.device.cuda_handover import MAX_HANDLE_BYTES, CudaHandover
+from swarm.device.cuda_handover import MAX_HANDLE_BYTES, REF_COUNTERS, CudaHandover
 from swarm.device.cuda_ipc import HostDevice, HostIpc, torch_handle
 from swarm.errors import HandoverRefused, InvalidArgument
 from swarm.proto import tensor_pb2
@@ -105,6 +105,13 @@ def malformed(c: tensor_pb2.CudaIpc) -> list[tuple[str, tensor_pb2.Handover, int
             N,
         ),
         ("event handle of", changed(event=b"x" * (MAX_HANDLE_BYTES + 1)), N),
+        # torch counts a share at this slot of its counters' file, unchecked: a slot past the
+        # file's end was a write past a mapping (a review's repro)
+        (
+            f"ref counter slot {REF_COUNTERS} of {REF_COUNTERS}",
+            changed(ref_counter_offset=REF_COUNTERS),
+            N,
+        ),
         ("not a CUDA handover", tensor_pb2.Handover(shm="swarm-ho-1-2-" + "0" * 32), N),
     ]
 

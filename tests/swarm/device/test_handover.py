@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,36 @@ def test_only_handover_segments_are_opened(tmp_path: Path, name: str) -> None:
     with pytest.raises(InvalidArgument, match="not a handover segment"):
         h.take(tensor_pb2.Handover(shm=name), 10)
     assert not h.fill(tensor_pb2.Handover(shm=name), payload(10))
+
+
+@pytest.mark.parametrize("way", ["take", "fill"])
+def test_a_segment_that_is_no_file_is_refused_at_once(tmp_path: Path, way: str) -> None:
+    # A review's repro: any local process may make a FIFO of a segment's name in /dev/shm. Its
+    # open blocked until a writer (a reader) came: a take, on the event loop, stalled every
+    # call of the process; a fill its worker. Refused now, unopened, as no segment.
+    name = f"{PREFIX}1-2-{'0' * 32}"
+    os.mkfifo(tmp_path / name)
+    h, outcome = SharedMemoryHandover(tmp_path), list[object]()
+
+    def attempt() -> None:
+        handle = tensor_pb2.Handover(shm=name)
+        try:
+            outcome.append(h.take(handle, 10) if way == "take" else h.fill(handle, payload(10)))
+        except InvalidArgument as e:
+            outcome.append(e)
+
+    attempting = threading.Thread(target=attempt, daemon=True)
+    attempting.start()
+    attempting.join(5)
+    if attempting.is_alive():  # blocked in its open: let it go (the other end opens)
+        os.close(os.open(tmp_path / name, os.O_RDWR | os.O_NONBLOCK))
+        attempting.join(5)
+        pytest.fail(f"the {way} blocked on a FIFO")
+    if way == "take":
+        assert isinstance(outcome[0], InvalidArgument), outcome
+        assert "not a regular file" in str(outcome[0]), outcome
+    else:
+        assert outcome == [False]
 
 
 def test_a_sigkilled_creators_segments_are_swept_on_the_next_start(tmp_path: Path) -> None:
