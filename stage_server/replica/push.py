@@ -43,6 +43,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.rpc import epoch
 from swarm.rpc.push_call import PushCall
+from swarm.rpc.routes import check_route
 from swarm.wire import chunking as wire
 from swarm.wire import codec
 from swarm.wire.crossing import Crossing
@@ -122,6 +123,7 @@ class PushPlane:
         caller's deadline, as the call's context tells it."""
         came = came or {}
         rt = self._runtime()
+        check_route(call.route, rt.job.training.stages - rt.stage - 1)  # before it is followed
         epoch.leased_in(h.microbatch.epoch)  # its push on carries the task's (`swarm.rpc.epoch`)
         if rt.is_first:  # the token ids go on beside the outputs where the boundary needs them
             ids = call.crossing.hidden

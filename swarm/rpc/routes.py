@@ -13,7 +13,9 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.net.peer_ids import MAX_PEER_ID_CHARS
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc import lan
@@ -21,7 +23,48 @@ from swarm.rpc.causes import Causes
 from swarm.rpc.lease import Replica
 from swarm.rpc.stage_client import StageClient
 
-__all__ = ["ClientFactory", "Retiring", "Routes", "members_of"]
+__all__ = [
+    "MAX_ADDRESS_CHARS",
+    "MAX_ROUTE_MEMBERS",
+    "ClientFactory",
+    "Retiring",
+    "Routes",
+    "check_route",
+    "members_of",
+]
+
+#: The most replicas a push's route may name for one stage: a pool's round takes no more
+#: (`stage_server.averaging.slot.MAX_GROUP_SIZE`). Each one named is a client the receiver
+#: makes on its event loop (and, behind NAT, a probe of its LAN address).
+MAX_ROUTE_MEMBERS = 1024
+#: The longest address a route may name ("host:port", a relayed one with its peer id).
+MAX_ADDRESS_CHARS = 512
+
+
+def check_route(route: Sequence[pb.Route], later: int) -> None:
+    """Refuse (InvalidArgument) a push's route that names more stages than the `later` ones
+    after its receiver, more than `MAX_ROUTE_MEMBERS` replicas of one, peers and addresses
+    that do not pair, or a member no peer could be (an id or an address empty, too long, or
+    not printable; a standalone swarm's ids are addresses): before any of it is followed."""
+    if len(route) > later:
+        raise InvalidArgument(f"a route of {len(route)} stages; {later} come after this one")
+    for k, stage in enumerate(route):
+        where = f"the route's stage {k}"
+        if len(stage.peers) > MAX_ROUTE_MEMBERS:
+            raise InvalidArgument(
+                f"{where} names {len(stage.peers)} replicas (at most {MAX_ROUTE_MEMBERS})"
+            )
+        if len(stage.addresses) != len(stage.peers) or len(stage.throughput) > len(stage.peers):
+            raise InvalidArgument(
+                f"{where}: {len(stage.peers)} peers, {len(stage.addresses)} addresses and "
+                f"{len(stage.throughput)} throughputs do not pair"
+            )
+        for peer, address in zip(stage.peers, stage.addresses, strict=True):
+            named = 0 < len(peer) <= MAX_PEER_ID_CHARS and peer.isprintable()
+            if not named or not 0 < len(address) <= MAX_ADDRESS_CHARS or not address.isprintable():
+                raise InvalidArgument(
+                    f"{where} names no replica: peer {peer[:40]!r} at {address[:80]!r}"
+                )
 
 
 class ClientFactory(Protocol):

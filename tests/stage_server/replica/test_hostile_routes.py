@@ -1,0 +1,74 @@
+"""A push's route, which names the replicas of each later stage its receiver sends on to, is
+refused (INVALID_ARGUMENT) when it could not be one, before any of it is followed: each replica
+it names is a client its receiver makes on its event loop, and a token holder's route of 30,000
+made 30,000 (a header of 300 KB). Real stage server, real gRPC, the push plane."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from stage_server.replica.next_hop import NextHop
+from stage_server.server import StageServerOptions, start_stage_server
+from swarm.job.fingerprint import fingerprint
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc
+from swarm.rpc.routes import MAX_ROUTE_MEMBERS
+from swarm.wire import chunking, codec
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _route(members: int, peers: int | None = None) -> pb.Route:
+    return pb.Route(
+        peers=[f"p{i}" for i in range(members if peers is None else peers)],
+        addresses=[f"127.0.0.1:{1 + i % 60000}" for i in range(members)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("route", "says"),
+    [
+        ([_route(MAX_ROUTE_MEMBERS + 1)], f"names {MAX_ROUTE_MEMBERS + 1} replicas"),
+        ([_route(30_000)], "names 30000 replicas"),
+        ([_route(1), _route(1)], "a route of 2 stages; 1 come after this one"),
+        ([_route(2, peers=1)], "do not pair"),
+        ([pb.Route(peers=["p\n"], addresses=["127.0.0.1:1"])], "names no replica"),
+        ([pb.Route(peers=["p"], addresses=["x" * 600])], "names no replica"),
+    ],
+    ids=["past-the-bound", "thirty-thousand", "too-many-stages", "unpaired", "control", "long"],
+)
+async def test_a_route_no_pool_could_be_is_refused_before_it_is_followed(
+    tmp_path: Path, route: list[pb.Route], says: str
+) -> None:
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    running = await start_stage_server(job, StageServerOptions(stage=1))
+    try:
+        inputs = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=torch.float64)
+        targets = torch.zeros(4, job.model.seq_len, dtype=torch.int64)
+        request = pb.StagePushRequest(
+            job=fingerprint(job),
+            stage=1,
+            microbatch=pb.MicrobatchId(step=0, index=0),
+            tensors=[codec.encode(inputs, "inputs"), codec.encode(targets, "targets")],
+            accumulate=[1, 2],
+            route=route,
+            need_grad_inputs=True,
+        )
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            call = stage_pb2_grpc.StageServiceStub(channel).Push(timeout=20)
+            for part in chunking.split(request, 1 << 20):
+                await call.write(part)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert says in (refused.value.details() or ""), refused.value.details()
+        hop = running.servicer._push._next_hop
+        assert isinstance(hop, NextHop) and hop.routes.clients == {}  # nothing followed
+    finally:
+        await running.stop()
