@@ -120,7 +120,7 @@ def grpc_host_port(target: str) -> tuple[str, int] | None:
     for prefix in ("dns:///", "ipv4:", "ipv6:"):
         target = target.removeprefix(prefix)
     host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or not host or "/" in host:
+    if not sep or not (port.isascii() and port.isdigit()) or not host or "/" in host:
         return None
     return host.strip("[]"), int(port)
 

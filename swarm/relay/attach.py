@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from swarm.deadline import within
+from swarm.ops.printable import shown
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.relay.auth import attach_proof, data_proof
@@ -34,9 +35,14 @@ from swarm.relay.copier import splice
 from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.wire import PROTOCOL, close
 
-__all__ = ["GRPC", "METRICS", "Attachment", "Pauses", "split_host_port"]
+__all__ = ["GRPC", "METRICS", "NEW_PER_ROUND", "Attachment", "Pauses", "split_host_port"]
 
 log = logging.getLogger(__name__)
+
+#: Relays a round tries beyond those listed at its start: announced since it began.
+NEW_PER_ROUND = 4
+#: The most of a relay's refusal said (the relay's own words: whoever runs it writes them).
+MAX_REFUSAL_CHARS = 200
 
 GRPC, METRICS = "grpc", "metrics"
 """What a relay's call is for (`OPEN call KIND`): this peer's gRPC server, or its /metrics."""
@@ -58,7 +64,8 @@ class _Refused(Exception):
 def split_host_port(address: str) -> tuple[str, int]:
     """(host, port) of `host:port` (an IPv6 host in brackets); ValueError when it is not one."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
+    digits = port.isascii() and port.isdigit()  # "²" is a digit to `isdigit`, none to `int`
+    if not colon or not host or not digits or not 0 < int(port) < 1 << 16:
         raise ValueError(f"{address!r} is not host:port (a port 1-65535)")
     return host.strip("[]"), int(port)
 
@@ -107,6 +114,7 @@ class Attachment:
         self._tunnels: set[asyncio.Task[None]] = set()
         # a round in which no relay took it, said at WARNING (each relay's try is INFO)
         self._unattached = RatedLog(log, every_s=60.0)
+        self._refused = RatedLog(log, every_s=60.0)  # a relay's refusal: the round says each
         # a relayed call's data connection back to the relay that failed (its caller got a 504)
         self._no_data = RatedLog(log, every_s=60.0)
 
@@ -131,14 +139,23 @@ class Attachment:
             self._relay = relay
             self._on_change(relay)
 
-    def _next(self, tried: set[str]) -> str | None:
-        """The relay to try next this round: the first of `relays()` as listed now (the one that
-        last failed last) not tried yet this round; None when every one was."""
-        relays = self._listed()
-        if self._last_failed in relays and len(relays) > 1:  # the others first
-            relays.remove(self._last_failed)
-            relays.append(self._last_failed)
-        return next((r for r in relays if r not in tried), None)
+    def _next(self, tried: set[str], first: list[str]) -> str | None:
+        """The relay to try next this round: the first not tried yet of those listed at its
+        start (`first`), then of `relays()` as listed now, the one that last failed last in
+        each; None when every one was, or when the round has tried `NEW_PER_ROUND` more than it
+        began with. Relays announced since the round began are tried in it (they arrive one by
+        one at a peer's start), but a flood of them (a token holder announcing a new one each
+        moment) neither keeps the round from its end nor starves those listed before."""
+        if len(tried) >= len(first) + NEW_PER_ROUND:
+            return None
+        for relays in (list(first), self._listed()):
+            if self._last_failed in relays and len(relays) > 1:  # the others first
+                relays.remove(self._last_failed)
+                relays.append(self._last_failed)
+            untried = next((r for r in relays if r not in tried), None)
+            if untried is not None:
+                return untried
+        return None
 
     def _listed(self) -> list[str]:
         """`relays()` now, each once; none when whoever lists them fails (not the end)."""
@@ -158,17 +175,22 @@ class Attachment:
             # at once by another, with no pause and no moment announced without a relay (nobody
             # could call the peer then), still announced through the lost one meanwhile.
             tried: set[str] = set()
+            first = self._listed()  # as the round begins
             failed: dict[str, str] = {}  # why each relay of the round did not take it
             again: str | None = None  # a relay that ended a live attachment: tried first, once
-            while (relay := again or self._next(tried)) is not None:
+            while (relay := again or self._next(tried, first)) is not None:
                 again = None
                 tried.add(relay)
                 try:
                     reader, writer = await within(self._attach(relay), self.timeout_s)
                 except _Refused as e:  # the relay says why (a wrong key, a certificate
-                    # not naming this peer, another key holding its id): the operator's to fix
-                    log.warning("%s: relay %s refused it: %s", self.peer, relay, e)
-                    self._last_failed, failed[relay] = relay, f"refused: {e}"
+                    # not naming this peer, another key holding its id): the operator's to fix.
+                    # Its words are whoever runs it: escaped, cut short, said once a minute.
+                    said = shown(str(e)[:MAX_REFUSAL_CHARS])
+                    self._refused.warning(
+                        "refused", "%s: relay %s refused it: %s", self.peer, relay, said
+                    )
+                    self._last_failed, failed[relay] = relay, f"refused: {said}"
                     continue
                 except (OSError, TimeoutError, ValueError) as e:
                     log.info("%s: relay %s: not attached: %s", self.peer, relay, e or type(e))

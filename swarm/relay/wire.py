@@ -97,7 +97,8 @@ def address_key(address: str) -> tuple[str, int] | None:
     """`host:port` as compared with a peer's announced address (the host's case and an IPv6
     host's brackets aside); None when it is not one."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or len(address) > 300:
+    # ASCII digits only: "²" is a digit to `isdigit` and none to `int`; "١٢" is 12 to both
+    if not colon or not host or not (port.isascii() and port.isdigit()) or len(address) > 300:
         return None
     return host.strip("[]").lower(), int(port)
 

@@ -218,6 +218,43 @@ async def test_a_killed_relay_is_replaced_at_once_by_the_next_one(listed: str) -
             await attachment.stop()
 
 
+async def test_relays_announced_without_end_do_not_starve_the_one_listed_first() -> None:
+    """A review's repro: a token holder announcing a new relay every moment (each refusing)
+    kept the round going, since each new one was untried in it, listed first as the latest:
+    the relay listed before them was never tried, and no round ever ended (no pause, the
+    refusals said without end). A round tries the relays listed at its start first, and at
+    most a few announced since."""
+    async with echo_server(TOKEN) as port:
+        good = RelayServer(TOKEN)
+        address = f"127.0.0.1:{await good.start('127.0.0.1', 0)}"
+        announced: list[str] = []
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        nobody = closed.getsockname()[1]
+        closed.close()  # nothing listens there: refused at once, at any loopback address
+
+        def relays() -> list[str]:  # one more refusing relay, the latest first, at each look
+            n = len(announced)
+            announced.insert(0, f"127.1.{n // 250}.{n % 250 + 1}:{nobody}")
+            return [*announced, address]
+
+        attachment = Attachment(
+            "home-gpu",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            relays,
+            lambda relay: None,
+            address=f"{NAT_HOST}:{port}",
+            pauses=_LongPauses(),
+        )
+        await attachment.start()
+        try:
+            await wait_until(lambda: attachment.relay == address, timeout_s=10)
+        finally:
+            await attachment.stop()
+            await good.stop()
+
+
 @pytest.mark.parametrize("bad", ["127.0.0.1:99999", "127.0.0.1:0", "no-port"])
 async def test_an_address_no_relay_can_have_is_passed_over_for_the_next(
     bad: str, caplog: pytest.LogCaptureFixture

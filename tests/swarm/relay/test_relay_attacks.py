@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry
 
 from swarm.net import tls
 from swarm.net.paths import relay_credential
-from swarm.relay.attach import Attachment
+from swarm.relay.attach import Attachment, split_host_port
 from swarm.relay.auth import attach_proof, metrics_credential
 from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.limits import source_of
 from swarm.relay.server import RelayLimits, RelayServer
+from swarm.relay.wire import address_key
 from tests.support.relays import ECHO, NAT_HOST, echo_bytes, echo_server, listener, relayed
 from tests.support.tls import no_identity
 from tests.support.waiting import wait_until
@@ -156,6 +157,22 @@ async def test_a_stranger_cannot_open_a_tunnel() -> None:
             await call.write(b"x")
             assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         assert r.registry.get_sample_value("swarm_relay_tunnels_total") == 1
+
+
+@pytest.mark.parametrize("port", ["\u00b2", "\u0661\u0662"])
+async def test_a_port_of_other_digits_is_refused_in_words(port: str) -> None:
+    """A review's repro: "²" passes `str.isdigit` and fails `int`, so a credential holder's
+    CONNECT to "host:²" was closed with no answer, no count and no log (Arabic-Indic digits
+    made a port of their own). A port is ASCII digits: anything else is no address."""
+    async with echo_server(TOKEN) as echo, relayed(TOKEN, echo, peer="a") as r:
+        await wait_until(lambda: r.attachment.relay is not None)
+        login = f"a:{relay_credential(TOKEN, 'a')}"
+        status, stream = await _connect(r.relay_address, f"{NAT_HOST}:{port}", login)
+        await _closed(stream)
+    assert status.startswith("HTTP/1.1 4"), status
+    assert address_key(f"h:{port}") is None
+    with pytest.raises(ValueError, match="is not host:port"):
+        split_host_port(f"h:{port}")
 
 
 @pytest.mark.attack("R2")
