@@ -100,6 +100,7 @@ class StateTransfer:
         self._served: dict[asyncio.Task[Any], tuple[float, float]] = {}
         # Downloads ended for another past their whole bound, and why: said at their next part.
         self._ending: dict[asyncio.Task[Any], str] = {}
+        self._anonymous: set[asyncio.Task[Any]] = set()  # of those served: no follower named
 
     @property
     def _downloads(self) -> int:
@@ -131,6 +132,26 @@ class StateTransfer:
             else:
                 continue
             log.info("%s: a state download %s ended for another", self.peer, why)
+
+    def _give_way(self, follower: str) -> None:
+        """A named follower (a joiner or a standby: under a scheduler, one its ticket names)
+        finds every place taken: the oldest download that named none (an export's, a
+        checkpoint's, or anyone's with the token, who could hold every place, each restarted
+        inside its whole bound) gives its place, told why at its next part. A joiner's copy is
+        what a stage's pool waits for; an anonymous download is asked again."""
+        anonymous = [task for task in self._served if task in self._anonymous]
+        if not anonymous:
+            return
+        oldest = min(anonymous, key=lambda task: self._served[task][0])
+        del self._served[oldest]  # its place is the follower's now
+        self._ending[oldest] = f"{follower[:64]} copies this replica"
+        # Told at its next part; cancelled (told nothing) if it reads none within the bound.
+        asyncio.get_running_loop().call_later(
+            self._runtime().job.runtime.rpc_timeout_s, oldest.cancel
+        )
+        log.info(
+            "%s: a state download ended for %s, which copies this replica", self.peer, follower
+        )
 
     def _named(self, job_id: str, follower: str, ticket: bytes, *, fresh: bool) -> None:
         """PermissionDenied unless `follower` is one the scheduler named, by `ticket` (fresh:
@@ -257,6 +278,8 @@ class StateTransfer:
             self._named(job_id, follower, ticket, fresh=True)
         if self._downloads >= self._limits.peer.max_state_downloads:
             self._let_stalled_go()
+        if self._downloads >= self._limits.peer.max_state_downloads and follower:
+            self._give_way(follower)
         if self._downloads >= self._limits.peer.max_state_downloads:
             raise ResourceExhausted(
                 f"{self._downloads} state downloads are being served already, the most this "
@@ -266,6 +289,8 @@ class StateTransfer:
         assert task is not None  # a call's handler
         began = loop.time()
         self._served[task] = (began, began)
+        if not follower:
+            self._anonymous.add(task)
         stall_s = self._runtime().job.runtime.rpc_timeout_s
         said = f"{self.peer}: a state download of {follower or 'a caller'}"
         log_, registered, sent = self._runtime().updates, None, False
@@ -308,6 +333,7 @@ class StateTransfer:
                 off.shutdown()  # its thread ends with its last copy (nothing waits on it)
             self._served.pop(task, None)
             self._ending.pop(task, None)
+            self._anonymous.discard(task)
             # A follower's place is held by a copy that goes on: one whose download ended
             # early (a caller that named itself a follower and hung up) has none (N7).
             if registered is not None:

@@ -212,3 +212,45 @@ async def test_a_download_that_trickles_past_its_whole_bound_gives_its_place(
             assert "ended this state download for another" in (ended.value.details() or "")
     finally:
         await running.stop()
+
+
+async def test_a_download_that_named_no_follower_gives_its_place_to_a_joiner(
+    tmp_path: Path,
+) -> None:
+    # A review's repro: downloads that name no follower (anyone's with the token) held every
+    # place of --max-state-downloads on equal terms with a joiner's copy, each restarted inside
+    # its whole bound: the joiner was refused for as long as they went on. A follower (under a
+    # scheduler, one its ticket names) now takes the place of the oldest such download, which
+    # is told why at its next part.
+    job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
+    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))
+    running = await start_stage_server(job, opts)
+    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the reader paces the sender
+    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+    try:
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            trickling = stage_pb2_grpc.StageServiceStub(channel).DownloadState(request, timeout=120)
+
+            async def trickle() -> None:  # a chunk every 0.3 s: never idle, well in its bound
+                while await trickling.read() is not grpc.aio.EOF:
+                    await asyncio.sleep(0.3)
+
+            reader = asyncio.create_task(trickle())
+            await asyncio.sleep(0.5)
+            assert not reader.done()
+            patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
+            client = StageClient(running.address, patient, fingerprint(job), 0)
+            try:
+                expect = running.runtime.checks.state
+                step, state = await client.download_state(
+                    True, "", follower="peer-real", expect=expect
+                )
+                assert step == 0 and state
+            finally:
+                await client.close()
+            with pytest.raises(grpc.aio.AioRpcError) as ended:  # the anonymous one told why
+                await asyncio.wait_for(reader, 20)
+            assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "peer-real copies this replica" in (ended.value.details() or "")
+    finally:
+        await running.stop()
