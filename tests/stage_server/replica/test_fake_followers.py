@@ -170,6 +170,56 @@ async def test_a_stalled_download_lets_go_of_its_snapshot_with_nobody_else_askin
         stalled.cancel()
 
 
+@contextlib.asynccontextmanager
+async def _trickling(
+    job: JobConfig,
+) -> AsyncIterator[tuple[RunningStageServer, asyncio.Task[None]]]:
+    """A stage 0 server of `job` with one place for a state download, that place taken by a
+    download naming no follower whose reader takes a chunk every 0.3 s (never idle for the
+    job's 1 s); the task reading it."""
+    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))
+    running = await start_stage_server(job, opts)
+    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the reader paces the sender
+    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+    try:
+        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+            trickling = stage_pb2_grpc.StageServiceStub(channel).DownloadState(request, timeout=120)
+
+            async def trickle() -> None:
+                while await trickling.read() is not grpc.aio.EOF:
+                    await asyncio.sleep(0.3)
+
+            reader = asyncio.create_task(trickle())
+            try:
+                yield running, reader
+            finally:
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+    finally:
+        await running.stop()
+
+
+async def _copied(running: RunningStageServer, job: JobConfig, follower: str = "") -> None:
+    """A download of the whole state (by `follower`, if named), its client patient for a byte."""
+    patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
+    client = StageClient(running.address, patient, fingerprint(job), 0)
+    try:
+        expect = running.runtime.checks.state
+        step, state = await client.download_state(True, "", follower=follower, expect=expect)
+        assert step == 0 and state
+    finally:
+        await client.close()
+
+
+async def _told_why(reader: asyncio.Task[None], why: str) -> None:
+    """The trickling download ended at its next part, told `why`."""
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await asyncio.wait_for(reader, 20)
+    assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert why in (ended.value.details() or ""), ended.value.details()
+
+
 async def test_a_download_that_trickles_past_its_whole_bound_gives_its_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,37 +231,11 @@ async def test_a_download_that_trickles_past_its_whole_bound_gives_its_place(
     monkeypatch.setattr(state_streams, "STATE_MIN_RATE", 1 << 40)
     monkeypatch.setattr(state_streams, "STATE_FLOOR_S", 2.0)
     job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
-    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))
-    running = await start_stage_server(job, opts)
-    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the reader paces the sender
-    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
-    try:
-        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
-            stub = stage_pb2_grpc.StageServiceStub(channel)
-            trickling = stub.DownloadState(request, timeout=120)
-
-            async def trickle() -> None:  # a chunk every 0.3 s: never idle for 1 s
-                while await trickling.read() is not grpc.aio.EOF:
-                    await asyncio.sleep(0.3)
-
-            reader = asyncio.create_task(trickle())
-            await asyncio.sleep(3.0)  # past the whole bound, still reading
-            assert not reader.done()
-            patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
-            client = StageClient(running.address, patient, fingerprint(job), 0)
-            try:
-                step, state = await client.download_state(
-                    True, "", expect=running.runtime.checks.state
-                )
-                assert step == 0 and state
-            finally:
-                await client.close()
-            with pytest.raises(grpc.aio.AioRpcError) as ended:  # the trickler is told why
-                await asyncio.wait_for(reader, 20)
-            assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "ended this state download for another" in (ended.value.details() or "")
-    finally:
-        await running.stop()
+    async with _trickling(job) as (running, reader):
+        await asyncio.sleep(3.0)  # past the whole bound, still reading
+        assert not reader.done()
+        await _copied(running, job)
+        await _told_why(reader, "ended this state download for another")
 
 
 async def test_a_download_that_named_no_follower_gives_its_place_to_a_joiner(
@@ -223,34 +247,8 @@ async def test_a_download_that_named_no_follower_gives_its_place_to_a_joiner(
     # scheduler, one its ticket names) now takes the place of the oldest such download, which
     # is told why at its next part.
     job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
-    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))
-    running = await start_stage_server(job, opts)
-    options = [("grpc.http2.bdp_probe", 0)]  # small windows: the reader paces the sender
-    request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
-    try:
-        async with grpc.aio.insecure_channel(running.address, options=options) as channel:
-            trickling = stage_pb2_grpc.StageServiceStub(channel).DownloadState(request, timeout=120)
-
-            async def trickle() -> None:  # a chunk every 0.3 s: never idle, well in its bound
-                while await trickling.read() is not grpc.aio.EOF:
-                    await asyncio.sleep(0.3)
-
-            reader = asyncio.create_task(trickle())
-            await asyncio.sleep(0.5)
-            assert not reader.done()
-            patient = replace(job, runtime=replace(job.runtime, rpc_timeout_s=60.0))
-            client = StageClient(running.address, patient, fingerprint(job), 0)
-            try:
-                expect = running.runtime.checks.state
-                step, state = await client.download_state(
-                    True, "", follower="peer-real", expect=expect
-                )
-                assert step == 0 and state
-            finally:
-                await client.close()
-            with pytest.raises(grpc.aio.AioRpcError) as ended:  # the anonymous one told why
-                await asyncio.wait_for(reader, 20)
-            assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "peer-real copies this replica" in (ended.value.details() or "")
-    finally:
-        await running.stop()
+    async with _trickling(job) as (running, reader):
+        await asyncio.sleep(0.5)  # well inside its whole bound
+        assert not reader.done()
+        await _copied(running, job, follower="peer-real")
+        await _told_why(reader, "peer-real copies this replica")
