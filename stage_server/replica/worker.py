@@ -20,7 +20,8 @@ settled, outside its timing, so the loop never waits on the device.
 as a slower device would hold it, and the EMA sees the held time.
 
 Calls run in turn, except the re-execution of an audit that gates its microbatch's report
-(`first`, `run_ahead`): it runs before every call still queued (issue 69). Such a step waits for
+(`first`, `run_ahead`): it runs before every call still queued (issue 69), but never more than
+`AHEAD_IN_A_ROW` in a row while a call in turn waits. Such a step waits for
 its microbatches' audits before it commits, and a re-execution queued behind an auditor's pushes
 made the step wait for them too; ahead of them it costs those pushes its own compute only. A late
 audit's (`stage_server.replica.answering`) runs in turn: its bound is a step away. Among the calls
@@ -54,11 +55,16 @@ from swarm.device.compute_clock import HOST_CLOCK, ComputeClock
 from swarm.errors import PeerUnavailable
 from swarm.ops import timeline
 
-__all__ = ["LOAD_EMA", "Worker"]
+__all__ = ["AHEAD_IN_A_ROW", "LOAD_EMA", "Worker"]
 
 T = TypeVar("T")
 U = TypeVar("U")
 LOAD_EMA = 0.2  # weight of the newest call in the reported moving average
+# Calls run ahead in a row while a call in turn waits: then it runs. A re-execution is asked
+# ahead by whoever calls a Forward on the push plane (any token holder, `Answering.redoes`): a
+# stream of them held every push back for as long as it went on. An honest step's audits are
+# a few microbatches, each past one push at most.
+AHEAD_IN_A_ROW = 1
 
 
 class Worker:
@@ -82,6 +88,7 @@ class Worker:
         # The executor gets one `_next` per call, which runs whichever comes first then.
         self._queued: list[tuple[int, int, Callable[[], None], concurrent.futures.Future[Any]]] = []
         self._arrivals = itertools.count()
+        self._ahead_in_a_row = 0  # calls run ahead since the last in turn (`AHEAD_IN_A_ROW`)
         self._lock = threading.Lock()  # the loop queues, the worker thread takes
 
     def close(self) -> None:
@@ -183,10 +190,19 @@ class Worker:
             self.waiting -= 1
 
     def _next(self) -> None:
-        """On the worker thread, once for each call submitted: the call that comes first now."""
+        """On the worker thread, once for each call submitted: the call that comes first now,
+        but a call in turn after `AHEAD_IN_A_ROW` run ahead while it waited."""
         with self._lock:
-            _, _, run, _ = heapq.heappop(self._queued)
-        run()
+            queued = self._queued
+            first = queued[0]
+            if first[0] == 0 and self._ahead_in_a_row >= AHEAD_IN_A_ROW:
+                in_turn = [q for q in queued if q[0] == 1]
+                if in_turn:
+                    first = min(in_turn)
+            queued.remove(first)
+            heapq.heapify(queued)
+            self._ahead_in_a_row = self._ahead_in_a_row + 1 if first[0] == 0 else 0
+        first[2]()
 
     def _turn_ended(self, turn: asyncio.Future[None]) -> None:
         """A turn the executor cancelled (shut down with calls pending) runs no call: one call

@@ -21,7 +21,7 @@ from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.answering import Answering
 from stage_server.replica.messages import Limits, Messages
 from stage_server.replica.runtime import StageRuntime
-from stage_server.replica.worker import Worker
+from stage_server.replica.worker import AHEAD_IN_A_ROW, Worker
 from swarm.proto import stage_pb2 as pb
 from tests.support.jobs import make_job
 
@@ -72,6 +72,27 @@ async def test_a_reexecution_queued_behind_pushes_runs_before_them() -> None:
     assert ran == ["re-execution", "push 0", "push 1", "push 2"]
     assert [a for a, _ in answers] == ["held", "push 0", "push 1", "push 2", "re-execution"]
     assert worker.waiting == 0
+
+
+async def test_a_stream_of_calls_asked_ahead_does_not_hold_the_pushes_back() -> None:
+    # A review's repro: on the push plane any token holder's Forward is taken for an audit's
+    # re-execution and asked ahead; a stream of them ran before every push for as long as it
+    # went on. Past `AHEAD_IN_A_ROW` in a row, the call in turn that waits runs.
+    ran: list[str] = []
+    call = _recorded(ran)
+    with ThreadPoolExecutor(1) as pool:
+        worker = Worker(pool, lambda _: None)
+        release = threading.Event()
+        holding = await _held(worker, release)
+        push = asyncio.create_task(worker.run_then(call, _itself, "push"))
+        await asyncio.sleep(0)
+        flood = [
+            asyncio.create_task(worker.run_ahead(call, _itself, f"ahead {i}")) for i in range(6)
+        ]
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(holding, push, *flood)
+    assert ran.index("push") == AHEAD_IN_A_ROW, ran
 
 
 async def test_a_call_whose_caller_gave_up_while_queued_is_not_run() -> None:
