@@ -46,6 +46,7 @@ from swarm.policy.backoff import Backoff
 from swarm.proto import control_pb2 as cpb
 from swarm.relay.attach import Attachment, split_host_port
 from swarm.relay.identity import AttachKey
+from swarm.relay.limits import raise_nofile, tunnels_within
 
 __all__ = [
     "FIRST_RELAY_S",
@@ -145,6 +146,9 @@ class PeerPath:
         it), and pauses between tries with the swarm's one backoff."""
         pauses = Backoff(0.5, 30.0)
         key = self._key = self._key or AttachKey.of(tls.current())
+        # Each call carried takes descriptors here: as many as the process may open, within
+        # the soft limit raised to its hard one (as a relay's is).
+        tunnels = tunnels_within(raise_nofile())
         return Attachment(
             peer,
             token,
@@ -156,6 +160,7 @@ class PeerPath:
             local_metrics=self.local_metrics,
             metrics_address=self.metrics_address,
             key=key,
+            max_tunnels=tunnels,
         )
 
     def __init__(

@@ -115,6 +115,7 @@ class Attachment:
         # a round in which no relay took it, said at WARNING (each relay's try is INFO)
         self._unattached = RatedLog(log, every_s=60.0)
         self._refused = RatedLog(log, every_s=60.0)  # a relay's refusal: the round says each
+        self._full = RatedLog(log, every_s=60.0)  # a call past `max_tunnels`, not opened
         # a relayed call's data connection back to the relay that failed (its caller got a 504)
         self._no_data = RatedLog(log, every_s=60.0)
 
@@ -281,6 +282,14 @@ class Attachment:
                 task = asyncio.create_task(self._tunnel(relay, call, self._targets[kind or GRPC]))
                 self._tunnels.add(task)
                 task.add_done_callback(self._tunnels.discard)
+            elif verb == "OPEN" and call:  # its caller hears "did not answer": the cause here
+                self._full.info(
+                    "full",
+                    "%s: relay %s asked for a call past its %d carried at once: not opened",
+                    self.peer,
+                    relay,
+                    self.max_tunnels,
+                )
             elif verb != "OPEN":
                 raise ValueError(f"the relay said {line[:40]!r}" if line else "closed")
 

@@ -31,6 +31,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 __all__ = [
+    "PEER_TUNNEL_DESCRIPTORS",
+    "RESERVED_DESCRIPTORS",
     "TUNNEL_DESCRIPTORS",
     "V4_PREFIX",
     "V6_PREFIX",
@@ -39,6 +41,7 @@ __all__ = [
     "raise_nofile",
     "release",
     "source_of",
+    "tunnels_within",
 ]
 
 TUNNEL_DESCRIPTORS = 6
@@ -87,6 +90,22 @@ class RelayLimits:
             max_tunnels=tunnels,
             max_tunnels_per_source=share(self.max_tunnels_per_source, tunnels),
         )
+
+
+#: Descriptors one call carried to a peer behind NAT takes at that peer: its data connection to
+#: the relay, its connection to the peer's own server and the server's end of it, and its two
+#: copy threads' pipes (`TUNNEL_DESCRIPTORS`'s four): seven, and one to spare.
+PEER_TUNNEL_DESCRIPTORS = 8
+#: Descriptors such a peer keeps for all else: its server's direct callers, its bus, its files.
+RESERVED_DESCRIPTORS = 512
+
+
+def tunnels_within(nofile: int, most: int = 256) -> int:
+    """The calls a peer behind NAT carries at once through its relay (at most `most`) within
+    `nofile` descriptors, `RESERVED_DESCRIPTORS` of them kept for all else: at 1,024 (a usual
+    soft limit) 256 calls took some 1,800, and the peer's own accepts, checkpoints and bus
+    failed for want of one."""
+    return max(1, min(most, (nofile - RESERVED_DESCRIPTORS) // PEER_TUNNEL_DESCRIPTORS))
 
 
 def raise_nofile() -> int:
