@@ -48,7 +48,8 @@ class Attached:
         self.peer, self.address, self.metrics, self.writer = peer, address, metrics, writer
         self.identity, self.source = identity, source_of(writer.get_extra_info("peername"))
         self.keys = {GRPC: address_key(address), METRICS: address_key(metrics)}
-        self.tunnels = 0
+        self.tunnels = 0  # to its gRPC server
+        self.metrics_tunnels = 0  # to its /metrics (`RelayLimits.max_metrics_tunnels_per_peer`)
         self.callers: Tally[str] = Tally()  # its tunnels by caller's source (`source_of`)
         self.ponged = asyncio.Event()  # a PONG came (`Peers.answers` waits for one)
 

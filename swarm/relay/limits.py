@@ -54,6 +54,9 @@ class RelayLimits:
     max_peers: int = 256  # peers attached at once
     max_peers_per_source: int = 32  # attached from one source (one home's router, say)
     max_tunnels_per_peer: int = 64  # a peer's concurrent tunnels (a gRPC channel uses one)
+    # a peer's tunnels to its /metrics, apart: the metrics credential is handed to whoever
+    # scrapes (a scrape takes one), and its tunnels took the places of the peer's callers
+    max_metrics_tunnels_per_peer: int = 4
     max_tunnels: int = 1024  # tunnels in all (six descriptors and two threads each)
     max_tunnels_per_source: int = 256  # opened by one caller's source
     max_tunnels_per_peer_per_source: int = 16  # of one peer's, opened by one caller's source

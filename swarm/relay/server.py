@@ -277,15 +277,20 @@ class RelayServer:
             self._refuse(e.key, "refused a tunnel from %s to %.64r: %s", where, target, e.reason)
             await answer(writer, e.status, e.reason)
             return
-        peer = attached.peer
-        if attached.tunnels >= self.limits.max_tunnels_per_peer:
+        peer, scrape = attached.peer, kind == METRICS
+        held = attached.metrics_tunnels if scrape else attached.tunnels
+        if held >= (
+            self.limits.max_metrics_tunnels_per_peer if scrape else self.limits.max_tunnels_per_peer
+        ):
+            what = "metrics tunnels" if scrape else "tunnels"
             self._refuse(
-                "peer-full",
-                "refused a tunnel to %s: its %d tunnels are open",
+                "metrics-full" if scrape else "peer-full",
+                "refused a tunnel to %s: its %d %s are open",
                 peer,
-                attached.tunnels,
+                held,
+                what,
             )
-            await answer(writer, 503, f"peer {peer} has {attached.tunnels} tunnels open")
+            await answer(writer, 503, f"peer {peer} has {held} {what} open")
             return
         if self._tunnels >= self.limits.max_tunnels:
             self._refuse("full", "refused a tunnel to %s: %d tunnels open", peer, self._tunnels)
@@ -293,7 +298,8 @@ class RelayServer:
             return
         source = source_of(where)
         share = min(self.limits.max_tunnels_per_peer_per_source, self.limits.max_tunnels_per_peer)
-        if attached.callers[source] >= share:  # the others' share of its tunnels kept for them
+        # the others' share of its callers' places kept for them (a scrape has its own places)
+        if not scrape and attached.callers[source] >= share:
             self._refuse(
                 "peer-source-full", "refused a tunnel from %s to %s: its share is open", where, peer
             )
@@ -303,8 +309,11 @@ class RelayServer:
             self._refuse("source-full", "refused a tunnel from %s: its source's are open", where)
             await answer(writer, 503, f"{self._source_tunnels[source]} tunnels from your address")
             return
-        attached.tunnels += 1
-        attached.callers[source] += 1
+        if scrape:
+            attached.metrics_tunnels += 1
+        else:
+            attached.tunnels += 1
+            attached.callers[source] += 1
         self._tunnels += 1
         self._source_tunnels[source] += 1
         self.tunnels_gauge.set(self._tunnels)
@@ -321,8 +330,11 @@ class RelayServer:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await splice((reader, writer), data, self.limits.chunk_bytes, self.carried.inc)
         finally:
-            attached.tunnels -= 1
-            release(attached.callers, source)
+            if scrape:
+                attached.metrics_tunnels -= 1
+            else:
+                attached.tunnels -= 1
+                release(attached.callers, source)
             self._tunnels -= 1
             release(self._source_tunnels, source)
             self.tunnels_gauge.set(self._tunnels)

@@ -431,6 +431,47 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
             await relay.stop()
 
 
+async def test_scrapes_take_no_place_of_a_peers_callers() -> None:
+    """A review's repro: the metrics credential (handed to whoever scrapes) opened tunnels into
+    the same places as the peer's callers: held, they refused its gRPC calls 503. A peer's
+    metrics tunnels have places of their own (`max_metrics_tunnels_per_peer`)."""
+    limits = RelayLimits(max_tunnels_per_peer=2, max_metrics_tunnels_per_peer=2)
+    relay = RelayServer(TOKEN, limits)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    async with echo_server(TOKEN) as port, listener() as (metrics_port, _):
+        attachment = Attachment(
+            "a",
+            TOKEN,
+            f"127.0.0.1:{port}",
+            lambda: [address],
+            lambda _: None,
+            address=f"{NAT_HOST}:{port}",
+            local_metrics=f"127.0.0.1:{metrics_port}",
+            metrics_address=f"{NAT_HOST}:{metrics_port}",
+        )
+        await attachment.start()
+        held: list[Stream] = []
+        try:
+            await wait_until(lambda: attachment.relay is not None)
+            metrics = f"metrics:{metrics_credential(TOKEN)}"
+            for _ in range(2):  # the scrapes' own places, held (the listener waits 5 s)
+                status, stream = await _connect(address, f"{NAT_HOST}:{metrics_port}", metrics)
+                held.append(stream)
+                assert status == "HTTP/1.1 200 Connection established", status
+            status, stream = await _connect(address, f"{NAT_HOST}:{metrics_port}", metrics)
+            held.append(stream)
+            assert status.startswith("HTTP/1.1 503") and "metrics" in status, status
+            peer = f"a:{relay_credential(TOKEN, 'a')}"
+            status, stream = await _connect(address, f"{NAT_HOST}:{port}", peer)
+            held.append(stream)
+            assert status == "HTTP/1.1 200 Connection established", status  # a caller's place
+        finally:
+            for stream in held:
+                await _closed(stream)
+            await attachment.stop()
+            await relay.stop()
+
+
 async def _get(address: str, target: str, login: str) -> tuple[str, Stream]:
     """A raw plain-HTTP proxy request for `http://target/metrics`; the status line."""
     stream = await _dial(address)
