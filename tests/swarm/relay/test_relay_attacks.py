@@ -359,6 +359,21 @@ async def test_a_tunnel_reads_no_further_ahead_than_its_buffers() -> None:
         await server.wait_closed()
 
 
+def _scraped_peer(relay: str, port: int, metrics_port: int) -> Attachment:
+    """Peer a, attached to `relay`: its gRPC server on `port`, its /metrics on `metrics_port`,
+    each announced at `NAT_HOST`."""
+    return Attachment(
+        "a",
+        TOKEN,
+        f"127.0.0.1:{port}",
+        lambda: [relay],
+        lambda _: None,
+        address=f"{NAT_HOST}:{port}",
+        local_metrics=f"127.0.0.1:{metrics_port}",
+        metrics_address=f"{NAT_HOST}:{metrics_port}",
+    )
+
+
 @pytest.mark.attack("R5")
 async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
     """One credential lets Prometheus scrape every relayed peer (HMAC(token, "relay-metrics"),
@@ -373,16 +388,7 @@ async def test_the_metrics_credential_opens_a_peers_metrics_port_only() -> None:
         listener() as (metrics_port, scraped),
         listener() as (other, elsewhere),
     ):
-        attachment = Attachment(
-            "a",
-            TOKEN,
-            f"127.0.0.1:{port}",
-            lambda: [address],
-            lambda _: None,
-            address=f"{NAT_HOST}:{port}",
-            local_metrics=f"127.0.0.1:{metrics_port}",
-            metrics_address=f"{NAT_HOST}:{metrics_port}",
-        )
+        attachment = _scraped_peer(address, port, metrics_port)
         await attachment.start()
         try:
             await wait_until(lambda: attachment.relay is not None)
@@ -439,16 +445,7 @@ async def test_scrapes_take_no_place_of_a_peers_callers() -> None:
     relay = RelayServer(TOKEN, limits)
     address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
     async with echo_server(TOKEN) as port, listener() as (metrics_port, _):
-        attachment = Attachment(
-            "a",
-            TOKEN,
-            f"127.0.0.1:{port}",
-            lambda: [address],
-            lambda _: None,
-            address=f"{NAT_HOST}:{port}",
-            local_metrics=f"127.0.0.1:{metrics_port}",
-            metrics_address=f"{NAT_HOST}:{metrics_port}",
-        )
+        attachment = _scraped_peer(address, port, metrics_port)
         await attachment.start()
         held: list[Stream] = []
         try:
