@@ -386,20 +386,22 @@ class RelayServer:
         future: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
         self._calls[call] = (attached.peer, future)
         self._expected[attached.source] += 1  # its data connection's head: the data pool
+        opened: Stream | None = None
         try:
             await attached.send(f"OPEN {call} {kind}", self.limits.open_timeout_s)
-            return await within(future, self.limits.open_timeout_s)
+            opened = await within(future, self.limits.open_timeout_s)
+            return opened
         except (ConnectionError, OSError, TimeoutError):
             return None
-        except asyncio.CancelledError:  # stop(): a data connection already handed over is closed
-            if future.done() and not future.cancelled():
-                future.result()[1].transport.abort()
-            raise
         finally:
             del self._calls[call]
             release(self._expected, attached.source)
             if not future.done():
                 future.cancel()  # a data connection coming later is refused
+            elif opened is None and not future.cancelled() and future.exception() is None:
+                # Handed over, but not to the tunnel: it came in the pass its wait timed out,
+                # or as the relay stopped. Closed, or it would stay open outside every count.
+                future.result()[1].transport.abort()
 
     def _data(
         self, head: Head, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: object

@@ -10,11 +10,13 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+import swarm.relay.server as server_module
 from swarm.net import tls
 from swarm.net.paths import relay_credential
 from swarm.relay.attach import Attachment, split_host_port
@@ -467,6 +469,33 @@ async def test_scrapes_take_no_place_of_a_peers_callers() -> None:
                 await _closed(stream)
             await attachment.stop()
             await relay.stop()
+
+
+async def test_a_data_connection_come_as_its_wait_ended_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review's repro: a peer's data connection handed to its tunnel in the very loop pass
+    the tunnel's wait for it timed out was neither spliced nor closed: the caller was answered
+    504 and the connection stayed open, outside every count, for as long as its peer kept it.
+    Such a wait is made here (the connection comes, then the wait says it timed out)."""
+    wait = server_module.within
+
+    async def came_as_it_ended(awaitable: Any, timeout_s: float) -> Any:
+        if isinstance(awaitable, asyncio.Future):  # the tunnel's wait for its data connection
+            await awaitable
+            raise TimeoutError
+        return await wait(awaitable, timeout_s)
+
+    monkeypatch.setattr(server_module, "within", came_as_it_ended)
+    async with echo_server(TOKEN) as port, relayed(TOKEN, port, peer="a") as r:
+        await wait_until(lambda: r.attachment.relay is not None)
+        status, stream = await _connect(
+            r.relay_address, f"{NAT_HOST}:{port}", f"a:{relay_credential(TOKEN, 'a')}"
+        )
+        await _closed(stream)
+        assert status.startswith("HTTP/1.1 504"), status
+        # the peer's end of it is closed, so its tunnel ends (before: it stayed)
+        await wait_until(lambda: not r.attachment._tunnels, "the peer's tunnel ended", timeout_s=5)
 
 
 async def _get(address: str, target: str, login: str) -> tuple[str, Stream]:
