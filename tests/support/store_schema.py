@@ -11,6 +11,9 @@ __all__ = ["as_before"]
 # What undoes migration i (0-based: it took the schema from version i to i + 1), for those a
 # test goes back over.
 _UNDO: dict[int, tuple[str, ...]] = {
+    1: ("DROP TABLE evals",),
+    2: ("DROP TABLE events",),
+    3: ("DROP INDEX jobs_submitter", "ALTER TABLE jobs DROP COLUMN submitter"),
     4: ("DROP TABLE bans",),
     5: ("DROP TABLE members",),
     6: ("DROP TABLE requests",),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from swarm.model.data import VAL_STEP, make_data, make_val_data
 from swarm.model.reference import train_local
 from swarm.ops.progress import StepLog, StepRecord
 from tests.support.jobs import BASE, render, write_job
+from tests.support.store_schema import as_before
 
 SEQ = BASE["model"]["seq_len"]
 
@@ -157,17 +157,7 @@ def test_a_store_of_the_first_schema_gains_the_evaluations(tmp_path: Path) -> No
     with JobStore(path) as store:
         job = store.create("test", render(BASE), str(tmp_path), 3).id
         store.record_step(job, 0, 3.0, 16, 0.1)
-    db = sqlite3.connect(path)  # as a swarm of the first schema left it (no evals, no events)
-    db.execute("DROP TABLE evals")
-    db.execute("DROP TABLE events")
-    db.execute("DROP TABLE bans")  # a later schema's table (issue 55's kept bans)
-    db.execute("DROP TABLE members")  # and another (issue 64's kept first steps)
-    db.execute("DROP TABLE requests")  # and another (the jobs submissions made)
-    db.execute("DROP INDEX jobs_submitter")  # a later schema's column (issue 44's submitters)
-    db.execute("ALTER TABLE jobs DROP COLUMN submitter")
-    db.execute("PRAGMA user_version = 1")
-    db.commit()
-    db.close()
+    as_before(path, 1)  # as a swarm of the first schema left it (no evals, no events)
     with JobStore(path) as store:
         store.record_eval(job, 1, 2.5)
         record = store.get(job)
