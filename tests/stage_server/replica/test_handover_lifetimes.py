@@ -28,6 +28,7 @@ from swarm.rpc.stage_client import StageClient, WirePush
 from swarm.wire import codec
 from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +58,18 @@ async def push(
         await client.close()
 
 
+def _pushes_ended(running: RunningStageServer) -> float:
+    """The Pushes `running` has ended, whatever their status."""
+    metrics = running.servicer.metrics
+    return sum(
+        metrics.registry.get_sample_value(
+            "swarm_stage_requests_total", {**metrics.values, "method": "Push", "code": code}
+        )
+        or 0.0
+        for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE")
+    )
+
+
 async def test_outputs_made_after_their_push_was_abandoned_are_released(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,6 +93,9 @@ async def test_outputs_made_after_their_push_was_abandoned_are_released(
             await push(job, first, last, 1, 0.5)
         given_up.set()
         await first.servicer.worker.run(lambda: None)  # the worker has done with that push
+        # The server ends the push as its cancellation reaches it: under load, after the
+        # caller gave up (CI: checked before it had, the push still going on to stage 1).
+        await wait_until(lambda: _pushes_ended(first) >= 2, "the abandoned push ended")
         await asyncio.sleep(0)
         assert segments() == [], "nothing is left offered by a push that ended"
     finally:
