@@ -135,19 +135,21 @@ class StateTransfer:
 
     def _give_way(self, follower: str) -> None:
         """A named follower (a joiner or a standby: under a scheduler, one its ticket names)
-        finds every place taken: the oldest download that named none (an export's, a
-        checkpoint's, or anyone's with the token, who could hold every place, each restarted
-        inside its whole bound) gives its place, told why at its next part. A joiner's copy is
-        what a stage's pool waits for; an anonymous download is asked again."""
+        finds every place taken: the newest download that named none gives its place, told why
+        at its next part. Anyone with the token could hold every place with such downloads,
+        each restarted inside its whole bound, and a joiner's copy is what a stage's pool waits
+        for. The newest, for it has lost the least, and the scheduler's own (a checkpoint's, an
+        export's: they name no follower either) run long: one cut here goes to the stage's next
+        replica, or its checkpoint waits for the next (an export fails, said)."""
         anonymous = [task for task in self._served if task in self._anonymous]
         if not anonymous:
             return
-        oldest = min(anonymous, key=lambda task: self._served[task][0])
-        del self._served[oldest]  # its place is the follower's now
-        self._ending[oldest] = f"{follower[:64]} copies this replica"
+        newest = max(anonymous, key=lambda task: self._served[task][0])
+        del self._served[newest]  # its place is the follower's now
+        self._ending[newest] = f"{follower[:64]} copies this replica"
         # Told at its next part; cancelled (told nothing) if it reads none within the bound.
         asyncio.get_running_loop().call_later(
-            self._runtime().job.runtime.rpc_timeout_s, oldest.cancel
+            self._runtime().job.runtime.rpc_timeout_s, newest.cancel
         )
         log.info(
             "%s: a state download ended for %s, which copies this replica", self.peer, follower

@@ -172,30 +172,35 @@ async def test_a_stalled_download_lets_go_of_its_snapshot_with_nobody_else_askin
 
 @contextlib.asynccontextmanager
 async def _trickling(
-    job: JobConfig,
-) -> AsyncIterator[tuple[RunningStageServer, asyncio.Task[None]]]:
-    """A stage 0 server of `job` with one place for a state download, that place taken by a
-    download naming no follower whose reader takes a chunk every 0.3 s (never idle for the
-    job's 1 s); the task reading it."""
-    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=1))
+    job: JobConfig, downloads: int = 1
+) -> AsyncIterator[tuple[RunningStageServer, list[asyncio.Task[None]]]]:
+    """A stage 0 server of `job` with `downloads` places for state downloads, each taken, in
+    turn (0.3 s apart: the first the oldest), by a download naming no follower whose reader
+    takes a chunk every 0.3 s (never idle for the job's 1 s); the tasks reading them."""
+    opts = StageServerOptions(stage=0, limits=PeerLimits(max_state_downloads=downloads))
     running = await start_stage_server(job, opts)
     options = [("grpc.http2.bdp_probe", 0)]  # small windows: the reader paces the sender
     request = pb.StageDownloadStateRequest(job=fingerprint(job), stage=0, include_optimizer=True)
+    readers: list[asyncio.Task[None]] = []
     try:
         async with grpc.aio.insecure_channel(running.address, options=options) as channel:
-            trickling = stage_pb2_grpc.StageServiceStub(channel).DownloadState(request, timeout=120)
+            stub = stage_pb2_grpc.StageServiceStub(channel)
 
             async def trickle() -> None:
+                trickling = stub.DownloadState(request, timeout=120)
                 while await trickling.read() is not grpc.aio.EOF:
                     await asyncio.sleep(0.3)
 
-            reader = asyncio.create_task(trickle())
             try:
-                yield running, reader
+                for _ in range(downloads):
+                    readers.append(asyncio.create_task(trickle()))
+                    await asyncio.sleep(0.3)
+                yield running, readers
             finally:
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
+                for reader in readers:
+                    reader.cancel()
+                    with contextlib.suppress(BaseException):
+                        await reader
     finally:
         await running.stop()
 
@@ -231,7 +236,7 @@ async def test_a_download_that_trickles_past_its_whole_bound_gives_its_place(
     monkeypatch.setattr(state_streams, "STATE_MIN_RATE", 1 << 40)
     monkeypatch.setattr(state_streams, "STATE_FLOOR_S", 2.0)
     job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
-    async with _trickling(job) as (running, reader):
+    async with _trickling(job) as (running, (reader,)):
         await asyncio.sleep(3.0)  # past the whole bound, still reading
         assert not reader.done()
         await _copied(running, job)
@@ -244,11 +249,13 @@ async def test_a_download_that_named_no_follower_gives_its_place_to_a_joiner(
     # A review's repro: downloads that name no follower (anyone's with the token) held every
     # place of --max-state-downloads on equal terms with a joiner's copy, each restarted inside
     # its whole bound: the joiner was refused for as long as they went on. A follower (under a
-    # scheduler, one its ticket names) now takes the place of the oldest such download, which
-    # is told why at its next part.
+    # scheduler, one its ticket names) now takes the place of the newest such download, which
+    # is told why at its next part; the older one (a scheduler's checkpoint, long under way,
+    # names none either) goes on.
     job = make_job(tmp_path, model=WIDE, runtime={"chunk_bytes": 256 << 10, "rpc_timeout_s": 1.0})
-    async with _trickling(job) as (running, reader):
-        await asyncio.sleep(0.5)  # well inside its whole bound
-        assert not reader.done()
+    async with _trickling(job, downloads=2) as (running, (older, newer)):
+        await asyncio.sleep(0.3)  # well inside their whole bound
+        assert not older.done() and not newer.done()
         await _copied(running, job, follower="peer-real")
-        await _told_why(reader, "peer-real copies this replica")
+        await _told_why(newer, "peer-real copies this replica")
+        assert not older.done(), "the older download was cut"
