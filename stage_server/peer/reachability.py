@@ -35,10 +35,10 @@ from google.protobuf.message import Message
 
 from stage_server.peer.metrics import StageMetrics
 from stage_server.peer.neighbours import Neighbours
+from stage_server.peer.outside import answers
 from stage_server.peer.path_words import relay_gone, say_report
 from swarm.bus.api import BusLike
 from swarm.bus.topics import ANY, BusError
-from swarm.deadline import within
 from swarm.net import tls
 from swarm.net.addresses import host_port, is_unspecified
 from swarm.ops.rated import RatedLog
@@ -51,12 +51,10 @@ from swarm.relay.limits import raise_nofile, tunnels_within
 __all__ = [
     "FIRST_RELAY_S",
     "MAX_RELAYS",
-    "OUTSIDE_TIMEOUT_S",
     "REACHABILITY",
     "Attach",
     "Attaching",
     "PeerPath",
-    "answers",
     "local_address",
 ]
 
@@ -79,23 +77,6 @@ _ATTACHED = (cpb.REACHABILITY_UNREACHABLE, cpb.REACHABILITY_RELAYED)  # a relay 
 FIRST_RELAY_S = 3.0
 """How long a `--behind-nat` peer at its start holds its first announcement for its attachment
 (`PeerPath.first_relay`): the relays' announcements and the attach call take well under it."""
-
-OUTSIDE_TIMEOUT_S = 3.0
-"""How long the dial of `outside` may take when a relay is lost: a link that is up answers (or
-refuses) within it; one that is down answers nothing."""
-
-
-async def answers(address: str, timeout_s: float = OUTSIDE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to `address` ("host:port") opens within `timeout_s`."""
-    try:
-        host, port = split_host_port(address)
-        _, writer = await within(asyncio.open_connection(host, port), timeout_s)
-    except (OSError, TimeoutError, ValueError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
 
 
 class Attaching(Protocol):

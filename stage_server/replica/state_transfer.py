@@ -47,6 +47,7 @@ from stage_server.averaging.staging import OffLoop
 from stage_server.peer.links import payload_bytes
 from stage_server.peer.metrics import StageMetrics
 from stage_server.replica.copying import Copy
+from stage_server.replica.download_places import DownloadPlaces
 from stage_server.replica.messages import Limits, Route, state_reply, updates_reply
 from stage_server.replica.runtime import Served
 from stage_server.replica.snapshot import Snapshot
@@ -95,65 +96,7 @@ class StateTransfer:
         self._scheduler_key = scheduler_key
         self._tickets: FollowTickets | None = None  # of the scheduler key last seen
         self.copy: Copy | None = None  # a joining replica's background copy of a member
-        # The downloads served now (their calls' tasks) -> (when each began, when its reader
-        # last took a part), on the loop's clock.
-        self._served: dict[asyncio.Task[Any], tuple[float, float]] = {}
-        # Downloads ended for another past their whole bound, and why: said at their next part.
-        self._ending: dict[asyncio.Task[Any], str] = {}
-        self._anonymous: set[asyncio.Task[Any]] = set()  # of those served: no follower named
-
-    @property
-    def _downloads(self) -> int:
-        """Snapshots being served now."""
-        return len(self._served)
-
-    def _let_stalled_go(self) -> None:
-        """End the downloads whose reader took nothing for `rpc_timeout_s`, after which the
-        reader's own client gives up (`swarm.rpc.stage_client`): a caller that stops reading
-        without hanging up must not keep a place of `--max-state-downloads` from a joiner
-        (issue 44, N7). So also a download past the whole transfer's bound its receiver keeps
-        (`whole_state_s`): a reader that takes a chunk just inside every idle bound kept its
-        place for as long as it liked."""
-        rt = self._runtime()
-        stall_s, whole_s = rt.job.runtime.rpc_timeout_s, whole_state_s(rt.max_state_bytes())
-        now = asyncio.get_running_loop().time()
-        for task, (began, heard) in list(self._served.items()):
-            if now - heard > stall_s:
-                del self._served[task]  # its place is free now; its call ends as it is cancelled
-                task.cancel()
-                why = f"whose reader took nothing for {now - heard:.3g} s"
-            elif now - began > whole_s:
-                # Its reader reads: told why at its next part. Cancelled (told nothing) if it
-                # stops reading now, or its snapshot would be held by a call that never ends.
-                del self._served[task]
-                why = f"still read after {now - began:.3g} s (its bound: {whole_s:.3g} s)"
-                self._ending[task] = why
-                asyncio.get_running_loop().call_later(stall_s, task.cancel)
-            else:
-                continue
-            log.info("%s: a state download %s ended for another", self.peer, why)
-
-    def _give_way(self, follower: str) -> None:
-        """A named follower (a joiner or a standby: under a scheduler, one its ticket names)
-        finds every place taken: the newest download that named none gives its place, told why
-        at its next part. Anyone with the token could hold every place with such downloads,
-        each restarted inside its whole bound, and a joiner's copy is what a stage's pool waits
-        for. The newest, for it has lost the least, and the scheduler's own (a checkpoint's, an
-        export's: they name no follower either) run long: one cut here goes to the stage's next
-        replica, or its checkpoint waits for the next (an export fails, said)."""
-        anonymous = [task for task in self._served if task in self._anonymous]
-        if not anonymous:
-            return
-        newest = max(anonymous, key=lambda task: self._served[task][0])
-        del self._served[newest]  # its place is the follower's now
-        self._ending[newest] = f"{follower[:64]} copies this replica"
-        # Told at its next part; cancelled (told nothing) if it reads none within the bound.
-        asyncio.get_running_loop().call_later(
-            self._runtime().job.runtime.rpc_timeout_s, newest.cancel
-        )
-        log.info(
-            "%s: a state download ended for %s, which copies this replica", self.peer, follower
-        )
+        self.places = DownloadPlaces(peer)  # of `--max-state-downloads`
 
     def _named(self, job_id: str, follower: str, ticket: bytes, *, fresh: bool) -> None:
         """PermissionDenied unless `follower` is one the scheduler named, by `ticket` (fresh:
@@ -278,28 +221,23 @@ class StateTransfer:
         served already."""
         if follower:
             self._named(job_id, follower, ticket, fresh=True)
-        if self._downloads >= self._limits.peer.max_state_downloads:
-            self._let_stalled_go()
-        if self._downloads >= self._limits.peer.max_state_downloads and follower:
-            self._give_way(follower)
-        if self._downloads >= self._limits.peer.max_state_downloads:
+        rt, most = self._runtime(), self._limits.peer.max_state_downloads
+        stall_s = rt.job.runtime.rpc_timeout_s
+        self.places.make_room(most, follower, stall_s, whole_state_s(rt.max_state_bytes()))
+        if len(self.places) >= most:
             raise ResourceExhausted(
-                f"{self._downloads} state downloads are being served already, the most this "
+                f"{len(self.places)} state downloads are being served already, the most this "
                 f"peer serves at once (--max-state-downloads): try again later"
             )
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         assert task is not None  # a call's handler
-        began = loop.time()
-        self._served[task] = (began, began)
-        if not follower:
-            self._anonymous.add(task)
-        stall_s = self._runtime().job.runtime.rpc_timeout_s
+        self.places.taken(task, named=bool(follower))
         said = f"{self.peer}: a state download of {follower or 'a caller'}"
         log_, registered, sent = self._runtime().updates, None, False
         off: OffLoop | None = None
         try:
             snapshot, registered = await self.snapshot(follower, include_optimizer)
-            self._served[task] = (began, loop.time())
+            self.places.heard(task)
             # A device's chunks are copied to the host (under the snapshot's lock) off the loop.
             off = OffLoop(snapshot.on_device, snapshot.device)
             # A joiner's or a standby's copy (or a checkpoint's) taken mid-job waits, part by
@@ -319,12 +257,12 @@ class StateTransfer:
                 with taken_within(stall_s, said):
                     yield part
                 nbytes += payload_bytes(part)
-                if (why := self._ending.pop(task, None)) is not None:
+                if (why := self.places.ending(task)) is not None:
                     raise ResourceExhausted(
                         f"{self.peer} ended this state download for another: {why} "
                         "(--max-state-downloads are served at once)"
                     )
-                self._served[task] = (began, loop.time())  # its reader took a part
+                self.places.heard(task)  # its reader took a part
                 if follower:
                     log_.touch(follower)  # its download goes on: not silent
             sent = True
@@ -333,9 +271,7 @@ class StateTransfer:
         finally:
             if off is not None:
                 off.shutdown()  # its thread ends with its last copy (nothing waits on it)
-            self._served.pop(task, None)
-            self._ending.pop(task, None)
-            self._anonymous.discard(task)
+            self.places.left(task)
             # A follower's place is held by a copy that goes on: one whose download ended
             # early (a caller that named itself a follower and hung up) has none (N7).
             if registered is not None:

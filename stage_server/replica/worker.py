@@ -20,8 +20,9 @@ settled, outside its timing, so the loop never waits on the device.
 as a slower device would hold it, and the EMA sees the held time.
 
 Calls run in turn, except the re-execution of an audit that gates its microbatch's report
-(`first`, `run_ahead`): it runs before every call still queued (issue 69), but never more than
-`AHEAD_IN_A_ROW` in a row while a call in turn waits. Such a step waits for
+(`first`, `run_ahead`): it runs before every call still queued (issue 69), but a call in turn
+that waits runs once `AHEAD_IN_A_ROW` have run ahead since the last in turn (an honest
+re-execution then waits one push at most). Such a step waits for
 its microbatches' audits before it commits, and a re-execution queued behind an auditor's pushes
 made the step wait for them too; ahead of them it costs those pushes its own compute only. A late
 audit's (`stage_server.replica.answering`) runs in turn: its bound is a step away. Among the calls
@@ -191,7 +192,8 @@ class Worker:
 
     def _next(self) -> None:
         """On the worker thread, once for each call submitted: the call that comes first now,
-        but a call in turn after `AHEAD_IN_A_ROW` run ahead while it waited."""
+        but the first call in turn waiting once `AHEAD_IN_A_ROW` have run ahead since the last
+        in turn."""
         with self._lock:
             queued = self._queued
             first = queued[0]

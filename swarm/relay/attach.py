@@ -35,12 +35,23 @@ from swarm.relay.copier import splice
 from swarm.relay.identity import AttachKey, challenge
 from swarm.relay.wire import PROTOCOL, close
 
-__all__ = ["GRPC", "METRICS", "NEW_PER_ROUND", "Attachment", "Pauses", "split_host_port"]
+__all__ = [
+    "GRPC",
+    "MAX_METRICS_TUNNELS",
+    "METRICS",
+    "NEW_PER_ROUND",
+    "Attachment",
+    "Pauses",
+    "split_host_port",
+]
 
 log = logging.getLogger(__name__)
 
 #: Relays a round tries beyond those listed at its start: announced since it began.
 NEW_PER_ROUND = 4
+#: Scrapes of this peer's /metrics carried at once, apart from its gRPC calls (a relay's own
+#: bound for them: `swarm.relay.limits.RelayLimits.max_metrics_tunnels_per_peer`).
+MAX_METRICS_TUNNELS = 4
 #: The most of a relay's refusal said (the relay's own words: whoever runs it writes them).
 MAX_REFUSAL_CHARS = 200
 
@@ -111,7 +122,8 @@ class Attachment:
         self.seen_from = ""
         self._last_failed: str | None = None
         self._task: asyncio.Task[None] | None = None
-        self._tunnels: set[asyncio.Task[None]] = set()
+        self._tunnels: set[asyncio.Task[None]] = set()  # calls to its gRPC server
+        self._scrapes: set[asyncio.Task[None]] = set()  # to its /metrics
         # a round in which no relay took it, said at WARNING (each relay's try is INFO)
         self._unattached = RatedLog(log, every_s=60.0)
         self._refused = RatedLog(log, every_s=60.0)  # a relay's refusal: the round says each
@@ -128,7 +140,7 @@ class Attachment:
         self._task = asyncio.create_task(self._run(), name=f"attachment-{self.peer}")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._tunnels) if t is not None]
+        tasks = [t for t in (self._task, *self._tunnels, *self._scrapes) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -278,18 +290,25 @@ class Attachment:
                 # Only its own two servers, by name: an address, a port, or a kind this peer
                 # does not serve (a metrics call to a peer without /metrics) opens nothing.
                 log.debug("%s: relay %s asked for %.40r: not served", self.peer, relay, kind)
-            elif verb == "OPEN" and call and len(self._tunnels) < self.max_tunnels:
+            elif verb == "OPEN" and call:
+                # A scrape has places of its own (`MAX_METRICS_TUNNELS`), as at the relay: the
+                # metrics credential is handed to whoever scrapes.
+                tunnels = self._scrapes if kind == METRICS else self._tunnels
+                most = MAX_METRICS_TUNNELS if kind == METRICS else self.max_tunnels
+                if len(tunnels) >= most:  # its caller hears "did not answer": the cause here
+                    self._full.info(
+                        kind or GRPC,
+                        "%s: relay %s asked for a call past its %d carried at once (%s): "
+                        "not opened",
+                        self.peer,
+                        relay,
+                        most,
+                        kind or GRPC,
+                    )
+                    continue
                 task = asyncio.create_task(self._tunnel(relay, call, self._targets[kind or GRPC]))
-                self._tunnels.add(task)
-                task.add_done_callback(self._tunnels.discard)
-            elif verb == "OPEN" and call:  # its caller hears "did not answer": the cause here
-                self._full.info(
-                    "full",
-                    "%s: relay %s asked for a call past its %d carried at once: not opened",
-                    self.peer,
-                    relay,
-                    self.max_tunnels,
-                )
+                tunnels.add(task)
+                task.add_done_callback(tunnels.discard)
             elif verb != "OPEN":
                 raise ValueError(f"the relay said {line[:40]!r}" if line else "closed")
 

@@ -277,46 +277,12 @@ class RelayServer:
             self._refuse(e.key, "refused a tunnel from %s to %.64r: %s", where, target, e.reason)
             await answer(writer, e.status, e.reason)
             return
-        peer, scrape = attached.peer, kind == METRICS
-        held = attached.metrics_tunnels if scrape else attached.tunnels
-        if held >= (
-            self.limits.max_metrics_tunnels_per_peer if scrape else self.limits.max_tunnels_per_peer
-        ):
-            what = "metrics tunnels" if scrape else "tunnels"
-            self._refuse(
-                "metrics-full" if scrape else "peer-full",
-                "refused a tunnel to %s: its %d %s are open",
-                peer,
-                held,
-                what,
-            )
-            await answer(writer, 503, f"peer {peer} has {held} {what} open")
+        peer, scrape, source = attached.peer, kind == METRICS, source_of(where)
+        full = self._full(attached, scrape, source, where)
+        if full is not None:
+            await answer(writer, 503, full)
             return
-        if self._tunnels >= self.limits.max_tunnels:
-            self._refuse("full", "refused a tunnel to %s: %d tunnels open", peer, self._tunnels)
-            await answer(writer, 503, f"this relay has {self._tunnels} tunnels open")
-            return
-        source = source_of(where)
-        share = min(self.limits.max_tunnels_per_peer_per_source, self.limits.max_tunnels_per_peer)
-        # the others' share of its callers' places kept for them (a scrape has its own places)
-        if not scrape and attached.callers[source] >= share:
-            self._refuse(
-                "peer-source-full", "refused a tunnel from %s to %s: its share is open", where, peer
-            )
-            await answer(writer, 503, f"{share} tunnels to peer {peer} from your address")
-            return
-        if self._source_tunnels[source] >= self.limits.max_tunnels_per_source:
-            self._refuse("source-full", "refused a tunnel from %s: its source's are open", where)
-            await answer(writer, 503, f"{self._source_tunnels[source]} tunnels from your address")
-            return
-        if scrape:
-            attached.metrics_tunnels += 1
-        else:
-            attached.tunnels += 1
-            attached.callers[source] += 1
-        self._tunnels += 1
-        self._source_tunnels[source] += 1
-        self.tunnels_gauge.set(self._tunnels)
+        self._take(attached, scrape, source)
         try:
             data = await self._open(attached, kind)
             if data is None:
@@ -330,14 +296,58 @@ class RelayServer:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await splice((reader, writer), data, self.limits.chunk_bytes, self.carried.inc)
         finally:
-            if scrape:
-                attached.metrics_tunnels -= 1
-            else:
-                attached.tunnels -= 1
-                release(attached.callers, source)
-            self._tunnels -= 1
-            release(self._source_tunnels, source)
-            self.tunnels_gauge.set(self._tunnels)
+            self._give_back(attached, scrape, source)
+
+    def _full(self, attached: Attached, scrape: bool, source: str, where: object) -> str | None:
+        """Why a tunnel to `attached` (a `scrape` of its /metrics, or a call) from `source` has no
+        place now, in the 503's words (refused and counted); None: it has one. A scrape has
+        places of its own: the metrics credential is handed to whoever scrapes."""
+        peer = attached.peer
+        held = attached.metrics_tunnels if scrape else attached.tunnels
+        most = (
+            self.limits.max_metrics_tunnels_per_peer if scrape else self.limits.max_tunnels_per_peer
+        )
+        if held >= most:
+            what = "metrics tunnels" if scrape else "tunnels"
+            key = "metrics-full" if scrape else "peer-full"
+            self._refuse(key, "refused a tunnel to %s: its %d %s are open", peer, held, what)
+            return f"peer {peer} has {held} {what} open"
+        if self._tunnels >= self.limits.max_tunnels:
+            self._refuse("full", "refused a tunnel to %s: %d tunnels open", peer, self._tunnels)
+            return f"this relay has {self._tunnels} tunnels open"
+        share = min(self.limits.max_tunnels_per_peer_per_source, self.limits.max_tunnels_per_peer)
+        # the others' share of its callers' places kept for them
+        if not scrape and attached.callers[source] >= share:
+            self._refuse(
+                "peer-source-full", "refused a tunnel from %s to %s: its share is open", where, peer
+            )
+            return f"{share} tunnels to peer {peer} from your address"
+        if self._source_tunnels[source] >= self.limits.max_tunnels_per_source:
+            self._refuse("source-full", "refused a tunnel from %s: its source's are open", where)
+            return f"{self._source_tunnels[source]} tunnels from your address"
+        return None
+
+    def _take(self, attached: Attached, scrape: bool, source: str) -> None:
+        """A tunnel to `attached` from `source` takes its places (`_full` found them)."""
+        if scrape:
+            attached.metrics_tunnels += 1
+        else:
+            attached.tunnels += 1
+            attached.callers[source] += 1
+        self._tunnels += 1
+        self._source_tunnels[source] += 1
+        self.tunnels_gauge.set(self._tunnels)
+
+    def _give_back(self, attached: Attached, scrape: bool, source: str) -> None:
+        """The places `_take` took, given back as the tunnel ends."""
+        if scrape:
+            attached.metrics_tunnels -= 1
+        else:
+            attached.tunnels -= 1
+            release(attached.callers, source)
+        self._tunnels -= 1
+        release(self._source_tunnels, source)
+        self.tunnels_gauge.set(self._tunnels)
 
     def _credential(self, head: Head) -> str | None:
         """The peer a request's credential names ("": none, the metrics credential, good for

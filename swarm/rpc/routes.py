@@ -15,7 +15,6 @@ from typing import Protocol
 
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
-from swarm.net.peer_ids import MAX_PEER_ID_CHARS
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc import lan
@@ -37,8 +36,10 @@ __all__ = [
 #: (`stage_server.averaging.slot.MAX_GROUP_SIZE`). Each one named is a client the receiver
 #: makes on its event loop (and, behind NAT, a probe of its LAN address).
 MAX_ROUTE_MEMBERS = 1024
-#: The longest address a route may name ("host:port", a relayed one with its peer id).
-MAX_ADDRESS_CHARS = 512
+#: The longest address, or peer id, a route may name: "host:port" (a host of up to 255), or a
+#: relayed one with its peer id, its relay's address and its own (some 660 at the most); a
+#: standalone swarm's ids are its addresses.
+MAX_ADDRESS_CHARS = 1024
 
 
 def check_route(route: Sequence[pb.Route], later: int) -> None:
@@ -60,7 +61,7 @@ def check_route(route: Sequence[pb.Route], later: int) -> None:
                 f"{len(stage.throughput)} throughputs do not pair"
             )
         for peer, address in zip(stage.peers, stage.addresses, strict=True):
-            named = 0 < len(peer) <= MAX_PEER_ID_CHARS and peer.isprintable()
+            named = 0 < len(peer) <= MAX_ADDRESS_CHARS and peer.isprintable()
             if not named or not 0 < len(address) <= MAX_ADDRESS_CHARS or not address.isprintable():
                 raise InvalidArgument(
                     f"{where} names no replica: peer {peer[:40]!r} at {address[:80]!r}"

@@ -222,7 +222,7 @@ async def test_download_state_streams_from_the_snapshot_without_encoding_it_whol
             assert "--max-state-downloads" in (info.value.details() or "")
             call.cancel()
             for _ in range(500):  # the cancelled download lets go of its place
-                if running.servicer._transfer._downloads == 0:
+                if len(running.servicer._transfer.places) == 0:
                     break
                 await asyncio.sleep(0.01)
             messages = [m async for m in stub.DownloadState(request, timeout=20)]

@@ -67,7 +67,7 @@ async def test_downloads_that_hang_up_after_one_message_keep_no_follower(
             assert (await call.read()).step == server.runtime.step  # one message, then gone
             call.cancel()
     transfer = server.servicer._transfer
-    await wait_until(lambda: transfer._downloads == 0, "the server saw each hang-up", timeout_s=5)
+    await wait_until(lambda: len(transfer.places) == 0, "the server saw each hang-up", timeout_s=5)
     await _real_joiner(server, job)
 
 
@@ -165,8 +165,8 @@ async def test_a_stalled_download_lets_go_of_its_snapshot_with_nobody_else_askin
         stalled = stub.DownloadState(_download(job), timeout=60)
         await stalled.read()
         transfer = running.servicer._transfer
-        assert transfer._downloads == 1
-        await wait_until(lambda: transfer._downloads == 0, "the stalled download let go")
+        assert len(transfer.places) == 1
+        await wait_until(lambda: len(transfer.places) == 0, "the stalled download let go")
         stalled.cancel()
 
 

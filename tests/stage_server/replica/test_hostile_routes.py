@@ -14,9 +14,10 @@ import torch
 from stage_server.replica.next_hop import NextHop
 from stage_server.server import StageServerOptions, start_stage_server
 from swarm.job.fingerprint import fingerprint
+from swarm.net import paths
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
-from swarm.rpc.routes import MAX_ROUTE_MEMBERS
+from swarm.rpc.routes import MAX_ROUTE_MEMBERS, check_route
 from swarm.wire import chunking, codec
 from tests.support.jobs import make_job
 
@@ -38,7 +39,7 @@ def _route(members: int, peers: int | None = None) -> pb.Route:
         ([_route(1), _route(1)], "a route of 2 stages; 1 come after this one"),
         ([_route(2, peers=1)], "do not pair"),
         ([pb.Route(peers=["p\n"], addresses=["127.0.0.1:1"])], "names no replica"),
-        ([pb.Route(peers=["p"], addresses=["x" * 600])], "names no replica"),
+        ([pb.Route(peers=["p"], addresses=["x" * 1100])], "names no replica"),
     ],
     ids=["past-the-bound", "thirty-thousand", "too-many-stages", "unpaired", "control", "long"],
 )
@@ -72,3 +73,16 @@ async def test_a_route_no_pool_could_be_is_refused_before_it_is_followed(
         assert isinstance(hop, NextHop) and hop.routes.clients == {}  # nothing followed
     finally:
         await running.stop()
+
+
+def test_a_standalone_swarms_relayed_ids_are_routes_members() -> None:
+    # A review's repro: a standalone swarm's peer ids are its addresses, a relayed one with its
+    # peer id and its relay's address (~150 characters for a cloud host's names): refused as
+    # no peer id, every push through its receiver failed INVALID_ARGUMENT.
+    relayed = paths.relayed_address(
+        "gpu-box-1.home-lab.a-long-volunteer-name",
+        "ip-10-0-12-34.eu-west-1.compute.internal:7000",
+        "relay-1.eu-west-1.swarm-volunteers.example.org:7100",
+    )
+    assert len(relayed) > 128  # past a peer id's bound
+    check_route([pb.Route(peers=[relayed], addresses=[relayed])], 1)  # no refusal

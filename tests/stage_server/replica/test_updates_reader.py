@@ -5,10 +5,10 @@ A follower with a valid ticket (a joiner, a standby) asks its source for the upd
 each is a stage's summed gradient. One that took a part and then read nothing more, its
 connection open, held the answer's updates for as long as the connection lived, after the
 update log itself had let them go: each such call a stage's gradients a step, kept. A state
-download has both an idle and a whole bound (`StateTransfer._let_stalled_go`); the updates had
-neither. Real stage server, real gRPC, a reader that stops. (Its caller is told nothing: a
-cancelled gRPC handler sends no status, and the reader's own client gives up at its idle bound,
-`rpc_timeout_s`.)"""
+download has both an idle and a whole bound (`stage_server.replica.download_places`); the
+updates had neither. Real stage server, real gRPC, a reader that stops. (Its caller is told
+nothing: a cancelled gRPC handler sends no status, and the reader's own client gives up at its
+idle bound, `rpc_timeout_s`.)"""
 
 from __future__ import annotations
 

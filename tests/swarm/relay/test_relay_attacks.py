@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import swarm.relay.server as server_module
-from swarm.net import tls
+from swarm.net import paths, tls
 from swarm.net.paths import relay_credential
 from swarm.relay.attach import Attachment, split_host_port
 from swarm.relay.auth import attach_proof, metrics_credential
@@ -464,6 +464,32 @@ async def test_scrapes_take_no_place_of_a_peers_callers() -> None:
             status, stream = await _connect(address, f"{NAT_HOST}:{port}", peer)
             held.append(stream)
             assert status == "HTTP/1.1 200 Connection established", status  # a caller's place
+        finally:
+            for stream in held:
+                await _closed(stream)
+            await attachment.stop()
+            await relay.stop()
+
+
+async def test_a_peer_keeps_its_calls_places_from_its_scrapes() -> None:
+    """A review of the relay's fix: the peer itself counted scrapes against its bound of calls
+    carried at once, so held scrapes still cost its gRPC callers their places (a 504 after the
+    relay's open timeout). Its /metrics has places of its own there too."""
+    relay = RelayServer(TOKEN)
+    address = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+    async with echo_server(TOKEN) as port, listener() as (metrics_port, _):
+        attachment = _scraped_peer(address, port, metrics_port)
+        attachment.max_tunnels = 1  # one call at a time
+        await attachment.start()
+        held: list[Stream] = []
+        try:
+            await wait_until(lambda: attachment.relay is not None)
+            metrics = f"metrics:{metrics_credential(TOKEN)}"
+            status, stream = await _connect(address, f"{NAT_HOST}:{metrics_port}", metrics)
+            held.append(stream)
+            assert status == "HTTP/1.1 200 Connection established", status  # a scrape, held
+            via = paths.relayed_address("a", f"{NAT_HOST}:{port}", address)
+            assert await echo_bytes(via, TOKEN, [b"call"]) == [b"call"]  # the call's place
         finally:
             for stream in held:
                 await _closed(stream)
