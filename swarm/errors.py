@@ -9,6 +9,7 @@ from collections.abc import Sequence
 __all__ = [
     "Aborted",
     "ActivationsNotCached",
+    "BadReply",
     "Busy",
     "ConfigError",
     "DeadlineExceeded",
@@ -118,3 +119,12 @@ class RemoteError(SwarmError):
     def __init__(self, message: str, code: str = "UNKNOWN") -> None:
         super().__init__(message)
         self.code = code
+
+
+class BadReply(RemoteError):
+    """The peer's answer cannot be the one asked for (a tensor missing, of another shape, one
+    that does not decode): the peer's fault, as an error of its own is, perhaps after it
+    accumulated (`swarm.rpc.reply_checks`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "BAD_REPLY")

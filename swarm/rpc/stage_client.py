@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from swarm.device.handover import Offer
-from swarm.errors import PeerUnavailable
+from swarm.errors import BadReply, PeerUnavailable, WireError
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
 from swarm.net import dial
@@ -24,6 +24,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc import client_stream, epoch, late_audit
 from swarm.rpc.push_call import PushCall
+from swarm.rpc.reply_checks import crossing_shape, needed
 from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
 from swarm.rpc.status import from_rpc_error
 from swarm.wire import chunking as wire
@@ -162,10 +163,13 @@ class StageClient:
         )
         tensors: dict[str, Any] = {}
         for t, payload in zip(received.header.tensors, received.payloads, strict=True):
-            codec.decoded_nbytes(t)  # validate the header before passing it on
-            if isinstance(payload, torch.Tensor):  # the slot's bytes, this process's own
-                tensors[t.name] = codec.decode(t, payload)
-                continue
+            try:
+                codec.decoded_nbytes(t)  # validate the header before passing it on
+                if isinstance(payload, torch.Tensor):  # the slot's bytes, this process's own
+                    tensors[t.name] = codec.decode(t, payload)
+                    continue
+            except (WireError, ValueError, RuntimeError) as e:  # the replica's word: its fault
+                raise BadReply(f"its answer's {t.name[:40]!r} does not decode: {e}") from e
             if len(t.data) != t.nbytes:  # it came in chunks: put the bytes back in one message
                 t.data = bytes(payload)
             tensors[t.name] = t
@@ -188,6 +192,14 @@ class StageClient:
         if crossing.tokens is not None:
             tensors.append(self._tensor(crossing.tokens, "tokens", CODEC_NONE))
         return tensors
+
+    def _grad(self, received: dict[str, Any], call: str, like: TensorLike, asked: bool) -> Any:
+        """The gradient of what crossed into this stage for the microbatch `like` is of, as the
+        answer of `call` holds it (`swarm.rpc.reply_checks`); None where it was not asked for
+        (one there all the same is dropped unread)."""
+        if not asked:
+            return None
+        return needed(received, "grad_inputs", call, crossing_shape(like))
 
     def _id(self, step: int, index: int) -> pb.MicrobatchId:
         return pb.MicrobatchId(step=step, index=index, epoch=epoch.current())
@@ -215,7 +227,9 @@ class StageClient:
         )
         header, tensors = await self._call(self.stub.Forward, request)
         self.last_queued_s = header.queued_seconds
-        return tensors["outputs"]
+        last = self.stage == self.job.training.stages - 1  # what it computes is no crossing
+        shape = None if last else crossing_shape(crossing.hidden)
+        return needed(tensors, "outputs", "Forward", shape)
 
     @_swarm_errors
     async def backward(
@@ -246,8 +260,9 @@ class StageClient:
             late=late_audit.current(),
         )
         header, received = await self._call(self.stub.Backward, request)
+        like = grad_outputs if crossing is None else crossing.hidden  # both [batch, seq, ...]
         return BackwardResult(
-            received.get("grad_inputs"),
+            self._grad(received, "Backward", like, need_grad_inputs),
             header.receipt,
             queued_seconds=header.queued_seconds,
             digest=header.digest if header.HasField("digest") else None,
@@ -278,7 +293,7 @@ class StageClient:
         )
         header, received = await self._call(self.stub.ForwardBackward, request)
         return BackwardResult(
-            received.get("grad_inputs"),
+            self._grad(received, "ForwardBackward", crossing.hidden, need_grad_inputs),
             header.receipt,
             header.loss_sum,
             header.queued_seconds,
@@ -327,7 +342,7 @@ class StageClient:
         )
         header, received = await self._call(self.stub.Push, request, timeout, reply)
         return PushResult(
-            received.get("grad_inputs"),
+            self._grad(received, "Push", call.crossing.hidden, call.need_grad_inputs),
             list(header.receipts),
             set(header.uncertain),
             header.loss_sum,

@@ -1,0 +1,134 @@
+"""A replica's answer is taken by the stage client only as the one asked for: the tensor asked
+for there, of the call's shape; one not asked for dropped unread; one that does not decode
+refused. Each failure is a `BadReply` (the replica's own fault: its hop backs it off, perhaps
+after it accumulated), where before a Forward without its outputs raised a `KeyError` that
+ended the trainer, outputs of another shape went on to the next stage, whose honest replica was
+blamed, and an unasked gradient was decoded all the same. A hostile replica as a real gRPC
+server, the trainer's stage client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.errors import BadReply, RemoteError
+from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
+from swarm.proto import stage_pb2 as pb
+from swarm.proto import stage_pb2_grpc, tensor_pb2
+from swarm.rpc.hop import may_have_landed
+from swarm.rpc.stage_client import StageClient
+from swarm.wire import chunking as wire
+from swarm.wire import codec
+from swarm.wire.crossing import Crossing
+from tests.support.hostile import serving
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+STAGE = 1  # a middle stage of three: hidden states in, hidden states out
+Tensors = Callable[[], list[tensor_pb2.Tensor]]
+
+
+class Answers(stage_pb2_grpc.StageServiceServicer):
+    """Answers every Forward and Backward with `tensors()`, whatever was asked."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.tensors = tensors
+
+    async def _read(self, requests: AsyncIterator[Any]) -> None:
+        async for _ in requests:
+            pass
+
+    async def Forward(self, request_iterator: Any, context: Any) -> Any:  # type: ignore[override]
+        await self._read(request_iterator)
+        for part in wire.split(pb.StageForwardResponse(tensors=self.tensors()), 1 << 20):
+            yield part
+
+    async def Backward(self, request_iterator: Any, context: Any) -> Any:  # type: ignore[override]
+        await self._read(request_iterator)
+        receipt = pb.Receipt(stage=STAGE, samples=4)
+        reply = pb.StageBackwardResponse(tensors=self.tensors(), receipt=receipt)
+        for part in wire.split(reply, 1 << 20):
+            yield part
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobConfig:
+    return make_job(tmp_path, training={"stages": 3})
+
+
+def _hidden(job: JobConfig, batch: int = 4) -> torch.Tensor:
+    return torch.zeros(batch, job.model.seq_len, job.model.d_model, dtype=torch.float64)
+
+
+async def _forward(job: JobConfig, tensors: Tensors) -> tensor_pb2.Tensor:
+    async with serving(Answers(tensors)) as address:
+        client = StageClient(address, job, fingerprint(job), STAGE)
+        try:
+            return await client.forward(0, 0, Crossing(_hidden(job)))
+        finally:
+            await client.close()
+
+
+async def test_a_forward_answer_is_its_outputs_of_the_microbatchs_shape(job: JobConfig) -> None:
+    outputs = await _forward(job, lambda: [codec.encode(_hidden(job), "outputs")])
+    assert list(outputs.shape) == list(_hidden(job).shape)
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        ("none", "holds no 'outputs'"),
+        ("another name", "holds no 'outputs'"),
+        ("another batch", r"is \[1, "),
+        ("another width", r"is \[4, "),
+        ("no dtype", "does not decode"),
+    ],
+)
+async def test_a_forward_answer_that_is_not_its_outputs_is_the_replicas_fault(
+    job: JobConfig, answer: str, says: str
+) -> None:
+    def tensors() -> list[tensor_pb2.Tensor]:
+        if answer == "none":
+            return []
+        if answer == "another name":
+            return [codec.encode(_hidden(job), "x")]
+        if answer == "another batch":
+            return [codec.encode(_hidden(job, batch=1), "outputs")]
+        if answer == "another width":
+            return [codec.encode(torch.zeros(4, job.model.seq_len, 3), "outputs")]
+        bad = codec.encode(_hidden(job), "outputs")
+        bad.dtype = "no-such-dtype"
+        return [bad]
+
+    with pytest.raises(BadReply, match=says) as refused:
+        await _forward(job, tensors)
+    # the replica's own fault, perhaps after it accumulated: backed off, not taken at its word
+    assert isinstance(refused.value, RemoteError) and may_have_landed(refused.value)
+
+
+async def test_a_gradient_not_asked_for_is_dropped_unread_and_one_asked_for_checked(
+    job: JobConfig,
+) -> None:
+    grad = _hidden(job)
+    async with serving(Answers(lambda: [codec.encode(torch.zeros(7), "grad_inputs")])) as a:
+        client = StageClient(a, job, fingerprint(job), STAGE)
+        try:
+            done = await client.backward(0, 0, Crossing(grad), grad, need_grad_inputs=False)
+            assert done.grad_inputs is None  # there all the same: not taken
+            with pytest.raises(BadReply, match=r"'grad_inputs' is \[7\]"):
+                await client.backward(0, 0, Crossing(grad), grad, need_grad_inputs=True)
+        finally:
+            await client.close()
+    async with serving(Answers(lambda: [codec.encode(grad, "grad_inputs")])) as address:
+        client = StageClient(address, job, fingerprint(job), STAGE)
+        try:
+            done = await client.backward(0, 0, None, grad, need_grad_inputs=True)  # cached there
+            assert done.grad_inputs is not None and list(done.grad_inputs.shape) == list(grad.shape)
+        finally:
+            await client.close()
