@@ -146,11 +146,16 @@ async def hop(
                 if not need_result:
                     return Hopped(None, None, False)
             continue
+        elapsed = time.perf_counter() - start
         queued = getattr(result, "queued_seconds", None)
         if queued is None:  # a call whose answer does not say: the client kept it
             queued = client.last_queued_s
+        # The replica's word for its wait, believed only where it could be one: within the
+        # call's own time. A NaN, a negative or a week's made it the fastest of its stage,
+        # chosen for every hop after; a wait it could not have had is taken as none.
+        queued = queued if 0.0 <= queued <= elapsed else 0.0  # NaN compares false
         if peer in pool:  # it may have left (or moved stage) while the call ran
-            pool.finished(peer, samples, max(1e-6, time.perf_counter() - start - queued))
+            pool.finished(peer, samples, max(1e-6, elapsed - queued))
             if observer is not None:
                 observer.routed(stage, peer, pool.throughput(peer))
         return Hopped(peer, result, accumulate)

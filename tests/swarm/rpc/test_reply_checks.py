@@ -8,19 +8,26 @@ server, the trainer's stage client."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from swarm.clock import MonotonicClock
 from swarm.errors import BadReply, RemoteError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
+from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.rpc.hop import may_have_landed
+from swarm.rpc.hop import hop, may_have_landed
+from swarm.rpc.lease import Replica
+from swarm.rpc.routes import Routes
 from swarm.rpc.stage_client import StageClient
 from swarm.wire import chunking as wire
 from swarm.wire import codec
@@ -132,3 +139,33 @@ async def test_a_gradient_not_asked_for_is_dropped_unread_and_one_asked_for_chec
             assert done.grad_inputs is not None and list(done.grad_inputs.shape) == list(grad.shape)
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("claimed", [float("nan"), -5.0, 3600.0])
+async def test_a_replicas_word_for_its_wait_is_held_within_the_calls_time(
+    job: JobConfig, claimed: float
+) -> None:
+    # A review's repro: the service time a hop measures is its call's time less the wait the
+    # replica says it had; a NaN (or a week) made a slow replica measure a millionth of a
+    # second, the fastest of its stage, chosen for every hop after.
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    routes = Routes(job, fingerprint(job), None, wiring)
+    routes.follow(STAGE, [Replica("liar", "fake:liar", 1.0), Replica("honest", "fake:honest", 1.0)])
+
+    def answers(delay_s: float, queued: float) -> Callable[[Any, bool], Awaitable[Any]]:
+        async def call(client: Any, accumulate: bool) -> Any:
+            await asyncio.sleep(delay_s)
+            return SimpleNamespace(queued_seconds=queued)
+
+        return call
+
+    try:
+        await hop(routes, STAGE, answers(0.2, claimed), attempts=1, prefer="liar")
+        await hop(routes, STAGE, answers(0.02, 0.0), attempts=1, prefer="honest")
+        pool = wiring[STAGE]
+        assert pool.throughput("honest") > pool.throughput("liar"), (
+            pool.throughput("honest"),
+            pool.throughput("liar"),
+        )
+    finally:
+        await routes.close()
