@@ -190,7 +190,15 @@ class PipelineTrainer:
                         for finished in running:
                             finished.result()
                     return
-                for task in lease.tasks:
+                if len(lease.tasks) > free:  # no coordinator gives more than it is asked for
+                    self._failed_log.warning(
+                        "lease",
+                        "%s: asked for %d microbatches, given %d: the rest left to expire",
+                        self.trainer_id,
+                        free,
+                        len(lease.tasks),
+                    )
+                for task in lease.tasks[:free]:
                     running[asyncio.create_task(self._run_tasks(task, running))] = task
                 if lease.tasks:
                     idle.reset()

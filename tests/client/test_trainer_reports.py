@@ -213,3 +213,43 @@ async def test_an_auto_window_follows_what_the_stages_hold_as_it_changes(tmp_pat
     grown.sync(_Holding([20, 20], [], until=9)._take(0).replicas)
     assert grown.window == MICROBATCHES  # all of a step, no more
     await grown.close()
+
+
+class _Lavish(_Source):
+    """`_Source`, whose first lease gives 10,000 microbatches whatever it was asked for (a
+    scheduler impersonated on a swarm without TLS); counts the microbatches run at once."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.first, self.at_once, self.most = True, 0, 0
+
+    def _take(self, count: int) -> Lease:
+        if not self.first:
+            return super()._take(count)
+        self.first = False
+        return Lease(0, [Task(0, i, frozenset({0, 1})) for i in range(10_000)], [])
+
+
+async def test_a_lease_of_more_than_was_asked_for_runs_no_more_than_the_window(
+    tmp_path: Path,
+) -> None:
+    # A review's repro: the trainer started a slot for every task a lease gave, whatever it
+    # asked for: 10,000 tasks, 10,000 coroutines at once.
+    job = load_job(write_job(tmp_path, training={"stages": 2}, runtime={"max_in_flight": 8}))
+    source = _Lavish()
+
+    class Counted(_Instant):
+        async def _microbatch(self, task: Task) -> MicrobatchResult:
+            source.at_once += 1
+            source.most = max(source.most, source.at_once)
+            try:
+                return await super()._microbatch(task)
+            finally:
+                source.at_once -= 1
+
+    trainer = Counted(job, source)
+    try:
+        await asyncio.wait_for(trainer.run(), 30)
+    finally:
+        await trainer.close()
+    assert 0 < source.most <= trainer.window, (source.most, trainer.window)
