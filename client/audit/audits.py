@@ -40,8 +40,9 @@ from typing import Protocol
 import torch
 
 from client.metrics import TrainerMetrics
-from swarm.errors import SwarmError
+from swarm.errors import RemoteError, SwarmError
 from swarm.job.tolerance import TOLERANCE, tolerance_of
+from swarm.ops.rated import RatedLog
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike, WireCrossing
 
@@ -159,6 +160,7 @@ class Audits:
         )
         # Unpredictable to every replica: drawn after their answers, from the OS's randomness.
         self.rng = rng or random.SystemRandom()
+        self._failed = RatedLog(log, every_s=60.0)  # an auditor's answer of its own making
 
     def auditors(self, stage: int, producers: Iterable[str]) -> list[str]:
         """The replicas of `stage` that could re-execute work `producers` did (none: a pool of
@@ -219,7 +221,11 @@ class Audits:
         try:
             done = await self.reexecutor.redo(peer, step, index, work, seed)
         except SwarmError as e:  # gone, or the step moved on: no evidence either way
-            log.info("audit of (%d, %d) at stage %d on %s: %s", step, index, work.stage, peer, e)
+            where = f"audit of ({step}, {index}) at stage {work.stage} on {peer}"
+            if isinstance(e, RemoteError):  # an answer of its own making (a bug, a bad reply)
+                self._failed.warning(peer, "%s: %s: another auditor is asked", where, e)
+            else:
+                log.info("%s: %s", where, e)
             return None
         self.metrics.audit_runs.inc()
         return done
@@ -284,12 +290,19 @@ class Audits:
         two: both asked at once, neither waits for the other)."""
         first = self.rng.choice(others)
         if not seed:
-            return _Answers(first, await self._redo(first, step, index, work))
+            a = await self._redo(first, step, index, work)
+            if a is None and (instead := self._second(others, first)) is not None:
+                # The first answered nothing (gone, or an answer of its own making): one that
+                # fails every re-execution must not keep its stage's work unaudited.
+                first, a = instead, await self._redo(instead, step, index, work)
+            return _Answers(first, a)
         second = self._second(others, first)
         a, b = await asyncio.gather(
             self._redo(first, step, index, work, seed),
             self._redo(second, step, index, work, seed) if second else _nothing(),
         )
+        if a is None and b is not None:  # the second's answer stands alone, as a first
+            return _Answers(second, b) if second is not None else _Answers(first, None)
         return _Answers(first, a, second, b)
 
     def _arbitrated(

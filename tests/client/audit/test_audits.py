@@ -4,6 +4,7 @@ behind its `Reexecutor` seam: who is drawn, and who a disagreement convicts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from client.data_plane.hops import StageHops
 from client.data_plane.plane import audits_of
 from client.metrics import TrainerMetrics
 from swarm.clock import MonotonicClock
-from swarm.errors import PeerUnavailable
+from swarm.errors import BadReply, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.rpc.lease import ContributionAudit, GradientDigest
@@ -33,8 +34,14 @@ class Replicas:
     """Three replicas of stage 1 (`a`, `b`, `c`); `liars` answer re-executions wrongly; `gone`
     answer nothing."""
 
-    def __init__(self, liars: set[str] = frozenset(), gone: set[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        liars: set[str] = frozenset(),
+        gone: set[str] = frozenset(),
+        broken: set[str] = frozenset(),
+    ) -> None:
         self.liars, self.gone, self.asked = set(liars), set(gone), []
+        self.broken = set(broken)  # answer what cannot be a re-execution (`BadReply`)
 
     def peers(self, stage: int) -> list[str]:
         return ["a", "b", "c"]
@@ -45,6 +52,8 @@ class Replicas:
         self.asked.append(peer)
         if peer in self.gone:
             raise PeerUnavailable(f"{peer} is gone")
+        if peer in self.broken:
+            raise BadReply("its Forward answer holds no 'outputs'")
         digest = (DIGEST[0] + (peer in self.liars), *DIGEST[1:]) if digest_seed else None
         if peer in self.liars:
             return Redone(TRUE_OUT + WRONG, TRUE_GRAD, digest)
@@ -115,15 +124,32 @@ async def test_a_lying_auditor_is_convicted_not_the_audited() -> None:
             assert verdicts == [] and replicas.asked == ["c"]
 
 
+async def test_an_auditor_that_answers_nothing_of_use_is_said_and_another_asked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A review's repro: an auditor whose every answer is no re-execution (one that does not
+    # decode) was said at INFO, below the default level, and no other auditor was asked: the
+    # stage's work went unaudited for as long as it was drawn first.
+    for seed in range(10):  # whichever of the two others is asked first
+        replicas = Replicas(broken={"b"})
+        audits = _audits(replicas, seed=seed)
+        with caplog.at_level(logging.WARNING, logger="client.audit.audits"):
+            assert await audits.audit(0, 0, [_work()]) == ([], 1)
+        assert replicas.asked[-1] == "c" and _count(audits, "agreed") == 1
+        if replicas.asked[0] == "b":
+            said = [r.getMessage() for r in caplog.records if "on b" in r.getMessage()]
+            assert said and "another auditor is asked" in said[-1], said
+
+
 async def test_no_verdict_on_one_word_against_another() -> None:
     # The second auditor is gone: a disagreement with nobody to arbitrate convicts nobody.
     replicas = Replicas(gone={"b"})
     audits = _audits(replicas, seed=1)
     verdicts, _ = await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)])
-    if replicas.asked[0] == "b":  # the first auditor answered nothing: skipped
-        assert verdicts == [] and _count(audits, "skipped") == 1
-    else:
-        assert verdicts == [] and _count(audits, "undecided") == 1
+    # Whichever was asked first: c re-executed it (b, first, answered nothing: c was asked in
+    # its place), and nobody is left to arbitrate.
+    assert "c" in replicas.asked
+    assert verdicts == [] and _count(audits, "undecided") == 1
 
 
 async def test_an_audit_is_skipped_where_no_other_replica_answers() -> None:
