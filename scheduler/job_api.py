@@ -26,6 +26,7 @@ from scheduler.callers import Callers
 from scheduler.data_hashes import DataHashes
 from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
+from scheduler.known_jobs import KnownJobs
 from scheduler.store import JobRecord, JobStore
 from scheduler.trainer_calls import TrainerCalls
 from scheduler.trusted_peers import TrustMode
@@ -129,7 +130,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.callers, self.admission = callers or Callers(), admission or Admission()
         self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler", reader_idle_s=READER_IDLE_S)
-        self._jobs_seen: set[str] = set()  # ids the store has (DeleteJob forgets its own)
+        self._known = KnownJobs(self._job)  # the ids the store has, asked once each
         self.trainer_calls = TrainerCalls()  # bounded, each under its own trainer id
         self.trust = TrustMode(trusted_peers)
         self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)
@@ -144,14 +145,6 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return body()
 
         return await self._serving.run(method, context, call)
-
-    def _known(self, job_id: str) -> None:
-        """Refuse an unknown job. Leases and reports, the calls every trainer makes many times
-        a second, ask the store once per job (a job deleted since is the orchestration's to
-        refuse: it has no record to lease from)."""
-        if job_id not in self._jobs_seen:
-            self._job(job_id)
-            self._jobs_seen.add(job_id)
 
     def _job(self, job_id: str) -> JobRecord:
         record = self.store.get(job_id)
@@ -306,7 +299,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 raise FailedPrecondition(f"job {record.id!r} is {record.state}; cancel it first")
             await self.control.delete(record.id)  # its files first: a failure keeps the record
             self.store.delete(record.id)
-            self._jobs_seen.discard(record.id)
+            self._known.forget(record.id)
             log.info("scheduler: job %s deleted", record.id)
             return scheduler_pb2.SchedulerDeleteJobResponse()
 
@@ -316,7 +309,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
-            self._known(request.job)
+            self._known.check(request.job)
             return await self._lease(request, request.trainer_key)
 
         return await self._serving.run("LeaseMicrobatches", context, body)
@@ -340,7 +333,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerReportMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
-            self._known(request.job)
+            self._known.check(request.job)
             self.trainer_calls.report(request)  # all of it refused before any of it is taken
             results = [result_from_proto(r) for r in request.results]
             failure = request.failure[:MAX_FAILURE_CHARS] or None

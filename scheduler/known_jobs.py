@@ -1,0 +1,43 @@
+"""The jobs the job API has found in the store (`KnownJobs`): leases and reports, the calls every
+trainer makes many times a second, ask the store once per job, not at each call (a job deleted
+since is the orchestration's to refuse: it has no record to lease from).
+
+Bounded: the ids of every job ever asked for were kept for the scheduler's life, past the jobs
+retention deleted. At most `MAX_KNOWN` are now, the least recently asked forgotten first: one
+forgotten is looked up in the store again at its next call."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+__all__ = ["MAX_KNOWN", "KnownJobs"]
+
+#: Job ids kept: far more than the jobs whose trainers call at once.
+MAX_KNOWN = 4096
+
+
+class KnownJobs:
+    """`look_up(job_id)` raises for a job the store does not have; `check` asks it once per
+    job kept."""
+
+    def __init__(self, look_up: Callable[[str], object], most: int = MAX_KNOWN) -> None:
+        self._look_up, self.most = look_up, most
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def check(self, job_id: str) -> None:
+        """Refuse an unknown job (as `look_up` does)."""
+        if job_id in self._ids:
+            self._ids.move_to_end(job_id)
+            return
+        self._look_up(job_id)
+        self._ids[job_id] = None
+        while len(self._ids) > self.most:
+            self._ids.popitem(last=False)
+
+    def forget(self, job_id: str) -> None:
+        """`job_id` was deleted: asked of the store again."""
+        self._ids.pop(job_id, None)
