@@ -17,7 +17,6 @@ from typing import Protocol
 import torch
 
 from client.audit.audits import Audits, Work
-from client.audit.reexecute import decoded
 from swarm.model.data import DataSource
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
 from swarm.rpc.stage_client import TensorLike, WireCrossing
@@ -102,13 +101,12 @@ def works_of(kept: Kept, step: int, index: int, lowest: int, last: int) -> list[
     for k in stages:
         given, grad_outputs = sent[k]
         answer = answers[k]
+        outputs: TensorLike  # as they came: decoded where the work is audited
         if k == last:  # its outputs are the loss
             outputs = torch.tensor(answer.loss_sum, dtype=torch.float64)
         else:  # its outputs are what the stage above was sent
-            next_inputs = decoded(sent[k + 1][0].hidden)
-            assert next_inputs is not None
-            outputs = next_inputs
-        grad_inputs = decoded(answer.grad_inputs)
+            outputs = sent[k + 1][0].hidden
+        grad_inputs = answer.grad_inputs
         work = Work(
             k,
             given,

@@ -45,6 +45,7 @@ from swarm.job.tolerance import TOLERANCE, tolerance_of
 from swarm.ops.rated import RatedLog
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike, WireCrossing
+from swarm.wire import codec
 
 __all__ = [
     "TOLERANCE",
@@ -53,6 +54,7 @@ __all__ = [
     "Reexecutor",
     "StageAudit",
     "Work",
+    "decoded",
     "differs",
     "tolerance_of",
 ]
@@ -67,8 +69,10 @@ class Work:
     stage: int
     given: WireCrossing  # its inputs, and the token ids where the boundary needs them
     grad_outputs: TensorLike  # the last stage: the targets
-    outputs: torch.Tensor  # the last stage: its loss sum (a 0-d tensor)
-    grad_inputs: torch.Tensor | None  # None where none was asked for (stage 0, the lowest)
+    # As they came (encoded, or not): decoded only where the work is audited, off the loop
+    # (`_claimed`); every microbatch's were decoded on it, drawn or not.
+    outputs: TensorLike  # the last stage: its loss sum (a 0-d tensor)
+    grad_inputs: TensorLike | None  # None where none was asked for (stage 0, the lowest)
     forward_peer: str  # who answered `outputs`
     backward_peer: str  # who answered `grad_inputs` (and accumulated the stage's gradient)
 
@@ -240,12 +244,12 @@ class Audits:
     async def _audit(self, step: int, index: int, work: Work, seed: int = 0) -> StageAudit:
         """The liars found in `work`; with `seed`, its gradient's digest by two auditors (or
         each one's, where they differ)."""
-        claimed = _claimed(work)
         producer = _producers(work)
         others = self.auditors(work.stage, producer.values())
         if not others:
             self.metrics.audited("skipped")
             return StageAudit()
+        claimed = await asyncio.to_thread(_claimed, work)
         answers = await self._ask(step, index, work, seed, others)
         a = answers.a
         if a is None:
@@ -385,9 +389,17 @@ class Audits:
         return None
 
 
+def decoded(value: TensorLike | None) -> torch.Tensor | None:
+    """A tensor as sent or received (encoded or not) as a tensor."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return codec.decode(value)
+
+
 def _claimed(work: Work) -> dict[str, torch.Tensor | None]:
-    """What the producers answered, by item (`_ITEMS`)."""
-    return {"outputs": work.outputs, "input gradients": work.grad_inputs}
+    """What the producers answered, by item (`_ITEMS`), decoded (a thread's work: a lossy
+    codec's decoding is compute)."""
+    return {"outputs": decoded(work.outputs), "input gradients": decoded(work.grad_inputs)}
 
 
 def _producers(work: Work) -> dict[str, str]:

@@ -8,21 +8,14 @@ from collections.abc import Awaitable
 
 import torch
 
-from client.audit.audits import Redone, Work
+from client.audit.audits import Redone, Work, decoded
 from swarm.errors import ActivationsNotCached, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.rpc.routes import Routes
-from swarm.rpc.stage_client import BackwardResult, TensorLike, WireCrossing
+from swarm.rpc.stage_client import BackwardResult, WireCrossing
 from swarm.wire import codec
 
 __all__ = ["StageReexecutor", "decoded"]
-
-
-def decoded(value: TensorLike | None) -> torch.Tensor | None:
-    """A tensor as sent or received (encoded or not) as a tensor."""
-    if value is None or isinstance(value, torch.Tensor):
-        return value
-    return codec.decode(value)
 
 
 class StageReexecutor:

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
+import pytest
 import torch
 
 from client.audit.audited import Audited
-from client.audit.audits import Audits, Redone, Work
+from client.audit.audits import Audits, Redone, Work, decoded
 from client.data_plane.boundary_cache import Answer, BoundaryCache
 from client.metrics import TrainerMetrics
 from swarm.model.data import DataSource
 from swarm.rpc.lease import MicrobatchResult, Replica, Task
+from swarm.wire import codec
 from swarm.wire.crossing import Crossing
 
 X0, X1 = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)  # stage 0's inputs, stage 1's
@@ -65,7 +68,9 @@ class Honest:
         self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
     ) -> Redone:
         self.shown.append(work)
-        return Redone(work.outputs.clone(), work.grad_inputs)
+        outputs = decoded(work.outputs)  # as it came: encoded or not
+        assert outputs is not None
+        return Redone(outputs.clone(), decoded(work.grad_inputs))
 
 
 class _NoData:
@@ -117,3 +122,40 @@ async def test_a_microbatch_is_kept_for_its_audit_whatever_the_budget() -> None:
     )
     assert result.stage_runs == 2 and len(redo.shown) == 2
     assert len(cache) == 0 and cache.nbytes == 0  # let go after: trimmed to its budget
+
+
+class Encoded(TwoStages):
+    """`TwoStages`, what crossed kept as it went on the wire (encoded: a lossy codec's bytes)."""
+
+    async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
+        step, index = task.step, task.index
+        x1, g1 = codec.encode(X1, "inputs", codec.CODEC_BF16), codec.encode(G1, "grad_inputs")
+        self.cache.remember(step, index, 1, Crossing(x1), TARGETS, ["f"])
+        self.cache.answered(step, index, 1, Answer("a", "a", g1, loss_sum=2.5))
+        self.cache.remember(step, index, 0, Crossing(X0), g1, ["a"])
+        self.cache.answered(step, index, 0, Answer("f", "b", None))
+        return MicrobatchResult(step, index, {0: "b", 1: "a"}, 2.5, 2, touched=("a", "b", "f"))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+async def test_what_crossed_is_decoded_only_where_it_is_audited(
+    fraction: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A review's find: every microbatch's boundary tensors were decoded on the trainer's event
+    # loop before the draw (a lossy codec's decoding is compute), audited or not.
+    decodes: list[str] = []
+    decode = codec.decode
+
+    def counted(t: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        decodes.append(t.name)
+        return decode(t, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "decode", counted)
+    cache, redo = BoundaryCache(1 << 20, delays=False), Honest()
+    audits = Audits(fraction, 1e-2, redo, TrainerMetrics("job"), rng=random.Random(0))
+    plane = Audited(Encoded(cache), cache, audits, stages=2)
+    result = await plane.train(Task(3, 1, frozenset({0, 1})), _DATA)
+    if fraction == 0.0:
+        assert decodes == [] and result.audit_runs == 0  # nothing drawn: nothing decoded
+    else:
+        assert decodes and result.audit_runs == 2 and result.verdicts == ()
