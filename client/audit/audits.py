@@ -94,6 +94,7 @@ class _Answers:
     a: Redone | None
     second: str | None = None  # the one that arbitrates, or digests beside `first`
     b: Redone | None = None
+    failed: tuple[str, ...] = ()  # asked in turn before `first`, and answered nothing
 
     @property
     def runs(self) -> int:
@@ -255,8 +256,9 @@ class Audits:
         if a is None:
             self.metrics.audited("skipped")
             return StageAudit(runs=answers.runs)
-        if not seed:
-            answers.second = self._second(others, answers.first)
+        if not seed:  # the arbitrator: never one that answered nothing
+            answered = [o for o in others if o not in answers.failed]
+            answers.second = self._second(answered, answers.first)
         first, second = answers.first, answers.second
         digest = _digest(work, seed, first, a, second, answers.b)
         redone_a = {"outputs": a.outputs, "input gradients": a.grad_inputs}
@@ -265,13 +267,18 @@ class Audits:
         where = f"microbatch ({step}, {index}) at stage {work.stage}"
         if not wrong:
             if second is not None and answers.b is not None:  # asked for a digest: its answers
-                lied = self._outvoted(work, where, first, redone_a, second, answers.b)
+                lied = self._outvoted(work, where, claimed, first, redone_a, second, answers.b)
                 if lied is not None:
                     return StageAudit([lied], digest, answers.runs)
             self.metrics.agreed(max(gaps.values()))
             return StageAudit([], digest, answers.runs)
-        if answers.b is None and second is not None:
+        tried = {answers.first, *answers.failed}
+        while answers.b is None and second is not None:  # an arbitrator that answers, if any
             answers.b = await self._redo(second, step, index, work)
+            tried.add(second)
+            if answers.b is None:
+                second = self._second([o for o in others if o not in tried], answers.first)
+        answers.second = second
         if second is None or answers.b is None:
             self.metrics.audited("undecided")
             log.warning(
@@ -284,7 +291,7 @@ class Audits:
                 gaps[wrong[0]],
             )
             return StageAudit([], digest, answers.runs)
-        verdicts = self._arbitrated(work, where, wrong, answers, redone_a, gaps)
+        verdicts = self._arbitrated(work, where, claimed, wrong, answers, redone_a, gaps)
         return StageAudit(verdicts, digest, answers.runs)
 
     async def _ask(
@@ -298,7 +305,8 @@ class Audits:
             if a is None and (instead := self._second(others, first)) is not None:
                 # The first answered nothing (gone, or an answer of its own making): one that
                 # fails every re-execution must not keep its stage's work unaudited.
-                first, a = instead, await self._redo(instead, step, index, work)
+                a = await self._redo(instead, step, index, work)
+                return _Answers(instead, a, failed=(first,))
             return _Answers(first, a)
         second = self._second(others, first)
         a, b = await asyncio.gather(
@@ -313,6 +321,7 @@ class Audits:
         self,
         work: Work,
         where: str,
+        claimed: dict[str, torch.Tensor | None],
         wrong: list[str],
         answers: _Answers,
         redone_a: dict[str, torch.Tensor | None],
@@ -323,7 +332,6 @@ class Audits:
         do, nobody is banned."""
         first, second, b = answers.first, answers.second, answers.b
         assert second is not None and b is not None  # the caller's check
-        claimed = _claimed(work)
         producer = _producers(work)
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         verdicts = []
@@ -365,6 +373,7 @@ class Audits:
         self,
         work: Work,
         where: str,
+        claimed: dict[str, torch.Tensor | None],
         first: str,
         redone_a: dict[str, torch.Tensor | None],
         second: str,
@@ -372,8 +381,8 @@ class Audits:
     ) -> Verdict | None:
         """The second auditor, asked at once for a contribution's digest while the first agreed
         with the answers: convicted where its own answers differ from those two, which agree
-        (otherwise a lying second auditor would go unseen: nobody compared what it said)."""
-        claimed = _claimed(work)
+        (otherwise a lying second auditor would go unseen: nobody compared what it said).
+        `claimed`: the producers' answers, decoded (`_claimed`)."""
         producer = _producers(work)
         redone_b = {"outputs": b.outputs, "input gradients": b.grad_inputs}
         for item in _ITEMS:

@@ -158,18 +158,27 @@ class StageClient:
         for msg in wire.split(request, self._chunk):
             await client_stream.write(call, msg)
         await client_stream.done_writing(call)
-        received: wire.Received[Any] = await wire.receive_reply(
-            call, max_bytes=self._max, handed=_from(slot) if slot is not None else None
-        )
+        try:
+            received: wire.Received[Any] = await wire.receive_reply(
+                call, max_bytes=self._max, handed=_from(slot) if slot is not None else None
+            )
+        except WireError as e:  # a reply stream no answer could be (past its bound, cut up)
+            raise BadReply(f"its answer could not be read: {e}") from e
         tensors: dict[str, Any] = {}
         for t, payload in zip(received.header.tensors, received.payloads, strict=True):
             try:
-                codec.decoded_nbytes(t)  # validate the header before passing it on
+                expected = codec.expected_payload(t)  # its header, validated
                 if isinstance(payload, torch.Tensor):  # the slot's bytes, this process's own
                     tensors[t.name] = codec.decode(t, payload)
                     continue
-            except (WireError, ValueError, RuntimeError) as e:  # the replica's word: its fault
+            except (WireError, ValueError) as e:  # the replica's word: its fault (a device
+                # error decoding here, a RuntimeError, is this process's own: not caught)
                 raise BadReply(f"its answer's {t.name[:40]!r} does not decode: {e}") from e
+            if len(payload) != expected:  # passed on, the next stage would refuse it
+                raise BadReply(
+                    f"its answer's {t.name[:40]!r} holds {len(payload)} bytes; its header "
+                    f"says {expected}"
+                )
             if len(t.data) != t.nbytes:  # it came in chunks: put the bytes back in one message
                 t.data = bytes(payload)
             tensors[t.name] = t

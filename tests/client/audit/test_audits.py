@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.rpc.lease import ContributionAudit, GradientDigest
 from swarm.rpc.routes import Routes
+from swarm.wire import codec
 from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
 from tests.support.waiting import wait_until
@@ -43,8 +46,10 @@ class Replicas:
         self.liars, self.gone, self.asked = set(liars), set(gone), []
         self.broken = set(broken)  # answer what cannot be a re-execution (`BadReply`)
 
+    peers_of_stage = ["a", "b", "c"]
+
     def peers(self, stage: int) -> list[str]:
-        return ["a", "b", "c"]
+        return list(self.peers_of_stage)
 
     async def redo(
         self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0
@@ -139,6 +144,38 @@ async def test_an_auditor_that_answers_nothing_of_use_is_said_and_another_asked(
         if replicas.asked[0] == "b":
             said = [r.getMessage() for r in caplog.records if "on b" in r.getMessage()]
             assert said and "another auditor is asked" in said[-1], said
+
+
+async def test_an_auditor_that_answered_nothing_is_not_the_arbitrator() -> None:
+    # A review of the fallback: the auditor asked in place of one that answered nothing was
+    # arbitrated by that same one, half the time: undecided, though a fourth replica could
+    # have judged. The liar is convicted whichever is drawn first.
+    for seed in range(12):
+        replicas = Replicas(broken={"b"})
+        replicas.peers_of_stage = ["a", "b", "c", "d"]
+        audits = _audits(replicas, seed=seed)
+        verdicts, _ = await audits.audit(0, 0, [_work(TRUE_OUT + WRONG)])
+        assert [v.peer for v in verdicts] == ["a"], (seed, replicas.asked)
+
+
+async def test_what_a_seeded_audit_compares_is_decoded_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A review of the lazy decoding: the producers' answers were decoded again, on the loop,
+    # where a contribution's audit compared the second auditor's answers with them.
+    threads: list[str] = []
+    decode = codec.decode
+
+    def noted(t: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        return decode(t, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "decode", noted)
+    work = _work(codec.encode(TRUE_OUT, "outputs"), codec.encode(TRUE_GRAD, "grad_inputs"))
+    found = await _audits(Replicas()).judge(0, 0, work, seed=7)
+    assert found.verdicts == [] and found.runs == 2  # two auditors, each agreeing
+    main = threading.main_thread().name
+    assert threads and main not in threads, threads
 
 
 async def test_no_verdict_on_one_word_against_another() -> None:

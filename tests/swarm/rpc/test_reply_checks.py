@@ -95,6 +95,7 @@ async def test_a_forward_answer_is_its_outputs_of_the_microbatchs_shape(job: Job
         ("another batch", r"is \[1, "),
         ("another width", r"is \[4, "),
         ("no dtype", "does not decode"),
+        ("too few bytes", "holds 4 bytes; its header says"),
     ],
 )
 async def test_a_forward_answer_that_is_not_its_outputs_is_the_replicas_fault(
@@ -110,6 +111,9 @@ async def test_a_forward_answer_that_is_not_its_outputs_is_the_replicas_fault(
         if answer == "another width":
             return [codec.encode(torch.zeros(4, job.model.seq_len, 3), "outputs")]
         bad = codec.encode(_hidden(job), "outputs")
+        if answer == "too few bytes":  # the right header, the wrong payload
+            bad.data, bad.nbytes = b"\0" * 4, 4
+            return [bad]
         bad.dtype = "no-such-dtype"
         return [bad]
 
