@@ -39,13 +39,13 @@ from typing import Protocol
 
 import torch
 
+from client.audit.answers import decoded, differs
 from client.metrics import TrainerMetrics
 from swarm.errors import RemoteError, SwarmError
 from swarm.job.tolerance import TOLERANCE, tolerance_of
 from swarm.ops.rated import RatedLog
 from swarm.rpc.lease import ContributionAudit, GradientDigest, Verdict
 from swarm.rpc.stage_client import TensorLike, WireCrossing
-from swarm.wire import codec
 
 __all__ = [
     "TOLERANCE",
@@ -126,21 +126,6 @@ class Reexecutor(Protocol):
     ) -> Redone:
         """`digest_seed`: the digest of the parameter gradient too (`Redone.digest`)."""
         ...
-
-
-def differs(claimed: torch.Tensor | None, honest: torch.Tensor | None) -> float:
-    """How far `claimed` is from `honest`: the largest difference relative to `honest`'s
-    largest element (inf for another shape, a NaN or one missing; 0.0 when bitwise equal)."""
-    if claimed is None or honest is None:
-        return 0.0 if claimed is None and honest is None else float("inf")
-    if claimed.shape != honest.shape:
-        return float("inf")
-    a, b = claimed.double(), honest.double()
-    if torch.equal(a, b):
-        return 0.0
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    gap = float((a - b).abs().max())
-    return gap / scale if scale > 0 and gap == gap else float("inf")
 
 
 _ITEMS = ("outputs", "input gradients")
@@ -396,13 +381,6 @@ class Audits:
                 log.warning("audit: %s caught lying: %s", second, evidence)
                 return Verdict(second, work.stage, evidence, (producer[item], first))
         return None
-
-
-def decoded(value: TensorLike | None) -> torch.Tensor | None:
-    """A tensor as sent or received (encoded or not) as a tensor."""
-    if value is None or isinstance(value, torch.Tensor):
-        return value
-    return codec.decode(value)
 
 
 def _claimed(work: Work) -> dict[str, torch.Tensor | None]:

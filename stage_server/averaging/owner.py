@@ -168,6 +168,7 @@ class Averager:
         values: torch.Tensor,
         *,
         timeout_s: float,
+        wait_s: float | None = None,
         codec: int = CODEC_NONE,
         block_size: int = 2048,
         owned: bool = False,
@@ -178,7 +179,11 @@ class Averager:
         `owned`: `values` is a buffer the averager may sum into (a contribution received for
         it), not a sender's own gradient. `slice`: which slice of the part `values` are (a
         part sent in slices is summed slice by slice, each on its own). `contributors`: how
-        many of the group send (senders 0..contributors-1; 0: the whole group)."""
+        many of the group send (senders 0..contributors-1; 0: the whole group).
+
+        `timeout_s` is the round's (the job's): past it the round aborts, naming the senders
+        that never came; `wait_s` (None: `timeout_s`) is this caller's own, its call's deadline
+        (how a wait's end is judged: `Slot.wait_ended`)."""
         slot = self._admit(
             round,
             (part, slice),
@@ -191,17 +196,17 @@ class Averager:
             owned,
         )
         slot.waiting += 1
+        own = timeout_s if wait_s is None else min(wait_s, timeout_s)
         try:
-            return await self._awaited(slot, max(timeout_s, 0.0))
+            return await self._awaited(slot, max(own, 0.0))
         except TimeoutError:
-            missing = slot.missing()
-            where = _where(part, slice)
-            if slot.summing:  # every sender came: this caller's own deadline ended, no round's
-                raise AveragingAborted(
-                    f"{round_name(round)}: {where} timed out while its sum was made", []
-                ) from None
-            self.abort(round, f"{where} timed out after {timeout_s:.3g} s", missing)
-            raise AveragingAborted(f"{round_name(round)}: {where} timed out", missing) from None
+            now = asyncio.get_running_loop().time()
+            why, missing, aborts = slot.wait_ended(own, timeout_s, now)
+            if aborts:
+                self.abort(round, f"{_where(part, slice)} {why}", missing)
+            raise AveragingAborted(
+                f"{round_name(round)}: {_where(part, slice)} {why}", missing
+            ) from None
         except AveragingAborted as e:
             raise AveragingAborted(str(e), e.missing) from None  # a fresh one per waiter
         finally:
@@ -348,7 +353,9 @@ class Averager:
             done.add_done_callback(_retrieve)
             # The round's deadline even when every waiter has gone (cancelled calls).
             timer = loop.call_later(max(timeout_s, 0.0), self._expire, round, key, timeout_s)
-            slot = slots[key] = Slot(group_size, contributors, signature, done, timer)
+            slot = slots[key] = Slot(
+                group_size, contributors, signature, done, timer, opened=loop.time()
+            )
             self._open_total += 1
         elif (slot.group_size, slot.contributors) != (group_size, contributors):
             raise InvalidArgument(

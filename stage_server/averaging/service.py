@@ -148,8 +148,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             raise InvalidArgument(f"Reduce carries one tensor named 'part', got {sorted(tensors)}")
         (meta,) = h.tensors
         remaining = context.time_remaining()
+        wait = None  # the caller's own deadline, where it set one: its wait ends there
         if remaining is not None:
-            timeout = min(timeout, remaining - min(_REPLY_MARGIN_S, remaining / 10))
+            wait = remaining - min(_REPLY_MARGIN_S, remaining / 10)
         reduced = await self.averager.reduce(
             (h.job, h.stage, h.round),
             h.part,
@@ -157,6 +158,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             h.group_size,
             tensors["part"],
             timeout_s=timeout,
+            wait_s=wait,
             codec=meta.codec,
             block_size=meta.block_size,
             owned=not meta.data,  # chunked: received into a buffer of its own, summed into

@@ -13,12 +13,17 @@ import torch
 from stage_server.averaging.summing import Reduced
 from swarm.errors import InvalidArgument
 
-__all__ = ["MAX_GROUP_SIZE", "Slot", "checked_group", "same_bits"]
+__all__ = ["MAX_GROUP_SIZE", "OWN_DEADLINE_SHARE", "Slot", "checked_group", "same_bits"]
 
 # The most replicas one round of a pool may have. A round's group size arrives in every
 # contribution (a uint32): the owner keeps a slot per sender, so it is bounded before anything
 # is allocated. Far above any pool (each round also sends a part to every member).
 MAX_GROUP_SIZE = 1024
+
+
+# A contributor's wait that ends before its part has been open this share of the round's
+# timeout was ended by the caller's own deadline, not the round's (`Slot.wait_ended`).
+OWN_DEADLINE_SHARE = 0.5
 
 
 @dataclass
@@ -36,6 +41,27 @@ class Slot:
     waiting: int = 0  # contributions waiting for the sum now (each a call, or the owner's own)
     # every contribution came and the sum is being made (`values` handed to it): none missing
     summing: bool = False
+    opened: float = 0.0  # when its first contribution came (the loop's clock)
+
+    def wait_ended(self, own_s: float, round_s: float, now: float) -> tuple[str, list[int], bool]:
+        """A contributor's wait for the sum ended, after `own_s` (its call's deadline, at most
+        the round's `round_s`): why in words, whom it names, and whether the round aborts.
+
+        - Every sender came and the sum is being made: the caller's own deadline, no round's.
+        - The part open for less than `OWN_DEADLINE_SHARE` of the round's timeout: the caller's
+          own deadline too, naming nobody; the round waits on. A member's call of 50 ms aborted
+          every round it joined first, naming the honest members it came before.
+        - Else the round aborts, naming the senders that never came: an honest member's call
+          lasts the round's timeout."""
+        if self.summing:
+            return "timed out while its sum was made", [], False
+        opened_s = now - self.opened
+        if opened_s < OWN_DEADLINE_SHARE * round_s:
+            words = f"the call's own deadline ({own_s:.3g} s) ended {opened_s:.3g} s into it"
+            return f"{words} ({round_s:.3g} s a round)", [], False
+        missing = self.missing()
+        named = f" waiting for senders {missing}" if missing else ""
+        return f"timed out after {own_s:.3g} s{named}", missing, True
 
     def missing(self) -> list[int]:
         if self.summing:

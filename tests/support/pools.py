@@ -57,9 +57,13 @@ def _route(job: str, stage: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def replicas(n: int, scheduler_key: bytes | None = None) -> AsyncIterator[list[Replica]]:
+async def replicas(
+    n: int, scheduler_key: bytes | None = None, timeout_s: float = 30.0
+) -> AsyncIterator[list[Replica]]:
     """`scheduler_key`: the key of the scheduler that placed them, whose round tickets their
-    owners ask for (`swarm.net.round_tickets`); None: a pool its owner coordinates."""
+    owners ask for (`swarm.net.round_tickets`); None: a pool its owner coordinates.
+    `timeout_s`: their job's averaging timeout, each owner's bound on a round's part (a
+    member's call of a far shorter deadline is its own: `Averager.reduce`)."""
     made: list[Replica] = []
     try:
         for peer in peer_ids(n):
@@ -70,7 +74,7 @@ async def replicas(n: int, scheduler_key: bytes | None = None) -> AsyncIterator[
                 route=_route,
                 chunk_bytes=4 * MiB,
                 max_bytes=64 * MiB,
-                timeout_s=30,
+                timeout_s=timeout_s,
                 peer=peer,
                 scheduler_key=lambda job: scheduler_key,
             )

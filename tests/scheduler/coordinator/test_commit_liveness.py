@@ -161,7 +161,7 @@ async def test_a_prepare_that_cannot_reach_its_pool_names_the_member_in_its_abor
 
 @pytest.mark.parametrize("fault", ["closed port", "silent"])
 async def test_every_live_replica_names_the_one_that_failed_the_round(fault: str) -> None:
-    async with replicas(4) as pool:
+    async with replicas(4, timeout_s=1.0) as pool:  # the job's: its members' calls' and owners
         culprit = 2
         if fault == "closed port":
             await pool[culprit].server.stop(None)

@@ -49,7 +49,16 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 TOKEN, SCHEDULER_TOKEN = "swarm-token", "scheduler-token"
 WAIT_S = 60.0
-SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2}})
+# Its rounds time out in 3 s, the deadline `reduce`'s member calls with, as an honest member's
+# call lasts its round's timeout: such a wait, ended, aborts the round naming whom it waited for
+# (one far shorter than the round's is the caller's own: `Averager.reduce`).
+SPEC = render(
+    {
+        **BASE,
+        "training": {**BASE["training"], "stages": 2},
+        "runtime": {**BASE.get("runtime", {}), "averaging_timeout_s": 3.0},
+    }
+)
 
 
 @pytest.fixture
@@ -506,7 +515,7 @@ def test_the_jobs_it_follows_from_their_announcements(caplog: pytest.LogCaptureF
         jobs.route("j", 0)
     jobs.announced(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_STALLED))
     jobs.route("j", 1)  # a stalled job's other stages still average
-    assert jobs.served() == (4 * MiB, 1 << 30, 60.0) and len(jobs) == 1
+    assert jobs.served() == (4 * MiB, 1 << 30, 3.0) and len(jobs) == 1  # SPEC's
     with pytest.raises(NotFound, match=r"has stages 0\.\.1, not 2"):
         jobs.route("j", 2)
     jobs.announced(cpb.JobAnnouncement(job="j", state=99))  # type: ignore[arg-type]

@@ -339,8 +339,9 @@ async def test_a_closed_port_aborts_every_live_replica() -> None:
 
 
 async def test_a_silent_replica_aborts_every_live_replica_within_the_timeout() -> None:
-    async with replicas(4) as pool:
-        silent, timeout = 2, 1.0
+    timeout = 1.0  # the job's: every member's call and every owner's round
+    async with replicas(4, timeout_s=timeout) as pool:
+        silent = 2
         group = [r.address for r in pool]
         start = time.monotonic()
         calls = [

@@ -113,6 +113,25 @@ async def test_a_stranger_cannot_reduce_as_a_member(deadline: float) -> None:
         assert pool[1].averager.received((JOB, 0, ROUND), 1) == _norms(flats, 1)
 
 
+async def test_a_members_own_short_deadline_aborts_no_round() -> None:
+    # A review's repro: a member (its ticket valid) that opened a part first on a call of 50 ms
+    # set that part's deadline to its own: at 45 ms the owner aborted the round, naming the
+    # members that had not sent yet, the honest ones, and refused their parts after. Its own
+    # call ends at its deadline; the round waits on, for the job's timeout.
+    key = Ed25519PrivateKey.generate()
+    flats, passes = _flats(), _passes(key)
+    async with pools.replicas(3, scheduler_key=key.public_key().public_bytes_raw()) as pool:
+        own = flats[0][PART : 2 * PART].clone()  # its own values of part 1, honestly
+        early = _stranger(
+            pool[1], part=1, sender=0, values=own, timeout=0.05, proof=passes[0].to(1)
+        )
+        await asyncio.sleep(0.3)  # its call is in, and over, before the round
+        # its own call ended (told so just before its deadline, or by it), the round on
+        assert await _code(early) in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        results = await pools.reduce_all(pool, flats, round=ROUND, proofs=passes)
+        assert torch.equal(pools.assert_identical(results), pools.ordered_sum(flats))
+
+
 async def test_made_up_rounds_hold_no_place_of_an_owner() -> None:
     # Before: 64 contributions on made-up round ids held every open round of the owner, and
     # the honest round was refused (RESOURCE_EXHAUSTED) until they timed out.
