@@ -179,6 +179,11 @@ class PoolJobs:
         contributions carry (`swarm.net.round_tickets`); None: announced with none."""
         return self._keys.get(job)
 
+    def timeout_of(self, job: str) -> float | None:
+        """`job`'s averaging timeout, its rounds' (None: not running here)."""
+        running = self._running.get(job)
+        return None if running is None else running[1].averaging_timeout_s
+
     def served(self) -> tuple[int, int, float] | None:
         """`(chunk_bytes, max_bytes, timeout_s)` for every job's pool at once: the smallest
         chunk any job takes (clamped as a member clamps it), the largest timeout; None: none."""
@@ -329,6 +334,7 @@ async def start_aggregator(opts: AggregatorOptions, peer: str) -> RunningAggrega
         budget=budget,
         limit_name="--max-memory-bytes",
         scheduler_key=jobs.scheduler_key,
+        timeout_of=jobs.timeout_of,
     )
     pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
     add_info(server, peer)  # the dial-back finds it by its peer id

@@ -45,7 +45,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     it, and the call is refused with RESOURCE_EXHAUSTED. `limit_name` names the
     setting behind `max_bytes` in refusals. `scheduler_key(job)` is the key of the scheduler
     that placed the job's replicas (None: none did), whose round tickets a contribution must
-    carry then.
+    carry then. `timeout_of(job)`: that job's averaging timeout, where this owner serves
+    several jobs' rounds (an aggregator; None: `settings`' timeout): a round keeps its own job's,
+    so a member's call that lasts it is judged by it (`Slot.wait_ended`).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         link: LinkMeter | None = None,
         observe: Observe | None = None,
         scheduler_key: Callable[[str], bytes | None] = lambda job: None,
+        timeout_of: Callable[[str], float | None] = lambda job: None,
     ) -> None:
         self.averager, self._route, self.peer, self._on_bytes = averager, route, peer, on_bytes
         self._link = link  # where its streams record their bytes (`stage_server.peer.links`)
@@ -73,6 +76,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         self._budget, self._limit_name = budget or ReceiveBudget(1 << 62), limit_name
         self._serving = Servicing(peer, observe)  # the server's request metrics, if any
         self._scheduler_key = scheduler_key
+        self._timeout_of = timeout_of
         self._tickets: RoundTickets | None = None  # of the last key a job was placed with
 
     def settings(self) -> tuple[int, int, float]:
@@ -147,6 +151,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         if set(tensors) != {"part"}:
             raise InvalidArgument(f"Reduce carries one tensor named 'part', got {sorted(tensors)}")
         (meta,) = h.tensors
+        timeout = self._timeout_of(h.job) or timeout  # its own job's, not the largest of all
         remaining = context.time_remaining()
         wait = None  # the caller's own deadline, where it set one: its wait ends there
         if remaining is not None:

@@ -241,6 +241,30 @@ async def test_it_takes_parts_of_running_jobs_only_and_refuses_every_other_call(
         assert code == grpc.StatusCode.NOT_FOUND and "job j-1 is cancelled" in details
 
 
+async def test_each_jobs_rounds_time_out_at_that_jobs_own_timeout(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    # An aggregator serving two jobs bounded every round by the larger of their averaging
+    # timeouts: a member of the 3 s job, its call of 3 s ended, found its part open for less
+    # than half of 600 s, and was answered naming nobody (its own deadline), so the members
+    # blamed the honest aggregator for the sender that never came. Each job's rounds keep
+    # that job's timeout.
+    async with scheduler_bus(broker) as bus, aggregator(broker, tmp_path) as proc:
+        await announce_job(bus, cpb.JOB_STATE_RUNNING)  # 3 s a round (SPEC)
+        slow = render(
+            {
+                **BASE,
+                "training": {**BASE["training"], "stages": 2},
+                "runtime": {**BASE.get("runtime", {}), "averaging_timeout_s": 600.0},
+            }
+        )
+        message = cpb.JobAnnouncement(job="j-2", spec=slow, state=cpb.JOB_STATE_RUNNING)
+        await bus.publish(bus.topics.job("j-2"), message, retain=True)
+        await until_taken(proc.address, job="j-2", timeout_s=0.5)  # both known
+        code, details = await reduce(proc.address, round="each")
+        assert code == grpc.StatusCode.ABORTED and "waiting for senders [1]" in details, details
+
+
 @pytest.mark.attack("round-members")
 async def test_a_job_announced_with_its_schedulers_key_takes_its_members_parts_only(
     broker: EmbeddedBroker, tmp_path: Path
