@@ -463,6 +463,20 @@ async def test_the_servers_grpc_messages_stay_within_the_peers_ceiling(tmp_path:
         await running.stop()
 
 
+def _half_second_job(tmp_path: Path) -> JobConfig:
+    """A job of three stages whose calls and rounds each wait 0.5 s for what they are sent."""
+    runtime = {"rpc_timeout_s": 0.5, "averaging_timeout_s": 0.5}
+    return make_job(tmp_path, training={"stages": 3}, runtime=runtime)
+
+
+def _opened(channel: grpc.aio.Channel, method: str) -> tuple[Any, str]:
+    """A `method` call ("Reduce" or "Forward") opened with no deadline of its own, nothing
+    written; the job's setting that bounds it."""
+    if method == "Reduce":
+        return pool_pb2_grpc.PoolServiceStub(channel).Reduce(), "averaging_timeout_s"
+    return stage_pb2_grpc.StageServiceStub(channel).Forward(), "rpc_timeout_s"
+
+
 @pytest.mark.parametrize("method", ["Reduce", "Forward"])
 async def test_a_body_that_never_comes_gives_its_reservation_back(
     tmp_path: Path, method: str
@@ -471,24 +485,18 @@ async def test_a_body_that_never_comes_gives_its_reservation_back(
     # never sends it. The server ends the call once the job's timeout (rpc_timeout_s for the
     # data plane, averaging_timeout_s for Reduce) passes from the header: DEADLINE_EXCEEDED
     # naming it, and the bytes the header reserved given back.
-    job = make_job(
-        tmp_path,
-        training={"stages": 3},
-        runtime={"rpc_timeout_s": 0.5, "averaging_timeout_s": 0.5},
-    )
+    job = _half_second_job(tmp_path)
     running = await start_stage_server(job, StageServerOptions(stage=1))
     budget = running.servicer.budget
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
+            call, setting = _opened(channel, method)
             if method == "Reduce":
-                call = pool_pb2_grpc.PoolServiceStub(channel).Reduce()  # no deadline
                 await call.write(_reduce_header(fingerprint(job), MiB))
-                setting = "averaging_timeout_s"
             else:
                 inputs = tensor_pb2.Tensor(
                     name="inputs", dtype="float64", shape=[4, 16, 32], nbytes=16384
                 )
-                call = stage_pb2_grpc.StageServiceStub(channel).Forward()
                 await call.write(
                     pb.StageForwardRequest(
                         job=fingerprint(job),
@@ -497,7 +505,6 @@ async def test_a_body_that_never_comes_gives_its_reservation_back(
                         tensors=[inputs],
                     )
                 )
-                setting = "rpc_timeout_s"
             for _ in range(200):  # until the server holds the header's bytes
                 if budget.in_use > 0:
                     break
@@ -525,20 +532,11 @@ async def test_a_call_whose_header_never_comes_ends_at_the_jobs_timeout(
     # `max_concurrent_rpcs` for as long as its connection lived (4 h by default): 1024 such
     # calls refused every other call, the scheduler's Commit and Join too. The header is
     # bounded by the job's timeout as the body is: DEADLINE_EXCEEDED, naming it.
-    job = make_job(
-        tmp_path,
-        training={"stages": 3},
-        runtime={"rpc_timeout_s": 0.5, "averaging_timeout_s": 0.5},
-    )
+    job = _half_second_job(tmp_path)
     running = await start_stage_server(job, StageServerOptions(stage=1))
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
-            if method == "Reduce":
-                call = pool_pb2_grpc.PoolServiceStub(channel).Reduce()  # no deadline
-                setting = "averaging_timeout_s"
-            else:
-                call = stage_pb2_grpc.StageServiceStub(channel).Forward()
-                setting = "rpc_timeout_s"
+            call, setting = _opened(channel, method)
             for _ in range(250):  # 2.5 s at most, five times the deadline
                 if call.done():
                     break

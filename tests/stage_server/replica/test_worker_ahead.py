@@ -9,8 +9,9 @@ shut down with calls queued, leaves nothing waiting."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,13 +55,20 @@ async def _held(worker: Worker, release: threading.Event) -> asyncio.Task[tuple[
     return holding
 
 
-async def test_a_reexecution_queued_behind_pushes_runs_before_them() -> None:
-    ran: list[str] = []
-    call = _recorded(ran)
+@contextlib.asynccontextmanager
+async def _busy() -> AsyncIterator[tuple[Worker, threading.Event, asyncio.Task[tuple[str, float]]]]:
+    """A worker on a thread of its own, held by a call until the event is set: whatever is
+    asked of it meanwhile queues."""
     with ThreadPoolExecutor(1) as pool:
         worker = Worker(pool, lambda _: None)
         release = threading.Event()
-        holding = await _held(worker, release)
+        yield worker, release, await _held(worker, release)
+
+
+async def test_a_reexecution_queued_behind_pushes_runs_before_them() -> None:
+    ran: list[str] = []
+    call = _recorded(ran)
+    async with _busy() as (worker, release, holding):
         pushes = [
             asyncio.create_task(worker.run_then(call, _itself, f"push {i}")) for i in range(3)
         ]
@@ -80,10 +88,7 @@ async def test_a_stream_of_calls_asked_ahead_does_not_hold_the_pushes_back() -> 
     # went on. Past `AHEAD_IN_A_ROW` in a row, the call in turn that waits runs.
     ran: list[str] = []
     call = _recorded(ran)
-    with ThreadPoolExecutor(1) as pool:
-        worker = Worker(pool, lambda _: None)
-        release = threading.Event()
-        holding = await _held(worker, release)
+    async with _busy() as (worker, release, holding):
         push = asyncio.create_task(worker.run_then(call, _itself, "push"))
         await asyncio.sleep(0)
         flood = [
@@ -98,10 +103,7 @@ async def test_a_stream_of_calls_asked_ahead_does_not_hold_the_pushes_back() -> 
 async def test_a_call_whose_caller_gave_up_while_queued_is_not_run() -> None:
     ran: list[str] = []
     call = _recorded(ran)
-    with ThreadPoolExecutor(1) as pool:
-        worker = Worker(pool, lambda _: None)
-        release = threading.Event()
-        holding = await _held(worker, release)
+    async with _busy() as (worker, release, holding):
         gone = asyncio.create_task(worker.run_then(call, _itself, "gone"))
         kept = asyncio.create_task(worker.run_then(call, _itself, "kept"))
         await asyncio.sleep(0)
