@@ -33,11 +33,11 @@ from swarm.policy.backoff import Backoff
 from swarm.relay.auth import attach_proof, data_proof
 from swarm.relay.copier import splice
 from swarm.relay.identity import AttachKey, challenge
+from swarm.relay.limits import METRICS_TUNNELS
 from swarm.relay.wire import PROTOCOL, close
 
 __all__ = [
     "GRPC",
-    "MAX_METRICS_TUNNELS",
     "METRICS",
     "NEW_PER_ROUND",
     "Attachment",
@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 
 #: Relays a round tries beyond those listed at its start: announced since it began.
 NEW_PER_ROUND = 4
-#: Scrapes of this peer's /metrics carried at once, apart from its gRPC calls (a relay's own
-#: bound for them: `swarm.relay.limits.RelayLimits.max_metrics_tunnels_per_peer`).
-MAX_METRICS_TUNNELS = 4
 #: The most of a relay's refusal said (the relay's own words: whoever runs it writes them).
 MAX_REFUSAL_CHARS = 200
 
@@ -291,10 +288,10 @@ class Attachment:
                 # does not serve (a metrics call to a peer without /metrics) opens nothing.
                 log.debug("%s: relay %s asked for %.40r: not served", self.peer, relay, kind)
             elif verb == "OPEN" and call:
-                # A scrape has places of its own (`MAX_METRICS_TUNNELS`), as at the relay: the
+                # A scrape has places of its own (`METRICS_TUNNELS`), as at the relay: the
                 # metrics credential is handed to whoever scrapes.
                 tunnels = self._scrapes if kind == METRICS else self._tunnels
-                most = MAX_METRICS_TUNNELS if kind == METRICS else self.max_tunnels
+                most = METRICS_TUNNELS if kind == METRICS else self.max_tunnels
                 if len(tunnels) >= most:  # its caller hears "did not answer": the cause here
                     self._full.info(
                         kind or GRPC,

@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 __all__ = [
+    "METRICS_TUNNELS",
     "PEER_TUNNEL_DESCRIPTORS",
     "RESERVED_DESCRIPTORS",
     "TUNNEL_DESCRIPTORS",
@@ -49,6 +50,11 @@ TUNNEL_DESCRIPTORS = 6
 each). A tunnel also holds two threads, so the tunnel caps bound the relay's threads too."""
 
 
+METRICS_TUNNELS = 4
+"""Scrapes of one peer's /metrics carried at once, apart from its gRPC calls: the relay's
+bound (`RelayLimits.max_metrics_tunnels_per_peer`) and the peer's own (`Attachment`)."""
+
+
 @dataclass(frozen=True)
 class RelayLimits:
     max_peers: int = 256  # peers attached at once
@@ -56,7 +62,7 @@ class RelayLimits:
     max_tunnels_per_peer: int = 64  # a peer's concurrent tunnels (a gRPC channel uses one)
     # a peer's tunnels to its /metrics, apart: the metrics credential is handed to whoever
     # scrapes (a scrape takes one), and its tunnels took the places of the peer's callers
-    max_metrics_tunnels_per_peer: int = 4
+    max_metrics_tunnels_per_peer: int = METRICS_TUNNELS
     max_tunnels: int = 1024  # tunnels in all (six descriptors and two threads each)
     max_tunnels_per_source: int = 256  # opened by one caller's source
     max_tunnels_per_peer_per_source: int = 16  # of one peer's, opened by one caller's source
