@@ -240,7 +240,13 @@ def expected_payload(msg: tensor_pb2.Tensor) -> int:
             )
         return 4 * -(-numel // msg.block_size) + numel
     if codec == CODEC_HADAMARD3:
-        hadamard.validate_block(msg.block_size, msg.name)
+        # One block on the wire: a header's own (up to 65536) would pad each tensor to it, and
+        # a receiver decides to decode off its event loop by the values a header says
+        if msg.block_size != hadamard.BLOCK:
+            raise InvalidArgument(
+                f"tensor {msg.name!r}: hadamard3 is sent in block_size {hadamard.BLOCK}, "
+                f"got {msg.block_size}"
+            )
         return hadamard.payload_bytes(numel, msg.block_size)
     return numel * dtype.itemsize
 

@@ -270,6 +270,27 @@ def test_decode_rejects_bad_block_size() -> None:
         decode(make(codec=CODEC_INT8_BLOCKWISE, block_size=-4, data=b"\0" * 8))
 
 
+def test_hadamard3_is_decoded_only_in_the_block_every_encoder_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A header's own block (a power of two up to 65536) made one value's tensor 65536 values of
+    rotation: 64 such in a message, ~0.6 s of a receiver's event loop, which decides to decode
+    off it by the values a header says (1 each). The wire has one block: any other is refused
+    before any decoding."""
+    decoded: list[int] = []
+    real = hadamard.decode
+    monkeypatch.setattr(hadamard, "decode", lambda *a: decoded.append(a[2]) or real(*a))
+    big = 1 << 16
+    msg = make(shape=[1], codec=CODEC_HADAMARD3, block_size=big)
+    msg.data = b"\0" * hadamard.payload_bytes(1, big)
+    with pytest.raises(InvalidArgument, match=f"block_size {hadamard.BLOCK}, got {big}"):
+        decode(msg)
+    assert decoded == []
+    ok = encode(torch.randn(1), "x", CODEC_HADAMARD3)
+    assert ok.block_size == hadamard.BLOCK and decode(ok).shape == (1,)
+    assert decoded == [hadamard.BLOCK]
+
+
 def test_hadamard3_sends_ten_times_fewer_bytes_and_keeps_what_an_outlier_hides() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1024, generator=g)
@@ -289,11 +310,11 @@ def test_hadamard3_sends_ten_times_fewer_bytes_and_keeps_what_an_outlier_hides()
 def test_hadamard3_rejects_a_bad_block_or_payload() -> None:
     msg = encode(torch.randn(300), "x", CODEC_HADAMARD3)  # 2 blocks: 4 + 192 bytes
     assert len(msg.data) == 196
-    for block in (0, 12, 4, 1 << 17):
+    for block in (0, 12, 4, 128, 512, 1 << 17):  # powers of two too: the wire has one block
         bad = tensor_pb2.Tensor()
         bad.CopyFrom(msg)
         bad.block_size = block
-        with pytest.raises(InvalidArgument, match="power-of-two block_size"):
+        with pytest.raises(InvalidArgument, match=f"block_size {hadamard.BLOCK}, got {block}$"):
             decode(bad)
     msg.data = msg.data[:-1]
     with pytest.raises(InvalidArgument, match=r"expected 196 .*got 195"):
