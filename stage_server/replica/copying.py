@@ -17,7 +17,7 @@ from typing import Any
 from stage_server.replica.following import Began
 from stage_server.replica.runtime import StageRuntime
 from swarm.deadline import within
-from swarm.errors import SwarmError
+from swarm.errors import InvalidArgument, SwarmError
 from swarm.policy.backoff import Backoff
 from swarm.rpc.stage_client import StageClient
 
@@ -108,7 +108,7 @@ class Copy:
             if self._on_copied is not None:
                 nbytes = sum(t.nbytes for t in state.values())
                 self._on_copied(nbytes, time.perf_counter() - started)
-            await self.compute(rt.follow.load, step, state, self._began, self.epoch)
+            await self._taken(rt.follow.load, step, state, self._began, self.epoch)
             self.loaded = True
             log.info(
                 "%s: copied stage %d at step %d from %s", self.peer, rt.stage, step, self.address
@@ -123,6 +123,14 @@ class Copy:
         finally:
             await self.source.close()
 
+    async def _taken(self, method: Callable[..., Any], *args: Any) -> Any:
+        """`method` (the following's load or apply) on the worker; what it refuses of the
+        source's state or update names the source."""
+        try:
+            return await self.compute(method, *args)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"from {self.address}: {e}") from None
+
     async def _follow(self) -> None:
         rt, pause = self.runtime, Backoff(self._POLL_FIRST_S, self._POLL_CAP_S)
         while rt.following:
@@ -130,7 +138,7 @@ class Copy:
                 self.peer, rt.step, expect=rt.checks.state, ticket=self.ticket
             )
             for update in updates:
-                if not await self.compute(rt.follow.apply, update):
+                if not await self._taken(rt.follow.apply, update):
                     break
             self._moved.set()
             self._moved = asyncio.Event()

@@ -9,13 +9,14 @@ the following) or holds work of its own. The download and the asking for updates
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
 
 from stage_server.replica.no_round import NoRound
 from stage_server.replica.step_sums import Sums
-from swarm.errors import FailedPrecondition
+from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.rpc.state_streams import Update
 
 __all__ = ["Began", "Following"]
@@ -80,6 +81,7 @@ class Following:
                 f"loaded a state: {r.loads - began.loads}) while copying a state of step {step}: "
                 "the copy is stale, not loaded"
             )
+        _finite(state.values(), f"stage {r.stage}'s state of step {step}")
         r.load_state(step, state)
         r.sums.copied(epoch)
         r.following = True
@@ -91,6 +93,7 @@ class Following:
         if not r.following or r.sums.held():
             r.following = False
             return False
+        _finite(u.grad_sums, f"stage {r.stage}'s update of step {u.step}")
         # a round's end before step `u.step` (`stage_server.replica.no_round.NoRound`)
         if u.round_end:
             return r.round.follow(u)
@@ -100,3 +103,12 @@ class Following:
             raise FailedPrecondition(f"stage {r.stage}: update of step {u.step} at {r.step}")
         r.apply_update([g.to(r.device) for g in u.grad_sums], u.total_samples, u.scale)
         return True
+
+
+def _finite(tensors: Iterable[torch.Tensor], what: str) -> None:
+    """On the worker: a source's NaN or infinity is never loaded nor applied (the members' own
+    pool sums are refused alike, `stage_server.replica.commit`): served, followed and promoted, it
+    failed the job later, naming its learning rate and not the source."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if floats and not bool(torch.stack([torch.isfinite(t).all() for t in floats]).all()):  # 1 sync
+        raise InvalidArgument(f"{what} holds NaN or infinity: not taken")

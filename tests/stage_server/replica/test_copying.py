@@ -72,6 +72,45 @@ async def test_a_copy_refuses_an_update_of_a_wrong_shape(tmp_path: Path) -> None
     assert all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+async def test_a_copy_refuses_a_state_that_is_not_finite(tmp_path: Path, bad: float) -> None:
+    """A source's state with infinity (or NaN) in a parameter was loaded as sent: its NaN
+    parameters were served, followed and promoted, and the job failed later naming its learning
+    rate. It is refused, naming the source, and this replica stays as it was."""
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    name = next(k for k, v in whole.items() if k.startswith("param/") and v.numel() > 1)
+    spoiled = {**whole, name: whole[name].clone().index_fill_(0, torch.tensor([0]), bad)}
+    runtime = StageRuntime(job, STAGE)
+    before = {k: v.clone() for k, v in runtime.state_dict().items()}
+    copy, address = await _copied(HostileStage(lambda: spoiled.items(), step=3), runtime)
+    assert isinstance(copy.error, InvalidArgument), copy.task.exception()
+    assert address in str(copy.error) and "NaN or infinity" in str(copy.error), copy.error
+    assert not copy.loaded and not runtime.following and runtime.step == 0
+    assert all(torch.equal(before[k], v) for k, v in runtime.state_dict().items())
+
+
+async def test_a_copy_refuses_an_update_that_is_not_finite(tmp_path: Path) -> None:
+    """An update whose gradient sum is not finite was applied: the copy's parameters went NaN.
+    It is refused before anything of it is applied, naming the source. (A scale that is not
+    finite is refused as the update's header comes: `swarm.rpc.stream_order`.)"""
+    job = make_job(tmp_path)
+    whole = initial_state(job, STAGE)
+    runtime = StageRuntime(job, STAGE)
+    params = list(runtime.params)
+
+    def updates(from_step: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for i, p in enumerate(params):
+            yield from_step, i, torch.full_like(p, float("nan")) if i == 3 else torch.ones_like(p)
+
+    source = HostileStage(lambda: whole.items(), step=3, updates=updates)
+    copy, address = await _copied(source, runtime)
+    assert isinstance(copy.error, InvalidArgument), copy.task.exception()
+    assert address in str(copy.error) and "NaN or infinity" in str(copy.error), copy.error
+    assert copy.loaded and runtime.step == 3  # the state it took, and no update of it
+    assert all(torch.equal(whole[f"param/{k}"], v) for k, v in runtime.state_dict().items())
+
+
 async def test_a_copy_never_overwrites_a_replica_that_moved_while_it_downloaded(
     tmp_path: Path,
 ) -> None:
