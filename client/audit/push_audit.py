@@ -184,7 +184,9 @@ class PushAudits:
         for v in self._boundaries(step, index, said, ids, labels):
             found.setdefault(v.peer, v)
         drawn = set(self.audits.drawn(range(len(chain))))  # drawn now, after every commitment
-        records = Records(self.routes, step, index, run, said)
+        # no record tensor holds more than the microbatch's crossing of a boundary
+        most = ids.numel() * max(boundary_of(self.job.model).width, 1)
+        records = Records(self.routes, step, index, run, said, most)
         # Every stage at once, its records asked at once: the microbatch's report waits for the
         # slowest stage's audit, not for their sum (issue 69).
         audited = await asyncio.gather(

@@ -32,6 +32,7 @@ __all__ = [
     "codec_from_name",
     "decode",
     "decoded_nbytes",
+    "decoded_values",
     "dtype_name",
     "encode",
     "encode_payload",
@@ -214,6 +215,11 @@ def _dtype(msg: tensor_pb2.Tensor) -> torch.dtype:
         raise InvalidArgument(
             f"tensor {msg.name!r} has unknown dtype {msg.dtype!r}; allowed: {', '.join(DTYPES)}"
         ) from None
+
+
+def decoded_values(msg: tensor_pb2.Tensor) -> int:
+    """How many values the decoded tensor holds; validates its shape."""
+    return _numel(msg)
 
 
 def decoded_nbytes(msg: tensor_pb2.Tensor) -> int:

@@ -7,7 +7,9 @@ they were most of the bytes the trainer's link carried, and its steps ran 0.71x 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +185,48 @@ async def test_a_record_that_does_not_decode_is_a_verdict_on_its_replica(
     assert made["s0"].asked == [False, True]  # its record was fetched (t0 could redo it)
     assert [(v.peer, v.stage) for v in verdicts] == [("s0", 0)], verdicts
     assert "does not decode" in verdicts[0].evidence and "payload bytes" in verdicts[0].evidence
+
+
+Honest = Recorded
+
+
+class Oversized(Recorded):
+    """A replica whose record's outputs are 4M values of hadamard3 (1.5 MB, within any
+    message's bound): far more than a microbatch's boundary crossing holds."""
+
+    async def record(self, step: int, index: int, run: int, *, tensors: bool) -> Any:
+        commitment, held = await super().record(step, index, run, tensors=tensors)
+        if tensors and self.stage == 0:
+            held["outputs"] = codec.encode(torch.ones(1 << 22), "outputs", codec.CODEC_HADAMARD3)
+        return commitment, held
+
+
+async def test_a_record_larger_than_its_microbatch_is_a_verdict_and_never_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record's tensors were decoded whatever their size, on the trainer's event loop: a
+    hostile replica's 1 GiB of hadamard3 took ~64 GB to widen. A record tensor holds one
+    microbatch's crossing at most (`ids` times the boundary's width); more is its replica's
+    lie, never decoded. What is decoded is decoded off the loop."""
+    monkeypatch.setitem(globals(), "Recorded", Oversized)
+    decoded: list[tuple[int, bool]] = []
+    real = codec.decode
+    loop_thread = threading.current_thread()
+
+    def spy(msg: Any, *a: Any, **kw: Any) -> Any:
+        decoded.append((math.prod(msg.shape), threading.current_thread() is loop_thread))
+        return real(msg, *a, **kw)
+
+    monkeypatch.setattr("client.audit.push_fetch.codec.decode", spy)
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    push, made = _push_audits(job, [["s0", "t0"], ["s1"]])
+    verdicts, _, _ = await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS)
+    assert made["s0"].asked == [False, True]
+    assert [(v.peer, v.stage) for v in verdicts] == [("s0", 0)], verdicts
+    assert "4194304 values" in verdicts[0].evidence, verdicts[0].evidence
+    assert decoded == []  # nothing of that record: its other tensors are its lie's too
+    monkeypatch.setitem(globals(), "Recorded", Honest)
+    push, made = _push_audits(job, [["s0", "t0"], ["s1"]])
+    assert (await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS))[0] == ()
+    assert made["s0"].asked == [False, True]
+    assert decoded and not any(on_loop for _, on_loop in decoded), decoded
