@@ -42,8 +42,12 @@ class SharedMemoryHandover:
 
     def offer(self, payload: torch.Tensor) -> Offer:
         offer = self.slot(payload.numel())
-        with _opened(self._path(offer.handle), os.O_WRONLY) as fd:
-            _write(fd, payload)
+        try:
+            with _opened(self._path(offer.handle), os.O_WRONLY) as fd:
+                _write(fd, payload)
+        except BaseException:  # /dev/shm full, say: what it wrote would hold it till we exit
+            offer.release()
+            raise
         return offer
 
     def slot(self, nbytes: int) -> Offer:
@@ -52,6 +56,9 @@ class SharedMemoryHandover:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
+        except BaseException:
+            _unlink(path)
+            raise
         finally:
             os.close(fd)
         handle = tensor_pb2.Handover(shm=name)

@@ -23,6 +23,7 @@ from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
 from swarm.wire.chunking import receive
+from tests.support.disks import tiny_disk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,6 +100,18 @@ def test_a_segment_that_is_no_file_is_refused_at_once(tmp_path: Path, way: str) 
         assert "not a regular file" in str(outcome[0]), outcome
     else:
         assert outcome == [False]
+
+
+def test_an_offer_the_disk_cannot_hold_leaves_no_segment(tmp_path: Path) -> None:
+    """/dev/shm full (a container's 64 MiB): the offer's write failed part way and its segment
+    stayed, holding what it had written of every free byte until its process exited, and every
+    co-located server's handover, and anything else of the host's /dev/shm, was starved."""
+    with tiny_disk(tmp_path / "shm", "64k") as disk:
+        handover = SharedMemoryHandover(disk)
+        with pytest.raises(OSError):
+            handover.offer(torch.ones(1 << 20, dtype=torch.uint8))
+        assert [p.name for p in disk.iterdir() if p.name.startswith(PREFIX)] == []
+        assert handover.offer(torch.ones(1024, dtype=torch.uint8)).read().sum() == 1024
 
 
 def test_a_sigkilled_creators_segments_are_swept_on_the_next_start(tmp_path: Path) -> None:
