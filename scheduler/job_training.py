@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -89,6 +89,9 @@ class JobTraining:
     # peer ids are bound to certificates (the embedded broker under --use-identity-as-username):
     # a ban bars every id of the banned peer's certificate (`scheduler.coordinator.trust.bans`)
     bans_bind_credentials: bool = False
+    # each job's ban book while a write of it waits for room (a full disk): the next attempt
+    # starts with what it holds (`scheduler.stored_bans`)
+    ban_books: dict[str, StoredBans] = field(default_factory=dict)
 
     def vouched(self, job_id: str, peer: str) -> bool:
         """Whether the scheduler gave `peer` a stage of `job_id`, or the job's coordinator
@@ -127,10 +130,22 @@ class JobTraining:
             await self._save_final(job_id, job.training.steps, state)
         finally:
             self.coordinators.pop(job_id, None)
+            book = self.ban_books.get(job_id)
+            if book is not None and not book.waiting:
+                del self.ban_books[job_id]
             await trainer.close()
             await coordinator.close()
             if routes is not None:
                 routes.close()
+
+    def _ban_book(self, job_id: str) -> StoredBans:
+        """The job's ban book: the one before while a write of it waits (a full disk), else a
+        new one. Kept only while one waits: nothing grows with the jobs a scheduler ran."""
+        book = self.ban_books.pop(job_id, None)
+        if book is None or not book.waiting:
+            book = StoredBans(self.store, job_id, self.bans_bind_credentials)
+        self.ban_books[job_id] = book
+        return book
 
     def _open_routes(self, job_id: str, job: JobConfig) -> TextIO | None:
         """The job's route record, opened to append (a resumed job's record goes on), where its
@@ -161,7 +176,7 @@ class JobTraining:
             ),
             on_status=reports.status,
             on_ban=reports.banned,
-            bans=StoredBans(self.store, job_id, self.bans_bind_credentials),  # kept across restarts
+            bans=self._ban_book(job_id),  # kept across attempts and restarts
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
             on_route=None if routes is None else (lambda r: write_record(routes, [r])),
             checkpoint_every_s=self.checkpoint_every_s,
