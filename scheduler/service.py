@@ -30,7 +30,7 @@ from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
 from scheduler.dial_back import StageDialer
-from scheduler.history import History, state_change_text
+from scheduler.history import History
 from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.logged import logged
 from scheduler.options import SchedulerOptions
@@ -42,6 +42,7 @@ from scheduler.retained import clear_retained
 from scheduler.retention import Retention
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health
+from scheduler.status_writes import StatusWrites
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus.connection import BusLike
 from swarm.clock import MonotonicClock
@@ -84,6 +85,7 @@ class Scheduler:
         # Each unfinished job's waiting and warnings (placement's and the running job's watch).
         self._health: dict[str, Health] = {}
         self.history = History(store, vouched=lambda job, peer: self._training.vouched(job, peer))
+        self._status = StatusWrites(store, self.history, self._announce)
         # Signs the commit protocol's calls; its public half goes out with each job's announcement.
         self.signing = SchedulerKey.load_or_create(opts.checkpoint_dir / KEY_FILE)
         self.assignments = Assignments(
@@ -111,9 +113,25 @@ class Scheduler:
             ["job"],
             registry=self.registry,
         )
-        self._training = JobTraining(
-            store,
-            bus,
+        self._training = self._job_training(opts)
+        self._group: asyncio.TaskGroup | None = None
+        self._user_cancelled: set[str] = set()
+        self._expiring: dict[str, asyncio.Task[None]] = {}  # ended jobs, until cleared
+        # Each started job's layers per stage, partitioned once off the event loop: GetJob and
+        # ListJobs ask for them on it, again and again.
+        self._layers: dict[str, list[range]] = {}
+        self._retention = Retention(
+            store, opts.keep_finished_jobs, shutting_down=self._shutting_down, delete=self.delete
+        )
+        # The latest record of each job, refreshed on the event loop whenever a job is announced:
+        # the metrics thread reads this, never the store (its connection belongs to this thread).
+        self.snapshot: dict[str, JobRecord] = {}
+
+    def _job_training(self, opts: SchedulerOptions) -> JobTraining:
+        """What training each job needs of this scheduler (`scheduler.job_training`)."""
+        return JobTraining(
+            self.store,
+            self.bus,
             self.peer_registry,
             self.assignments,
             checkpoint_dir=opts.checkpoint_dir,
@@ -131,18 +149,6 @@ class Scheduler:
             history=self.history,
             health=self.health_of,
         )
-        self._group: asyncio.TaskGroup | None = None
-        self._user_cancelled: set[str] = set()
-        self._expiring: dict[str, asyncio.Task[None]] = {}  # ended jobs, until cleared
-        # Each started job's layers per stage, partitioned once off the event loop: GetJob and
-        # ListJobs ask for them on it, again and again.
-        self._layers: dict[str, list[range]] = {}
-        self._retention = Retention(
-            store, opts.keep_finished_jobs, shutting_down=self._shutting_down, delete=self.delete
-        )
-        # The latest record of each job, refreshed on the event loop whenever a job is announced:
-        # the metrics thread reads this, never the store (its connection belongs to this thread).
-        self.snapshot: dict[str, JobRecord] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -222,6 +228,8 @@ class Scheduler:
 
     def health(self, job_id: str) -> tuple[float, list[str]]:
         health, far = self._health.get(job_id), unreachable_warnings(self.peer_registry, job_id)
+        held = self._status.warning(job_id)  # a write of the job its store refused
+        far = far if held is None else [held, *far]
         return (health.waiting_since, [*health.warnings, *far]) if health else (0.0, far)
 
     def rounds(self, job_id: str, step: int) -> spb.RoundStatus | None:
@@ -334,16 +342,9 @@ class Scheduler:
         await self.bus.publish(self.bus.topics.job(job_id), message, retain=True)
 
     async def _set(self, job_id: str, state: JobState | None = None, message: str = "") -> None:
-        record = self.store.get(job_id)
-        if record is None:
-            return
-        if state and state != record.state:
-            self.store.set_state(job_id, state, message=message)
-            self.history.record(job_id, "state", state_change_text(record, state, message))
-        elif message != (record.message or ""):
-            self.store.set_message(job_id, message)
-            log.info("job %s: %s", job_id, message)
-        await self._announce(job_id)
+        """Store the job's state and message and announce them; one the store refuses (a full
+        disk) is held and written once there is room (`scheduler.status_writes`)."""
+        await self._status.set(job_id, state, message)
 
     async def _placement_said(self, job_id: str, message: str) -> None:
         """What placement says: the job's message while it is placed; once it runs (or stalls:
@@ -430,7 +431,7 @@ class Scheduler:
                     log.warning("job %s: training interrupted (%s); resuming", job_id, e)
                     await self._set(job_id, "placing", f"training interrupted: {e}; resuming")
                     await asyncio.sleep(self.opts.retry_pause_s)
-            await self._set(job_id, "succeeded", "done")
+            await self._status.written(job_id, "succeeded", "done")  # a restart must not redo it
         except asyncio.CancelledError:
             ended = job_id in self._user_cancelled  # the job API has stored "cancelled" then
             await self._announce(job_id)
@@ -441,9 +442,12 @@ class Scheduler:
             with logged(log, f"job {job_id}: could not record its failure"):
                 record = self.store.get(job_id)
                 if record is not None and not record.finished:
-                    self.store.set_state(job_id, "failed", error=str(e), message="failed")
                     self.history.record(job_id, "state", f"failed at step {record.step}: {e}")
-                await self._announce(job_id)
+                    # (its event is the line above, not the state's change)
+                    write = self._status.written
+                    await write(job_id, "failed", "failed", error=str(e), event=False)
+                else:
+                    await self._announce(job_id)
         finally:  # this task stays in `_tasks` until it has ended (`_start`)
             self._coordinators.pop(job_id, None)
             if ended:  # withdraw the assignments; the job's announcement frees the peers
@@ -460,6 +464,7 @@ class Scheduler:
         self._user_cancelled.discard(job_id)
         self._speed.pop(job_id, None)
         self._health.pop(job_id, None)
+        self._status.forget(job_id)
         self.history.forget(job_id)
         self._layers.pop(job_id, None)
         self._expire(job_id)
