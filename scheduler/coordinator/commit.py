@@ -49,7 +49,7 @@ from scheduler.coordinator.trust.bans import Bans
 from scheduler.coordinator.trust.round_checks import RoundAnswers, RoundChecks
 from scheduler.coordinator.trust.sum_checks import Checksums, checked, new_seed
 from scheduler.coordinator.voids import Voids
-from swarm.errors import NonFiniteGradient
+from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.model.optim import clip_scale
 from swarm.ops import timeline
 from swarm.rpc.lease import Replica
@@ -236,6 +236,11 @@ class TwoPhaseCommit:
             ):
                 held = frozenset(holdings[stage].get(r.peer, []))
                 stray = None if isinstance(info, BaseException) else frozenset(info.receipts) - held
+                if stray == frozenset():  # it lacks what a trainer's word credited it with
+                    lacks = held - frozenset(info.receipts)  # type: ignore[union-attr]
+                    self.voids.belied(ledger, stage, r.peer, sorted(lacks))
+                    matched = False
+                    continue
                 why = _voided_again(voided, (ledger.step, r.peer), stray, info)
                 if why is not None:
                     log.warning(
@@ -350,13 +355,27 @@ class TwoPhaseCommit:
             else:
                 self._refused = {k for k in self._refused if k[0] == ledger.step}
                 self._refused.add((ledger.step, r.peer))
-                await self.void(ledger, stage, r.peer)  # it holds what it must not
+                await self._refusal(ledger, stage, r)
         explained = {stage for stage, _, _ in judged.alone}  # a member failed by itself there
         for stage, culprit, by in judged.named(members, ledger.holdings):
             if stage in explained:
                 continue  # the member that failed by itself is gone or voided already
             await self._leave_out(ledger, stage, culprit, by)
             failure.left_out.append(LeftOut(stage, culprit.peer, by, AVERAGE))
+
+    async def _refusal(self, ledger: StepLedger, stage: int, r: Replica) -> None:
+        """`r` refused PREPARE: voided (it holds what it must not), unless its receipts hold
+        nothing the ledger did not credit it with, and lack some: a trainer's word gave it
+        what it never ran (`Voids.belied`), and nothing of its own is voided."""
+        try:
+            info = await self.clients.get(stage, r).info()
+        except SwarmError:
+            info = None
+        held = frozenset(ledger.holdings(stage).get(r.peer, []))
+        if info is not None and info.step == ledger.step and frozenset(info.receipts) < held:
+            self.voids.belied(ledger, stage, r.peer, sorted(held - frozenset(info.receipts)))
+            return
+        await self.void(ledger, stage, r.peer)
 
     async def _leave_out(
         self,

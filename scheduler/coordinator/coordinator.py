@@ -336,21 +336,26 @@ class LocalCoordinator:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         live = self._window.at(result.step)
-        if not self._window.speaks_for(trainer, result.step, result.index):
+        if trainer in self.voids.doubted or not self._window.speaks_for(
+            trainer, result.step, result.index
+        ):
             # Any token holder may report: its word on a microbatch whose lease is another's
             # (its holders, its loss, its audit's verdicts) is not taken, its step live or
             # committed (an audit's own report comes after); what it says landed is looked for
-            # in the members' receipts (`StepLedger.speaks_for`, `recheck`).
+            # in the members' receipts (`StepLedger.speaks_for`, `recheck`). So is the word of
+            # a trainer the receipts belied before (`Voids.doubted`).
             self._rated.warning(
                 "not-its-lease",
                 "trainer %s reported microbatch (%d, %d), whose lease is not its own (or of a "
-                "step long past): its word is not taken, the replicas' receipts of it are "
-                "looked at instead",
+                "step long past, or its word was belied before): its word is not taken, the "
+                "replicas' receipts of it are looked at instead",
                 trainer,
                 result.step,
                 result.index,
             )
             if live is not None and not result.late:
+                # a doubted lessee's lease ends with its report: looked at now, not when it ran out
+                live.ledger.release(trainer, [result.index])
                 live.ledger.recheck(result.index)
                 self._wake()  # leasable again once its receipts were looked at
             return
@@ -381,8 +386,8 @@ class LocalCoordinator:
             self._wake()
         # Before the voids below await: a call cancelled there leaves no complete ledger uncommitted
         self._maybe_commit(ledger)
-        for extra in extras:  # another trainer's gradient was accepted first: void this one
-            await self.voids.void_duplicate(ledger, extra.stage, extra.peer)
+        for extra in extras:  # another run's gradient was accepted first: void this one
+            await self.voids.straggler(ledger, extra.stage, extra.peer, result.index, trainer)
 
     async def report_and_lease(
         self,

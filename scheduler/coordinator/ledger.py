@@ -365,6 +365,21 @@ class StepLedger:
         self.suspect = self.suspect or bool(lost)
         return sorted(set(lost))
 
+    def unland(self, stage: int, peer: str, indices: Iterable[int]) -> set[str]:
+        """`peer` holds no gradient of `indices` at `stage`, though a trainer reported it
+        does: each is needed there again (what else `peer` holds stays). Returns the trainers
+        whose reports said so."""
+        held, said = self._held_at[stage].get(peer, set()), set[str]()
+        for index in sorted(set(indices) & held):
+            held.discard(index)
+            del self._holders[(index, stage)]
+            self._runs.pop((index, stage), None)
+            self._lost(index, stage)
+            if (trainer := self._reporters.pop(index, None)) is not None:
+                said.add(trainer)
+        self.suspect = True
+        return said
+
     def holdings(self, stage: int) -> dict[str, list[int]]:
         """Per replica of `stage` (in name order), the microbatches whose gradient it holds."""
         held = self._held_at[stage]

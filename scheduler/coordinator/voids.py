@@ -2,7 +2,14 @@
 there (`Discard`). One per coordinator, made before the commit and the bans that void through it
 (`scheduler.coordinator.trust.bans` is given `void_duplicate` when it is made); the commit tells
 it when a step's PREPARE or APPLY is deciding, and a straggler's duplicate voided then waits for
-the attempt to end (`deciding`, `decided`)."""
+the attempt to end (`deciding`, `decided`).
+
+A trainer's word is what a lessee reports: which replica holds its microbatch at each stage.
+Any token holder may lease, so a replica is voided on its own receipts, never on that word alone:
+a second holder reported is voided where its receipts show the duplicate (`straggler`), and a
+holder whose receipts lack what the ledger credits it with has those microbatches needed again
+there, nothing of its own voided (`belied`). The trainers whose word the receipts belied are
+`doubted`: what they report later only has its receipts looked at, as an outsider's does."""
 
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ class Voids:
         )
         self._deciding: StepLedger | None = None  # whose PREPARE or APPLY is running
         self._held: list[tuple[int, str]] = []  # voids of stragglers' duplicates that wait for it
+        self.doubted: set[str] = set()  # trainers whose word the receipts belied
 
     async def void(self, ledger: StepLedger, stage: int, peer: str) -> None:
         """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
@@ -63,6 +71,59 @@ class Voids:
             self._held.append((stage, peer))
             return
         await self.void(ledger, stage, peer)
+
+    async def straggler(
+        self, ledger: StepLedger, stage: int, peer: str, index: int, trainer: str
+    ) -> None:
+        """`trainer` reported `peer` a second holder of microbatch `index` at `stage` (a
+        straggler's duplicate, `StepLedger.report`'s extras): voided where `peer`'s receipts
+        show it, or it cannot be asked (a gone replica is dropped by its void); else the
+        trainer's word is belied, and nobody is voided."""
+        if await self._holds(ledger, stage, peer, index) is False:
+            self.doubted.add(trainer)
+            ledger.suspect = True  # the commit looks at every replica's receipts first
+            log.warning(
+                "step %d: trainer %.64s reported %s a second holder of microbatch %d at stage "
+                "%d, whose receipts do not show it: nobody voided, and its word is not taken "
+                "from now on",
+                ledger.step,
+                trainer,
+                peer,
+                index,
+                stage,
+            )
+            return
+        await self.void_duplicate(ledger, stage, peer)
+
+    def belied(self, ledger: StepLedger, stage: int, peer: str, missing: list[int]) -> None:
+        """`peer`'s receipts at `stage` lack `missing`, which the ledger credits it with, and
+        hold nothing else: the word of the trainers that reported them is belied. Those
+        microbatches are needed there again; what `peer` holds stays."""
+        trainers = ledger.unland(stage, peer, missing)
+        self.doubted |= trainers
+        self.metrics.replays.inc(len(missing))
+        log.warning(
+            "step %d: %s (stage %d) holds no receipt of microbatches %s, which trainer %s "
+            "reported it holds: they are run again, nothing of %s voided, and the trainer's word "
+            "is not taken from now on",
+            ledger.step,
+            peer,
+            stage,
+            missing[:10],
+            ", ".join(sorted(t[:64] for t in trainers)) or "(none known)",
+            peer,
+        )
+
+    async def _holds(self, ledger: StepLedger, stage: int, peer: str, index: int) -> bool | None:
+        """Whether `peer`'s receipts of `ledger`'s step hold `index`; None: not known."""
+        replica = next((r for r in self.membership.replicas()[stage] if r.peer == peer), None)
+        if replica is None:
+            return None
+        try:
+            info = await self.clients.get(stage, replica).info()
+        except SwarmError:
+            return None
+        return info.step != ledger.step or index in info.receipts
 
     def deciding(self, ledger: StepLedger) -> None:
         """`ledger`'s PREPARE or APPLY runs from now: a duplicate of its step is held."""
