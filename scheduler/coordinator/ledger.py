@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from scheduler.coordinator.free_tasks import FreeTasks
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import InvalidArgument
 from swarm.model.routes import Run
@@ -86,14 +87,9 @@ class StepLedger:
         # The trainer whose report of each microbatch was taken: its audit's own report comes
         # after (`MicrobatchResult.late`), when it holds the lease no more.
         self._reporters: dict[int, str] = {}
-        # The microbatches `lease` may give: needed somewhere, and not under a live lease. Kept
-        # as leases are taken, given back, reported and expire (`_expiring`: (expiry, index) of
-        # every lease taken or renewed, stale entries skipped), so that a lease call costs the
-        # tasks it gives, not a scan of the step.
-        self._free: set[int] = set(self._needed) if self.stages else set()
-        # `_free` as a min-heap, for `lease` to give the lowest indices without a scan: an
-        # index leaves the set at once and the heap when it comes up (stale entries skipped)
-        self._free_heap: list[int] = sorted(self._free)
+        # The microbatches `lease` may give (`FreeTasks`); `_expiring`: (expiry, index) of
+        # every lease taken or renewed, stale entries skipped.
+        self._free = FreeTasks(self._needed if self.stages else ())
         self._expiring: list[tuple[float, int]] = []
         # Per trainer holding any, its counted leases (`_Lease.counted`): kept with every
         # change, so a lease call's fair share costs no scan of the step.
@@ -115,7 +111,7 @@ class StepLedger:
         now, tasks = self._expire(), list[Task]()
         if count <= 0:
             return tasks
-        for index in self._lowest_free(count, exclude):
+        for index in self._free.lowest(count, exclude):
             self._hold(index, _Lease(trainer, now + self.lease_timeout_s, now))
             self._returned.discard(index)
             if index in self.evaluations:
@@ -123,26 +119,6 @@ class StepLedger:
             else:
                 tasks.append(Task(self.step, index, frozenset(self._needed[index])))
         return tasks
-
-    def _lowest_free(self, count: int, exclude: Collection[int]) -> list[int]:
-        """Up to `count` of the lowest free indices not in `exclude` (they stay free)."""
-        heap, taken, skipped, seen = self._free_heap, list[int](), list[int](), set[int]()
-        while heap and len(taken) < count:
-            index = heapq.heappop(heap)
-            if index not in self._free or index in seen:
-                continue  # stale, or a duplicate entry
-            seen.add(index)
-            (skipped if index in exclude else taken).append(index)
-        for index in taken + skipped:  # still free until the caller holds them
-            heapq.heappush(heap, index)
-        if len(heap) > 2 * len(self._free) + 64:  # mostly stale: rebuild
-            self._free_heap = sorted(self._free)
-        return taken
-
-    def _make_free(self, index: int) -> None:
-        if index not in self._free:
-            self._free.add(index)
-            heapq.heappush(self._free_heap, index)
 
     def leasable(self, exclude: Collection[int] = ()) -> int:
         """How many tasks `lease` could give now."""
@@ -159,7 +135,7 @@ class StepLedger:
                 self.suspect = self.suspect or held.counted  # its trainer went silent mid-work
                 self._count(held, False)
                 if self._needed[index]:
-                    self._make_free(index)
+                    self._free.add(index)
         return now
 
     def _count(self, lease: _Lease, counted: bool) -> None:
@@ -182,7 +158,7 @@ class StepLedger:
     def _unhold(self, index: int) -> None:
         self._count(self._leases.pop(index), False)
         if self._needed[index]:
-            self._make_free(index)
+            self._free.add(index)
 
     def held_by(self, trainer: str) -> int:
         """`trainer`'s unexpired leases on microbatches still needed (as of the last lease or
@@ -425,7 +401,7 @@ class StepLedger:
                 self._open += 1
                 held = self._leases.get(index)
                 if held is None or held.expires <= self.clock.now():
-                    self._make_free(index)
+                    self._free.add(index)
                 else:
                     self._count(held, True)
             stages.add(stage)
