@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from swarm.bus.flags import scheduler_token
-from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER
+from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, TOOL_USER
 from swarm.errors import ConfigError
 from swarm.flags import add_token, env_name, token
 from swarm.net.tls import Tls
@@ -45,9 +45,6 @@ __all__ = [
     "write",
 ]
 
-TOOL_USER = "swarm"
-"""Who logs in with the token but no id of its own: trainers outside the scheduler and `swarm`
-tools (`swarm.bus.link.Dialer`); it reads the swarm and publishes nothing of anyone's."""
 CONF, PASSWD, ACL, CA = "mosquitto.conf", "passwd", "acl", "ca.pem"
 MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
 _ID = re.compile(r"[A-Za-z0-9._-]+")  # the characters of a persisted peer id (stage_server)
@@ -122,13 +119,13 @@ def acl_text(
     every = f"{prefix}#"
     lines = [
         "# The swarm's ACL, written by `swarm broker-config`: each peer publishes only its own",
-        "# topics (a denied PUBLISH, a last-will included, is dropped silently).",
-        "# A peer writes its announcement (and last-will) and its load reports (of whichever job",
-        "# it serves: a fixed two topics, so it can leave no more than two retained) ...",
-        f"pattern write {prefix}peers/%u",
-        f"pattern write {prefix}peers/%u/load",
+        "# topics (a denied PUBLISH, a last-will included, is dropped silently): its announcement",
+        "# (and last-will) and its load reports (of whichever job it serves: a fixed two topics,",
+        "# so it can leave no more than two retained), written under its own user below; no",
+        "# `pattern write`, which every login has: the tools' and the trainers' users log in with",
+        "# the swarm token, and any token holder would announce itself as a peer under those.",
         "",
-        "# ... the scheduler job announcements, assignments, committed steps, and anything else.",
+        "# The scheduler: job announcements, assignments, committed steps, and anything else.",
         f"user {SCHEDULER_USER}",
         f"topic readwrite {every}",
         "",
@@ -139,8 +136,16 @@ def acl_text(
     reads = [f"topic read {prefix}{t}" for t in ("jobs/#", "peers/+", "peers/+/load")]
     for user in (TOOL_USER, *trainers):
         lines += [f"user {user}", *reads]
+    # (as the shipped ACL must, which grants peers' writes by pattern to every login: the tools'
+    # user is no peer, and nothing of a peer of its name is written or read)
+    at = lines.index(f"user {TOOL_USER}") + 1
+    lines[at:at] = [
+        f"topic deny {prefix}peers/{TOOL_USER}",
+        f"topic deny {prefix}peers/{TOOL_USER}/load",
+    ]
     for user in peers:
         lines += [f"user {user}", *reads, f"topic read {prefix}peers/{user}/reachability"]
+        lines += [f"topic write {prefix}peers/{user}", f"topic write {prefix}peers/{user}/load"]
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "MESSAGE_TYPES",
     "SCHEDULER_USER",
+    "TOOL_USER",
     "BrokerAddress",
     "BrokerUrlError",
     "BusError",
@@ -48,6 +49,9 @@ SCHEDULER_USER = "scheduler"
 """The scheduler's MQTT username: the one user the brokers' ACLs let publish every topic (jobs,
 assignments, steps); any other user is a peer, and publishes only `peers/{user}` and
 `peers/{user}/load` (`Topics.may_publish`)."""
+TOOL_USER = "swarm"
+"""Who logs in with the token but no id of its own: trainers outside the scheduler and `swarm`
+tools (`swarm.bus.link.Dialer`); it reads the swarm and publishes nothing of anyone's."""
 ANY = "+"
 """Pass as an id to a `Topics` builder to get a single-level wildcard pattern."""
 
@@ -212,8 +216,8 @@ class Topics:
         `swarm.bus.broker`)."""
         if user == SCHEDULER_USER:
             return True
-        if not user or not topic.startswith(self.prefix):
-            return False
+        if not user or user == TOOL_USER or not topic.startswith(self.prefix):
+            return False  # (the tools' user is no peer: it reads, only)
         try:
             info = self.parse(topic)
         except TopicError:
@@ -230,6 +234,8 @@ class Topics:
             info = self.parse(topic)
         except TopicError:
             return True  # not one of ours (or not under the prefix): nothing the swarm guards
+        if user == TOOL_USER and info.peer == user:
+            return False  # no peer: the ACLs deny its name's topics (`acl_text`)
         return info.kind != TopicKind.REACHABILITY or info.peer == user
 
     def everything(self) -> str:

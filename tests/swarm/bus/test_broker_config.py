@@ -50,7 +50,25 @@ def _grants(acl: str, user: str) -> list[tuple[str, str]]:
 
 
 def _allowed(grants: list[tuple[str, str]], access: str, topic: str) -> bool:
+    """As Mosquitto decides: a `deny` that matches first, whatever grants it."""
+    if any(a == "deny" and topic_matches(topic, f) for a, f in grants):
+        return False
     return any(a in (access, "readwrite") and topic_matches(topic, f) for a, f in grants)
+
+
+def test_a_login_that_is_no_peer_publishes_no_peers_topics() -> None:
+    """The tools' user and each trainer's log in with the swarm token: under the pattern every
+    login had, any token holder without a peer password (a peer banned where peers each have
+    one, say) announced itself as a peer under one of those names and was placed."""
+    written = acl_text(["a"], trainers=["t1"])
+    for user in (TOOL_USER, "t1"):
+        for topic in (TOPICS.peer(user), TOPICS.load(user)):
+            assert not _allowed(_grants(written, user), "write", topic), (user, topic)
+            assert not _allowed(_grants(BUNDLED_ACL.read_text(), TOOL_USER), "write", topic)
+    assert not TOPICS.may_publish(TOOL_USER, TOPICS.peer(TOOL_USER))
+    assert _allowed(_grants(written, "a"), "write", TOPICS.peer("a"))  # a peer its own
+    assert _allowed(_grants(written, "a"), "write", TOPICS.load("a"))
+    assert not _allowed(_grants(written, "a"), "write", TOPICS.peer("b"))
 
 
 def test_the_acl_grants_what_the_shipped_acl_and_the_embedded_broker_grant() -> None:
