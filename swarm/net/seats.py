@@ -8,7 +8,9 @@ Only a public (global) address names a host here: loopback and private addresses
 by port (a test's swarm on one machine, a LAN's multi-GPU box: peers of one operator, not a
 stranger's ids). A multi-GPU machine at a public address serves one replica of a stage. A
 relayed peer's address names its relay, not its machine: it is a seat of its own (the relay sees
-where it attached from; counting by that is left to do).
+where it attached from; counting by that is left to do). A host is one seat however its
+address is written (a name's case and root dot, an IPv6 address's zeros, an IPv4 address as
+IPv6 maps it); a name and the address it resolves to are still two (resolving is left to do).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ def seat(address: str, peer: str = "") -> str:
         return f"peer {peer}"
     host = host.strip("[]")
     try:
-        public = ipaddress.ip_address(host).is_global
-    except ValueError:
-        public = host != "localhost"
-    return host if public else address
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a name: as DNS compares them (a name and its address stay two)
+        name = host.lower().rstrip(".")
+        return name if name != "localhost" else address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # an IPv4 host as IPv6 writes it
+    # One address however it is written (`2606:4700:0::1` is `2606:4700::1`)
+    return str(ip) if ip.is_global else address
