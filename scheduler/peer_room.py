@@ -158,8 +158,8 @@ def _kind(registry: PeerRegistry, relays: set[str], peer: str) -> str:
     announced = registry.peers.get(peer)
     if announced is None:
         return _GONE  # forgotten there since: its place is free
-    if registry.placed(peer) or peer in relays:
-        return _KEPT
+    if registry.placed(peer) or (announced.relay_address and announced.relay_address in relays):
+        return _KEPT  # given work, or a relay some present peer is reached through
     report = registry.reachability(peer)
     if registry.is_unreachable(peer) or not announced.address:
         return _GONE

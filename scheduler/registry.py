@@ -231,7 +231,8 @@ class PeerRegistry:
         return peer in self._given or peer in self._assigned_at
 
     def relays(self) -> set[str]:
-        """The peers some present peer is reached through (or announces as its relay)."""
+        """The relays (their listeners' `host:port`, `relay_address`) some present peer is
+        reached through (or announces as its relay)."""
         return set(self._via.values())
 
     def given(self, job_id: str, peer: str) -> int | None:

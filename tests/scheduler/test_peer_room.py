@@ -76,9 +76,12 @@ def test_a_placed_peer_a_relay_in_use_and_a_reached_one_never_make_room(
     _found(registry, "a", cpb.REACHABILITY_UNREACHABLE)  # given a stage before it was checked
     registry.assigned("a", "j", 0)
     relay = cpb.PeerAnnouncement(peer="r", role=cpb.PEER_ROLE_RELAY, state=cpb.PEER_STATE_SERVING)
-    _admitted(room, registry, relay)  # nothing to dial, but a's calls go through it
+    relay.relay_address = "203.0.113.5:7100"  # nothing to dial, but a's calls go through it
+    _admitted(room, registry, relay)
     behind = _joining("a")
-    behind.relay = "r"
+    behind.relay = relay.relay_address  # a peer announces its relay by its listener's address
+    # (by the relay's id, as this test had it, a relay in use was evicted first: no peer's
+    # announcement names a relay by its id)
     _admitted(room, registry, behind)
     _admitted(room, registry, _joining("b"))
     _found(registry, "b", cpb.REACHABILITY_DIRECT)  # reached: an honest peer waiting for work
