@@ -407,12 +407,14 @@ class LocalCoordinator:
         """A trainer gave these microbatches back (a hop failed on every replica it tried,
         `failure` says how): look at the members, since one may be dead or restarted empty.
         (Indices only: with delayed_update, the live step that leased them to `trainer`.)"""
-        if failure:
-            self.trainers_failure = failure
         ledgers = [live.ledger for live in self._window.working()]
+        # a lessee's failure (or its lease's last holder's, run out): what a stalled job's
+        # status names as its cause; anyone else's is not taken
+        if failure and any(ledger.speaks_for(trainer, i) for ledger in ledgers for i in indices):
+            self.trainers_failure = failure
+        for ledger in ledgers:
+            ledger.release(trainer, indices)
         if ledgers:
-            for ledger in ledgers:
-                ledger.release(trainer, indices)
             self._wake()
             if self._window.committing():
                 # A commit checks the members itself; during its APPLY those that applied are

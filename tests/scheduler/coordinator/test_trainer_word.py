@@ -171,3 +171,18 @@ async def test_a_lessees_word_of_holders_without_the_receipt_leaves_no_one_out(
     assert c.ledger.step == 1 and [t.index for t in (await c.lease("A", 1)).tasks] == [0]
     await c.report("A", MicrobatchResult(1, 0, {0: "a", 1: "c"}, 1.0, 4))  # never ran it
     assert c.ledger.holdings(0) == {}  # not taken
+
+
+async def test_only_a_lessee_giving_work_back_names_why_the_job_stalls(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """The failure a trainer gives its microbatches back with is what a stalled job's status
+    names as its cause: any token holder's, holding no lease, set it (`released` of leases it
+    never held), and the job's status said what it chose."""
+    h = await started(tmp_path, make_harness, "a", "c", steps=4)
+    c = h.coordinator
+    assert [t.index for t in (await c.lease("A", 1)).tasks] == [0]
+    await c.release("F", [0], "stage 1: every replica refused: wire the money first")
+    assert c.trainers_failure is None
+    await c.release("A", [0], "stage 1: every replica timed out")
+    assert c.trainers_failure == "stage 1: every replica timed out"
