@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import logging
 import os
 import shutil
 import struct
@@ -53,6 +54,9 @@ __all__ = [
 class CheckpointError(OSError):
     """A checkpoint file could not be written (a full or broken disk). An `OSError`, so that
     callers which skip a checkpoint on a disk error catch it whatever the writer raised."""
+
+
+log = logging.getLogger(__name__)
 
 
 def _dir(root: Path, step: int) -> Path:
@@ -308,9 +312,11 @@ def prune(root: Path, keep: int) -> list[int]:
 
 
 def drop_after(root: Path, step: int) -> list[int]:
-    """Delete the sealed checkpoints after `step` (they hold a banned peer's work: a rollback
-    to `step` retrains those steps without it); returns their steps. The manifest goes first."""
-    newer = [s for s in sealed(root) if s > step]
+    """Delete the checkpoints after `step` (they hold a banned peer's work: a rollback to
+    `step` retrains those steps without it), by their directories' names: one whose manifest
+    cannot be read now would be sealed once it can; returns their steps. The manifest goes
+    first."""
+    newer = [s for s in _named(root) if s > step]
     for s in newer:
         (_dir(root, s) / "manifest.json").unlink(missing_ok=True)
         shutil.rmtree(_dir(root, s), ignore_errors=True)
@@ -334,14 +340,27 @@ def sweep(root: Path) -> list[str]:
 
 
 def sealed(root: Path) -> list[int]:
-    """The steps of the complete checkpoints under `root`, oldest first."""
+    """The steps of the complete checkpoints under `root`, oldest first. One whose manifest
+    cannot be read (EIO, EACCES: not a torn file, which is never renamed into place) is passed
+    over, said at WARNING: a rollback goes further back, and its log says why."""
     steps = []
     for manifest in root.glob("step-*/manifest.json"):
         try:
             steps.append(int(json.loads(manifest.read_text())["step"]))
-        except (OSError, ValueError, KeyError):
-            continue  # a torn or foreign file is not a checkpoint
+        except FileNotFoundError:
+            continue  # deleted since the glob (pruned)
+        except OSError as e:
+            log.warning("checkpoint %s cannot be read, passed over: %s", manifest.parent.name, e)
+        except (ValueError, KeyError):
+            continue  # a foreign file is not a checkpoint
     return sorted(steps)
+
+
+def _named(root: Path) -> list[int]:
+    """The steps of the checkpoints under `root` with a manifest, readable or not, by their
+    directories' names (one being written has none yet)."""
+    names = [m.parent.name.removeprefix("step-") for m in root.glob("step-*/manifest.json")]
+    return sorted(int(n) for n in names if n.isdigit())
 
 
 def latest(root: Path) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,36 @@ def test_only_sealed_checkpoints_count(tmp_path: Path) -> None:
     checkpoint.seal(tmp_path / "ckpt", 4, job.training.stages)
     _save(tmp_path / "ckpt", job, 6)  # a newer one, torn: never sealed
     assert checkpoint.latest(tmp_path / "ckpt") == 4
+
+
+def test_a_checkpoint_that_cannot_be_read_is_said_and_a_bans_rollback_drops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manifest whose read fails (EIO, EACCES on a volume of another owner) was passed over
+    unsaid: a rollback went further back, saying "no checkpoint", and a ban's rollback left the
+    newer checkpoint, which holds the banned peer's work, for a later `latest` to pick once its
+    disk read again."""
+    job = make_job(tmp_path)
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        _save(root, job, step)
+        checkpoint.seal(root, step, job.training.stages)
+    unreadable = root / "step-00000002" / "manifest.json"
+    read_text = Path.read_text
+
+    def failing(path: Path, *args: object, **kwargs: object) -> str:
+        if path == unreadable:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return read_text(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", failing)
+    assert checkpoint.latest(root) == 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("step-00000002" in m and "Input/output error" in m for m in said), said
+    assert checkpoint.drop_after(root, 1) == [2]  # a ban's rollback to step 1
+    assert not (root / "step-00000002").exists()
+    monkeypatch.setattr(Path, "read_text", read_text)  # the disk reads again
+    assert checkpoint.latest(root) == 1
 
 
 async def test_export_falls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
