@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
@@ -42,6 +41,7 @@ from scheduler.history import History
 from scheduler.job_reports import NEWS_SAID_STEPS, AttemptReports
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
+from scheduler.route_file import RouteFile, incomplete_path
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
@@ -51,7 +51,6 @@ from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model import checkpoint
-from swarm.model.routes import write_record
 from swarm.net.commit_auth import SchedulerKey
 from swarm.policy.backoff import Backoff
 from swarm.policy.domains import Domains
@@ -147,17 +146,18 @@ class JobTraining:
         self.ban_books[job_id] = book
         return book
 
-    def _open_routes(self, job_id: str, job: JobConfig) -> TextIO | None:
+    def _open_routes(self, job_id: str, job: JobConfig) -> RouteFile | None:
         """The job's route record, opened to append (a resumed job's record goes on), where its
-        rule records routes; the caller closes it."""
+        rule records routes and no write ended it before; the caller closes it."""
         if not rule_of(job).records_routes:
             return None
         path = routes_path(self.checkpoint_dir, job_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a", encoding="utf-8")  # closed by `run`
+        if incomplete_path(path).exists():
+            return None  # ended by a failed write (`RouteFile`): a gap would replay wrongly
+        return RouteFile(path, job_id)  # closed by `run`
 
     def _coordinator(
-        self, job_id: str, job: JobConfig, reports: AttemptReports, routes: TextIO | None
+        self, job_id: str, job: JobConfig, reports: AttemptReports, routes: RouteFile | None
     ) -> LocalCoordinator:
         """The attempt's step coordinator: its members from the registry, its callbacks to
         `reports`, its bans kept in the store across restarts."""
@@ -178,7 +178,7 @@ class JobTraining:
             on_ban=reports.banned,
             bans=self._ban_book(job_id),  # kept across attempts and restarts
             metrics=CoordinatorMetrics(job_id, families=self.coordinator_metrics),
-            on_route=None if routes is None else (lambda r: write_record(routes, [r])),
+            on_route=routes,
             checkpoint_every_s=self.checkpoint_every_s,
             # parts by the links the peers announced (issue 43)
             groups=Groups(

@@ -25,6 +25,7 @@ from scheduler.job_api import (
     MAX_EXPORTS,
     MAX_FAILURE_CHARS,
 )
+from scheduler.route_file import incomplete_path
 from scheduler.store import JobStore
 from swarm.errors import ConfigError, NotFound, RemoteError
 from swarm.job.config import verify_data
@@ -614,3 +615,9 @@ async def test_export_routes(api: RunningApi, client: SchedulerClient, tmp_path:
     assert out.read_bytes() == data
     with pytest.raises(ClientError, match="unknown job"):
         await client.export_routes("nope", out)
+    # a record a failed write ended (`scheduler.route_file`): not served, and said so
+    path = api.control.routes(job)
+    path.rename(incomplete_path(path))
+    with pytest.raises(ClientError, match="route record ended where a write of it failed") as e:
+        await client.export_routes(job, tmp_path / "again.jsonl")
+    assert e.value.code == "FAILED_PRECONDITION" and incomplete_path(path).name in str(e.value)
