@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO, Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -19,11 +17,11 @@ from client.patience import Patience
 from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
-from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Record, write_record
 from swarm.ops.metrics import serve_metrics
+from swarm.ops.model_out import ModelOut, writable
 from swarm.ops.progress import StepLog, StepRecord
 from swarm.rpc.lease import Replica
 
@@ -166,27 +164,16 @@ async def run_trainer(
         raise SystemExit(
             f"the job has {job.training.stages} stages; --stage-servers names {len(replicas)}"
         )
-    # What it writes, opened before it trains: a path it cannot write is said now, not after
-    # the training, with the trained model (held only in memory) lost to a traceback.
+    # What it writes, opened before it trains (`swarm.ops.model_out`)
     for flag, path in (("--log", log_path), ("--routes", routes)):
         if path is not None:
-            _writable(flag, path, "a").close()
-    if out is not None and out.is_dir():  # its temporary file writes, its name never replaces
-        raise SwarmError(f"--out {out}: cannot write it (a directory)")
-    partial = None if out is None else out.with_name(f".{out.name}.partial")
+            writable(flag, path, "a").close()
     torch.set_num_threads(max(1, threads))
     registry = CollectorRegistry()
     if metrics_port is not None:
         serve_metrics(registry, "127.0.0.1", metrics_port, token=metrics_token or token)
     with contextlib.ExitStack() as stack:
-        model = None if out is None else stack.enter_context(_writable("--out", out, "wb", partial))
-        kept = [False]  # the temporary file holds the only copy of a model written whole
-
-        def unkept() -> None:  # else gone, whatever happens: the name gets only a whole file
-            if partial is not None and not kept[0]:
-                partial.unlink(missing_ok=True)
-
-        stack.callback(unkept)
+        model = None if out is None else stack.enter_context(ModelOut("--out", out))
         with StepLog(
             job.training.steps, path=log_path, desc=f"swarm {job.name}", show=show_progress
         ) as steps:
@@ -200,30 +187,7 @@ async def run_trainer(
                 broker=broker,
                 routes=routes,
             )
-        if model is not None and out is not None and partial is not None:
-            try:
-                torch.save(state, model)
-                model.close()
-            except (OSError, RuntimeError) as e:  # a full disk (torch's writer: RuntimeError)
-                raise SwarmError(
-                    f"--out {out}: cannot write it ({getattr(e, 'strerror', None) or e})"
-                ) from None
-            try:
-                os.replace(partial, out)
-            except OSError as e:  # another's file in a sticky directory, say
-                kept[0] = True
-                raise SwarmError(
-                    f"--out {out}: cannot write it ({e.strerror or e}); the model is kept at "
-                    f"{partial}"
-                ) from None
+        if model is not None:
+            model.write(state)
             print(f"wrote {out}")
     return 0
-
-
-def _writable(flag: str, path: Path, mode: str, at: Path | None = None) -> IO[Any]:
-    """`flag`'s `path` opened in `mode` (at `at`, its temporary file, where given), or the
-    flag's error in one line."""
-    try:
-        return open(at or path, mode)  # the caller closes it
-    except OSError as e:
-        raise SwarmError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None

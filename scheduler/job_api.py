@@ -27,7 +27,7 @@ from scheduler.data_hashes import DataHashes
 from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
 from scheduler.known_jobs import KnownJobs
-from scheduler.route_file import incomplete_path
+from scheduler.route_file import exportable
 from scheduler.store import JobRecord, JobStore
 from scheduler.trainer_calls import TrainerCalls
 from scheduler.trusted_peers import TrustMode
@@ -380,20 +380,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async def body() -> AsyncIterator[scheduler_pb2.SchedulerExportRoutesResponse]:
             self.callers.identify(context).may_manage(self._job(request.job), "export")
             path = self.control.routes(request.job)
-            ended = incomplete_path(path)
-            if not await asyncio.to_thread(path.is_file) and await asyncio.to_thread(ended.is_file):
-                raise FailedPrecondition(
-                    f"job {request.job!r}'s route record ended where a write of it failed (a "
-                    "full disk, say: the scheduler's log says which): `swarm local --routes` "
-                    f"cannot replay it; what it kept is {ended.name} in the job's checkpoint "
-                    "directory"
-                )
-            if not await asyncio.to_thread(path.is_file):
-                raise FailedPrecondition(
-                    f'job {request.job!r} has no route record: only jobs with pool.mode = "local" '
-                    '(or delayed_update with pool.overlap = "eager") keep one, from their first '
-                    "step"
-                )
+            await asyncio.to_thread(exportable, path, request.job)
             async for data in roots.chunks(path, 0, self.chunk_bytes):
                 yield scheduler_pb2.SchedulerExportRoutesResponse(data=data)
 

@@ -16,9 +16,10 @@ import logging
 from pathlib import Path
 from typing import TextIO
 
+from swarm.errors import FailedPrecondition
 from swarm.model.routes import Record, write_record
 
-__all__ = ["INCOMPLETE", "RouteFile", "incomplete_path"]
+__all__ = ["INCOMPLETE", "RouteFile", "exportable", "incomplete_path"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,24 @@ INCOMPLETE = ".incomplete"  # the suffix of a record a write ended
 def incomplete_path(path: Path) -> Path:
     """Where the record at `path` lies once a write ended it."""
     return path.with_name(path.name + INCOMPLETE)
+
+
+def exportable(path: Path, job_id: str) -> None:
+    """FailedPrecondition, saying why, unless job `job_id`'s record at `path` may be exported:
+    none kept, or one a failed write ended (never served: a gap or a torn line)."""
+    if path.is_file():
+        return
+    ended = incomplete_path(path)
+    if ended.is_file():
+        raise FailedPrecondition(
+            f"job {job_id!r}'s route record ended where a write of it failed (a full disk, "
+            "say: the scheduler's log says which): `swarm local --routes` cannot replay it; "
+            f"what it kept is {ended.name} in the job's checkpoint directory"
+        )
+    raise FailedPrecondition(
+        f'job {job_id!r} has no route record: only jobs with pool.mode = "local" (or '
+        'delayed_update with pool.overlap = "eager") keep one, from their first step'
+    )
 
 
 class RouteFile:

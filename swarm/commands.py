@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.errors import SwarmError
 from swarm.flags import add_flag, add_token, token
 from swarm.net.paths import PEER_DOMAIN
 from swarm.net.tls import add_tls_flags
+
+if TYPE_CHECKING:  # imported where used: `swarm --help` and the bus tools take no torch
+    import torch
+
+    from swarm.job.config import JobConfig
 
 __all__ = ["add_arguments", "run"]
 
@@ -184,9 +191,9 @@ def _local(args: argparse.Namespace) -> int:
 
     from swarm.device.facts import TorchFacts, resolve_device, use_device
     from swarm.job.config import load_job
+    from swarm.model.hf import check_out, write_hf
     from swarm.model.local_steps import simulates_replicas
-    from swarm.model.reference import train_local
-    from swarm.ops.progress import StepLog
+    from swarm.ops.model_out import ModelOut, writable
 
     facts = TorchFacts()  # the device checked first, as a stage server's: a clear error, no cuda:0
     use_device(device := resolve_device(args.device, facts), facts)
@@ -199,29 +206,46 @@ def _local(args: argparse.Namespace) -> int:
         )
     if args.replicas is not None and args.routes is not None:
         raise SwarmError("give --replicas or --routes, not both: the record names its replicas")
+    # What it writes, opened before it trains (`swarm.ops.model_out`)
+    if args.log is not None:
+        writable("--log", Path(args.log), "a").close()
+    hf, out = args.format == "hf", None if args.out is None else Path(args.out)
+    if out is not None and hf:
+        try:
+            check_out(out, job.model)
+        except FileExistsError as e:
+            raise SwarmError(f"--out {out}: {e}") from None
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    with contextlib.ExitStack() as stack:
+        model_out = None if out is None or hf else stack.enter_context(ModelOut("--out", out))
+        model = _trained(args, job, device, local_steps)
+        if out is not None:
+            state = {k: v.cpu() for k, v in model.state_dict().items()}
+            if model_out is not None:
+                model_out.write(state)
+            else:
+                from swarm.model.transformer import plain_state
+
+                write_hf(out, *plain_state(job, state), None)
+            print(f"wrote {out}")
+    return 0
+
+
+def _trained(
+    args: argparse.Namespace, job: JobConfig, device: torch.device, local_steps: bool
+) -> torch.nn.Module:
+    """`swarm local`'s training, logged as it goes."""
+    from swarm.model.reference import train_local
+    from swarm.ops.progress import StepLog
+
     with StepLog(job.training.steps, path=args.log, desc=f"local {job.name}") as steps:
         if local_steps:
             from swarm.model.local_steps import train_replicas
             from swarm.model.routes import read_routes
 
             routes = read_routes(args.routes) if args.routes is not None else None
-            model = train_replicas(
-                job, device, replicas=args.replicas, routes=routes, on_step=steps
-            )
-        else:
-            model = train_local(job, device, on_step=steps)
-    if args.out:
-        state = {k: v.cpu() for k, v in model.state_dict().items()}
-        if args.format == "hf":
-            from swarm.model.hf import write_hf
-            from swarm.model.transformer import plain_state
-
-            write_hf(args.out, *plain_state(job, state), None)
-        else:
-            torch.save(state, args.out)
-        print(f"wrote {args.out}")
-    return 0
+            return train_replicas(job, device, replicas=args.replicas, routes=routes, on_step=steps)
+        return train_local(job, device, on_step=steps)
 
 
 def _broker(args: argparse.Namespace) -> int:

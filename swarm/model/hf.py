@@ -138,6 +138,18 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     return {b: (state[a].t() if t else state[a]).contiguous() for a, b, t in names}
 
 
+def check_out(out: Path, cfg: ModelConfig) -> None:
+    """What `write_hf` refuses of a model (its plain config, `cfg`) and of `out`: checked before
+    a training whose model it is to write as well, which holds it only in memory until then."""
+    if cfg.boundary_bottleneck:  # its squeeze and expand have no place in a transformers model
+        raise ConfigError(
+            f"model.boundary_bottleneck = {cfg.boundary_bottleneck}: a learned bottleneck "
+            "between stages cannot be expressed as a transformers model; not exported"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+
+
 def write_hf(
     out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype | None
 ) -> Path:
@@ -151,14 +163,8 @@ def write_hf(
             f"model.boundary_rank = {cfg.boundary_rank}: export the state that "
             "swarm.model.transformer.plain_state folds, with its config"
         )
-    if cfg.boundary_bottleneck:  # its squeeze and expand have no place in a transformers model
-        raise ConfigError(
-            f"model.boundary_bottleneck = {cfg.boundary_bottleneck}: a learned bottleneck "
-            "between stages cannot be expressed as a transformers model; not exported"
-        )
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory")
+    check_out(out, cfg)
     tensors = to_hf(state, cfg)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,6 +14,8 @@ from typing import IO
 from tqdm import tqdm
 
 __all__ = ["StepLog", "StepRecord", "duration_text"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class StepLog:
             dynamic_ncols=True,
         )
         self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115
+        self._path = path
         self._shown: dict[str, str] = {}  # the last step's figures
         self._val_loss: float | None = None  # the last evaluation's, shown until the next
 
@@ -90,8 +95,14 @@ class StepLog:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
         if self._file:
-            self._file.write(json.dumps(asdict(record)) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(asdict(record)) + "\n")
+                self._file.flush()
+            except OSError as e:  # a full disk: the log ends, not the training (and its model)
+                log.error("the step log %s ended at step %d: %s", self._path, record.step, e)
+                file, self._file = self._file, None
+                with contextlib.suppress(OSError):
+                    file.close()
 
     def __enter__(self) -> StepLog:
         return self
@@ -104,7 +115,8 @@ class StepLog:
     ) -> None:
         self._bar.close()
         if self._file:
-            self._file.close()
+            with contextlib.suppress(OSError):  # its last flush, on a full disk: said above
+                self._file.close()
 
 
 def duration_text(seconds: float) -> str:

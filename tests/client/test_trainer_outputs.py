@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import client.standalone as standalone
+import swarm.ops.model_out as model_out
 from swarm.cli import main
 from tests.support.jobs import write_job
 
@@ -96,7 +97,7 @@ def test_a_model_written_whole_whose_rename_fails_is_kept_and_named(
     def refused(src: object, dst: object) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(standalone.os, "replace", refused)
+    monkeypatch.setattr(model_out.os, "replace", refused)  # where the model is placed
     out = tmp_path / "model.pt"
     code = _trainer(tmp_path, "--out", str(out))
     err = capsys.readouterr().err
