@@ -128,13 +128,26 @@ class StateChecks:
                         f"{name!r} is not part of stage {self.stage}'s state: the job's optimizer "
                         f"has no key {parts[2]!r} (only {sorted(self._keys)})"
                     )
-                size = self._params[index][0].numel() if per_value else 1
-                if tensor.numel() == size:
-                    return
-                raise InvalidArgument(
-                    f"{name} has {tensor.numel()} values; parameter {index} has "
-                    f"{self._params[index][0].numel()}" + ("" if per_value else ", this key 1")
-                )
+                shape, dtype = self._params[index]
+                size = shape.numel() if per_value else 1
+                if tensor.numel() != size:
+                    raise InvalidArgument(
+                        f"{name} has {tensor.numel()} values; parameter {index} has "
+                        f"{shape.numel()}" + ("" if per_value else ", this key 1")
+                    )
+                # its parameter's shape and dtype (a moment), or one floating value (a step):
+                # another loads, and fails the first step half applied
+                if per_value and (tensor.shape != shape or tensor.dtype != dtype):
+                    raise InvalidArgument(
+                        f"{name} must be {dtype} {list(shape)}, as parameter {index}; got "
+                        f"{tensor.dtype} {list(tensor.shape)}"
+                    )
+                if not per_value and (tensor.dim() or not tensor.dtype.is_floating_point):
+                    raise InvalidArgument(
+                        f"{name} must be one floating value; got {tensor.dtype} "
+                        f"{list(tensor.shape)}"
+                    )
+                return
         raise InvalidArgument(
             f"{name!r} is not part of stage {self.stage}'s state (param/<name>, or "
             f"optim/<parameter index below {len(self._params)}>/<key>)"

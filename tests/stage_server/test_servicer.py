@@ -348,7 +348,8 @@ async def test_load_state_accepts_only_the_stages_state(
     room = server.runtime.max_state_bytes() - sum(t.nbytes for t in own.values())
     count = room // (piece * 8) + 1
     # (One of the optimizer's own keys, sent again and again: an unknown key is refused at once.)
-    junk = _load(job, {f"optim/{index}/exp_avg": torch.zeros(piece, dtype=torch.float64)})
+    shape = server.runtime.params[index].shape  # its parameter's: each one passes alone
+    junk = _load(job, {f"optim/{index}/exp_avg": torch.zeros(shape, dtype=torch.float64)})
     assert count * piece * 8 > 10 * sum(t.nbytes for t in own.values())
     assert await _load_status(stub, _load(job, own) + junk * count) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED

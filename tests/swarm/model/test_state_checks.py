@@ -97,3 +97,16 @@ def test_an_optimizer_key_the_jobs_optimizer_lacks_is_refused(
         checks.state_tensor(f"optim/0/{key}", torch.zeros_like(weight))
         with pytest.raises(InvalidArgument, match=f"optim/0/{key} has 1 values"):
             checks.state_tensor(f"optim/0/{key}", torch.zeros(1, dtype=weight.dtype))
+        # of its parameter's shape and dtype, not its count alone: a flat moment, or one of
+        # another dtype, loaded and failed at the first step, half applied (after the update
+        # was recorded, the sums dropped and the parameters before it stepped)
+        for wrong in (weight.reshape(-1), weight.to(torch.float32), weight.to(torch.int64)):
+            if weight.dim() == 1 and wrong.dtype == weight.dtype:
+                continue  # a vector's flat self is itself
+            with pytest.raises(InvalidArgument, match=f"optim/0/{key} must be"):
+                checks.state_tensor(f"optim/0/{key}", torch.zeros_like(wrong))
+    if kind == "adamw":  # its step: one floating value
+        checks.state_tensor("optim/0/step", torch.tensor(3.0))
+        for wrong in (torch.tensor(True), torch.tensor(3), torch.zeros(1, 1, 1)):
+            with pytest.raises(InvalidArgument, match="optim/0/step must be"):
+                checks.state_tensor("optim/0/step", wrong)
