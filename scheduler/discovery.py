@@ -6,8 +6,10 @@ Each peer is a target of its own, labelled with its role and peer id only: what 
 that target. A target label that changes (a state, a job, a stage) would start a new series of
 every metric the target serves at each change, and split one peer in two for `rate()` and `sum`;
 what a peer does now is in its metric `swarm_peer_info{peer,state,job,stage}` instead. A peer
-without a metrics port is not listed. The labels are prefixed `swarm_`: the series themselves
-carry `job`, `stage` and `peer` (kept with `honor_labels: true`).
+without a metrics port is not listed, nor one the scheduler's dial-back has not reached at its
+address, nor a metrics address on another host than that address. The labels are prefixed
+`swarm_`: the series themselves carry `job`, `stage` and `peer` (kept with `honor_labels:
+true`).
 
 A peer reached through a relay (behind NAT: its announcement names the relay) is labelled
 `__meta_swarm_relay` with the relay's address too: Prometheus scrapes it through that relay (the
@@ -18,6 +20,7 @@ is seen by relabelling only, never stored, so a peer that changes relay stays on
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from swarm.proto import control_pb2 as cpb
 
@@ -26,14 +29,20 @@ __all__ = ["CONTENT_TYPE", "sd_document", "sd_targets"]
 CONTENT_TYPE = "application/json"
 
 
-def sd_targets(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> list[dict[str, object]]:
+def sd_targets(
+    scheduler: str, peers: list[cpb.PeerAnnouncement], reached: Callable[[str], bool]
+) -> list[dict[str, object]]:
     """Target groups: the scheduler's metrics address (`scheduler`, "" when it serves none) and
-    each announced peer's."""
+    each announced peer's that the dial-back `reached` at its address, at that address's host
+    (a peer serves its /metrics beside its gRPC server): a token holder's word alone pointed
+    Prometheus, and its metrics token, at any address it named."""
     groups: list[dict[str, object]] = []
     if scheduler:
         groups.append({"targets": [scheduler], "labels": {"swarm_role": "scheduler"}})
     for p in sorted(peers, key=lambda p: p.peer):
-        if not p.metrics_address:
+        if not p.metrics_address or not reached(p.peer):
+            continue
+        if not p.address or _host(p.metrics_address) != _host(p.address):
             continue
         labels = {"swarm_role": "peer", "swarm_peer": p.peer}
         if p.relay:
@@ -42,6 +51,12 @@ def sd_targets(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> list[dict[s
     return groups
 
 
-def sd_document(scheduler: str, peers: list[cpb.PeerAnnouncement]) -> tuple[str, bytes]:
+def sd_document(
+    scheduler: str, peers: list[cpb.PeerAnnouncement], reached: Callable[[str], bool]
+) -> tuple[str, bytes]:
     """The `/sd` answer: (content type, body)."""
-    return CONTENT_TYPE, json.dumps(sd_targets(scheduler, peers)).encode()
+    return CONTENT_TYPE, json.dumps(sd_targets(scheduler, peers, reached)).encode()
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]

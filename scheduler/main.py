@@ -215,7 +215,8 @@ async def _serve(
     own: list[str] = [""]  # its metrics address, once bound
 
     def sd() -> tuple[str, bytes]:  # on the metrics thread: a copy of the registry's
-        return sd_document(own[0], list(dict(scheduler.peer_registry.peers).values()))
+        registry = scheduler.peer_registry
+        return sd_document(own[0], list(dict(registry.peers).values()), registry.was_reached)
 
     metrics_port = (
         serve_metrics(

@@ -70,6 +70,9 @@ class Shown:
     joining: str  # while JOINING: what it waits for
 
 
+_REACHED = (cpb.REACHABILITY_DIRECT, cpb.REACHABILITY_RELAYED)
+
+
 class PeerRegistry:
     def __init__(
         self,
@@ -205,6 +208,12 @@ class PeerRegistry:
             cut_off = bool(via) and via not in present and not reached
             lost.setdefault(p.stage, []).append(via if cut_off else "")  # "": not the relay's
         return {k: ", ".join(sorted(set(v))) for k, v in lost.items() if v and all(v)}
+
+    def was_reached(self, peer: str) -> bool:
+        """Whether the dial-back reached `peer` at its address or through its relay (safe on
+        the metrics thread: one read of a dict)."""
+        report = self._reach.get(peer)
+        return report is not None and report.reachability in _REACHED
 
     def is_unreachable(self, peer: str) -> bool:
         """Whether the dial-back found nothing answering at `peer`'s address (nor its relay)."""

@@ -7,14 +7,19 @@ from __future__ import annotations
 from scheduler.discovery import sd_targets
 from swarm.proto import control_pb2 as cpb
 
+REACHED = {"p0", "p1", "p2"}.__contains__  # the peers the dial-back reached
+
 
 def test_sd_lists_the_scheduler_and_each_peer_with_a_metrics_port() -> None:
     serving = cpb.PeerAnnouncement(
-        peer="p1", metrics_address="10.0.0.2:9101", state=cpb.PEER_STATE_SERVING, job="j-1", stage=2
+        peer="p1", address="10.0.0.2:7000", metrics_address="10.0.0.2:9101", job="j-1", stage=2
     )
-    idle = cpb.PeerAnnouncement(peer="p0", metrics_address="[fd00::3]:9101")
+    serving.state = cpb.PEER_STATE_SERVING
+    idle = cpb.PeerAnnouncement(
+        peer="p0", address="[fd00::3]:7000", metrics_address="[fd00::3]:9101"
+    )
     blind = cpb.PeerAnnouncement(peer="p2", address="10.0.0.4:7000")  # no /metrics: not listed
-    groups = sd_targets("10.0.0.1:9100", [serving, idle, blind])
+    groups = sd_targets("10.0.0.1:9100", [serving, idle, blind], REACHED)
     assert groups == [
         {"targets": ["10.0.0.1:9100"], "labels": {"swarm_role": "scheduler"}},
         {"targets": ["[fd00::3]:9101"], "labels": {"swarm_role": "peer", "swarm_peer": "p0"}},
@@ -41,7 +46,9 @@ def test_a_peer_keeps_its_target_labels_whatever_it_does() -> None:
             peer="p1", metrics_address=address, state=cpb.PEER_STATE_SERVING, job="j-2", stage=1
         ),
     ]
-    answers = [sd_targets("", [p]) for p in lives]
+    for p in lives:
+        p.address = "10.0.0.2:7000"
+    answers = [sd_targets("", [p], REACHED) for p in lives]
     assert all(a == answers[0] for a in answers), answers
 
 
@@ -54,7 +61,7 @@ def test_a_relayed_peer_is_labelled_with_its_relay_for_relabelling_only() -> Non
         metrics_address="192.168.1.20:9101",
         relay="203.0.113.5:7100",
     )
-    assert sd_targets("", [relayed]) == [
+    assert sd_targets("", [relayed], REACHED) == [
         {
             "targets": ["192.168.1.20:9101"],
             "labels": {
@@ -64,3 +71,17 @@ def test_a_relayed_peer_is_labelled_with_its_relay_for_relabelling_only() -> Non
             },
         }
     ]
+
+
+def test_only_a_peer_the_dial_back_reached_is_listed_and_only_at_its_own_host() -> None:
+    """Any token holder's announcement was listed: Prometheus scraped whatever address it named
+    (an internal service of the scheduler's network, say), carrying the metrics token. A peer
+    is a target once the dial-back reached it at its address, and only at that address's host."""
+    elsewhere = cpb.PeerAnnouncement(
+        peer="p1", address="10.0.0.2:7000", metrics_address="10.0.0.9:9100"
+    )
+    unchecked = cpb.PeerAnnouncement(
+        peer="p3", address="10.0.0.3:7000", metrics_address="10.0.0.3:9101"
+    )
+    no_address = cpb.PeerAnnouncement(peer="p2", metrics_address="10.0.0.4:9101")
+    assert sd_targets("", [elsewhere, unchecked, no_address], REACHED) == []

@@ -82,7 +82,7 @@ async def _nat_peer(token: str | None) -> AsyncIterator[tuple[str, str, Collecto
     sd = [""]
 
     def listing() -> tuple[str, bytes]:
-        return sd_document(sd[0], [peer])
+        return sd_document(sd[0], [peer], lambda p: p == PEER)  # reached through its relay
 
     sd_port = serve_metrics(CollectorRegistry(), "127.0.0.1", 0, {"/sd": listing}, token=token)
     sd[0] = f"127.0.0.1:{sd_port}"
