@@ -12,8 +12,8 @@ from client.audit.audits import Redone, Work, decoded
 from swarm.errors import ActivationsNotCached, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.rpc.routes import Routes
-from swarm.rpc.stage_client import BackwardResult, WireCrossing
-from swarm.wire import codec
+from swarm.rpc.stage_client import BackwardResult, TensorLike, WireCrossing
+from swarm.wire.off_loop import on_thread
 
 __all__ = ["StageReexecutor", "decoded"]
 
@@ -46,10 +46,11 @@ class StageReexecutor:
             )
             return Redone(
                 torch.tensor(done.loss_sum, dtype=torch.float64),
-                decoded(done.grad_inputs),
+                await _widened(done.grad_inputs),
                 _digest(done),
             )
-        outputs = codec.decode(await client.forward(step, index, work.given))
+        outputs = await _widened(await client.forward(step, index, work.given))
+        assert outputs is not None  # a forward's answer holds its outputs (`reply_checks`)
 
         def backward(given: WireCrossing | None) -> Awaitable[BackwardResult]:
             return client.backward(
@@ -66,7 +67,13 @@ class StageReexecutor:
             back = await backward(None)
         except ActivationsNotCached:  # evicted meanwhile: send the inputs again
             back = await backward(work.given)
-        return Redone(outputs, decoded(back.grad_inputs), _digest(back))
+        return Redone(outputs, await _widened(back.grad_inputs), _digest(back))
+
+
+async def _widened(value: TensorLike | None) -> torch.Tensor | None:
+    """An auditor's answer decoded off the trainer's event loop: a microbatch's crossing, millions
+    of values of a real model, and the loop is the one the trainer's every step runs on."""
+    return None if value is None else await on_thread(lambda: decoded(value))
 
 
 def _digest(done: BackwardResult) -> tuple[float, float, float] | None:
