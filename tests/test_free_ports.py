@@ -8,6 +8,7 @@ comes from below that range, from a part of it that is this worker's alone."""
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -43,3 +44,20 @@ def test_a_free_port_is_free() -> None:
     port = ports.free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))  # raised "Address already in use" if it were not
+
+
+def test_the_tests_take_their_free_ports_from_here_alone() -> None:
+    """A test that took a bench's free port (a port-0 bind, from the kernel's ephemeral range)
+    lost it now and then to the other worker's connections before its process bound it:
+    tests/test_wan_bench.py's gloo rendezvous, under a loaded suite."""
+    root = Path(__file__).resolve().parent
+    called = re.compile(r"\b(?!ports\b)\w+\.free_port\(")  # `ports.free_port(`: here
+    imported = re.compile(r"^from (\S+) import [^\n]*\bfree_port\b", re.M)
+    found = [
+        f"{path.relative_to(root)}: {m.group(0)}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "ports.py"
+        for m in [*called.finditer(path.read_text()), *imported.finditer(path.read_text())]
+        if m.re is called or m.group(1) != "tests.support.ports"
+    ]
+    assert found == [], found
