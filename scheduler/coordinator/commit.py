@@ -238,7 +238,11 @@ class TwoPhaseCommit:
                 stray = None if isinstance(info, BaseException) else frozenset(info.receipts) - held
                 if stray == frozenset():  # it lacks what a trainer's word credited it with
                     lacks = held - frozenset(info.receipts)  # type: ignore[union-attr]
-                    self.voids.belied(ledger, stage, r.peer, sorted(lacks))
+                    # credited since its Info answered (a replay reported meanwhile): looked
+                    # at again, not taken back
+                    lacks &= frozenset(before[stage].get(r.peer, []))
+                    if lacks:
+                        self.voids.belied(ledger, stage, r.peer, sorted(lacks))
                     matched = False
                     continue
                 why = _voided_again(voided, (ledger.step, r.peer), stray, info)

@@ -336,26 +336,21 @@ class LocalCoordinator:
 
     async def report(self, trainer: str, result: MicrobatchResult) -> None:
         live = self._window.at(result.step)
-        if trainer in self.voids.doubted or not self._window.speaks_for(
-            trainer, result.step, result.index
-        ):
+        if not self._window.speaks_for(trainer, result.step, result.index):
             # Any token holder may report: its word on a microbatch whose lease is another's
             # (its holders, its loss, its audit's verdicts) is not taken, its step live or
             # committed (an audit's own report comes after); what it says landed is looked for
-            # in the members' receipts (`StepLedger.speaks_for`, `recheck`). So is the word of
-            # a trainer the receipts belied before (`Voids.doubted`).
+            # in the members' receipts (`StepLedger.speaks_for`, `recheck`).
             self._rated.warning(
                 "not-its-lease",
                 "trainer %s reported microbatch (%d, %d), whose lease is not its own (or of a "
-                "step long past, or its word was belied before): its word is not taken, the "
-                "replicas' receipts of it are looked at instead",
+                "step long past): its word is not taken, the replicas' receipts of it are "
+                "looked at instead",
                 trainer,
                 result.step,
                 result.index,
             )
             if live is not None and not result.late:
-                # a doubted lessee's lease ends with its report: looked at now, not when it ran out
-                live.ledger.release(trainer, [result.index])
                 live.ledger.recheck(result.index)
                 self._wake()  # leasable again once its receipts were looked at
             return

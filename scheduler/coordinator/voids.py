@@ -8,8 +8,9 @@ A trainer's word is what a lessee reports: which replica holds its microbatch at
 Any token holder may lease, so a replica is voided on its own receipts, never on that word alone:
 a second holder reported is voided where its receipts show the duplicate (`straggler`), and a
 holder whose receipts lack what the ledger credits it with has those microbatches needed again
-there, nothing of its own voided (`belied`). The trainers whose word the receipts belied are
-`doubted`: what they report later only has its receipts looked at, as an outsider's does."""
+there, nothing of its own voided (`belied`). Nobody is blamed for either: the receipts are a
+replica's word, which cannot tell a trainer's lie from a replica's (a hostile replica denying a
+receipt would have honest trainers doubted, and their audits of it not taken)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ class Voids:
         )
         self._deciding: StepLedger | None = None  # whose PREPARE or APPLY is running
         self._held: list[tuple[int, str]] = []  # voids of stragglers' duplicates that wait for it
-        self.doubted: set[str] = set()  # trainers whose word the receipts belied
 
     async def void(self, ledger: StepLedger, stage: int, peer: str) -> None:
         """`peer`'s gradients at `stage` must not count: replay them elsewhere, and tell it to
@@ -77,15 +77,13 @@ class Voids:
     ) -> None:
         """`trainer` reported `peer` a second holder of microbatch `index` at `stage` (a
         straggler's duplicate, `StepLedger.report`'s extras): voided where `peer`'s receipts
-        show it, or it cannot be asked (a gone replica is dropped by its void); else the
-        trainer's word is belied, and nobody is voided."""
+        show it, or it cannot be asked (a gone replica is dropped by its void); else nobody
+        is voided."""
         if await self._holds(ledger, stage, peer, index) is False:
-            self.doubted.add(trainer)
             ledger.suspect = True  # the commit looks at every replica's receipts first
             log.warning(
                 "step %d: trainer %.64s reported %s a second holder of microbatch %d at stage "
-                "%d, whose receipts do not show it: nobody voided, and its word is not taken "
-                "from now on",
+                "%d, whose receipts do not show it: nobody voided",
                 ledger.step,
                 trainer,
                 peer,
@@ -97,15 +95,13 @@ class Voids:
 
     def belied(self, ledger: StepLedger, stage: int, peer: str, missing: list[int]) -> None:
         """`peer`'s receipts at `stage` lack `missing`, which the ledger credits it with, and
-        hold nothing else: the word of the trainers that reported them is belied. Those
+        hold nothing else: a trainer's word belied (or the replica's receipts lost). Those
         microbatches are needed there again; what `peer` holds stays."""
         trainers = ledger.unland(stage, peer, missing)
-        self.doubted |= trainers
         self.metrics.replays.inc(len(missing))
         log.warning(
             "step %d: %s (stage %d) holds no receipt of microbatches %s, which trainer %s "
-            "reported it holds: they are run again, nothing of %s voided, and the trainer's word "
-            "is not taken from now on",
+            "reported it holds: they are run again, nothing of %s voided",
             ledger.step,
             peer,
             stage,

@@ -119,7 +119,7 @@ async def test_a_lessees_word_of_a_duplicate_no_receipt_shows_voids_nobody(
     """A lessee (any token holder may lease) reported its microbatch again naming other
     replicas: each was read as holding a straggler's duplicate and voided, a Discard of its
     whole step, one report voiding every replica of every stage. A duplicate is voided where
-    the replica's own receipts show it; a trainer whose word they belie is not taken again."""
+    the replica's own receipts show it."""
     job = job_of(tmp_path, target_batch_size=16)  # 4 microbatches: the step stays open
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c"), swarm.add(1, "d")
@@ -133,14 +133,10 @@ async def test_a_lessees_word_of_a_duplicate_no_receipt_shows_voids_nobody(
     assert not swarm["b"].called("discard") and not swarm["d"].called("discard")
     assert c.ledger is not None and c.ledger.holdings(1) == {"c": [0], "d": [1]}
     assert c.ledger.holdings(0) == {"a": [0, 1]}
-    # its word is not taken again: a report of its next lease only has receipts looked at
-    assert [t.index for t in (await c.lease("A", 1)).tasks] == [2]
-    await c.report("A", MicrobatchResult(0, 2, {0: "b", 1: "c"}, 1.0, 4))  # nothing landed
-    assert c.ledger.holdings(0) == {"a": [0, 1]} and c.ledger.holdings(1) == {"c": [0], "d": [1]}
     # a straggler's true duplicate is voided as before
-    assert [t.index for t in (await c.lease("B", 1)).tasks] == [3]
-    await h.land(0, 3, {0: "a", 1: "c"}, trainer="B")
-    await h.land(0, 3, {0: "b"}, trainer="B")  # run again, its report naming b: b holds it
+    assert [t.index for t in (await c.lease("B", 1)).tasks] == [2]
+    await h.land(0, 2, {0: "a", 1: "c"}, trainer="B")
+    await h.land(0, 2, {0: "b"}, trainer="B")  # run again, its report naming b: b holds it
     assert swarm["b"].called("discard")
 
 
@@ -150,9 +146,8 @@ async def test_a_lessees_word_of_holders_without_the_receipt_leaves_no_one_out(
     """A lessee reported its microbatch held by replicas that never ran it: each refused
     PREPARE (receipts missing), was voided (the microbatches it did hold replayed), and, the
     liar leasing the replay and saying the same again, left out of its pool. A refusal whose
-    replica's receipts hold nothing the ledger did not give it names the trainer's word: the
-    microbatch is needed there again, nobody is voided or left out, and that trainer's word is
-    not taken again."""
+    replica's receipts hold nothing the ledger did not give it belies the trainer's word: the
+    microbatch is needed there again, and nobody is voided or left out."""
     job = job_of(tmp_path)  # 2 microbatches a step
     swarm = FakeSwarm(fingerprint(job), 2)
     swarm.add(0, "a"), swarm.add(1, "c")
@@ -167,10 +162,6 @@ async def test_a_lessees_word_of_holders_without_the_receipt_leaves_no_one_out(
     assert record.step == 0 and record.samples == 8
     assert not swarm["a"].called("discard") and not swarm["c"].called("discard")
     assert {r.peer for stage in c.membership.replicas() for r in stage} == {"a", "c"}
-    assert c.ledger is not None
-    assert c.ledger.step == 1 and [t.index for t in (await c.lease("A", 1)).tasks] == [0]
-    await c.report("A", MicrobatchResult(1, 0, {0: "a", 1: "c"}, 1.0, 4))  # never ran it
-    assert c.ledger.holdings(0) == {}  # not taken
 
 
 async def test_only_a_lessee_giving_work_back_names_why_the_job_stalls(
