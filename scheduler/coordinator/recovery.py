@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -95,6 +96,9 @@ class Recovery:
         # A ban's rollback under way goes back to this step: until it has loaded that state
         # (`restore`), a step after it is the banned trajectory's, and is not checkpointed.
         self._going_back: int | None = None
+        # Checkpoints of a banned peer's work its rollback could not delete (the disk keeps
+        # them: read-only, another's): never gone back to (`latest`, `back_before`).
+        self._tainted: set[int] = set()
 
     def checkpoint(self, step: int, members: list[list[Replica]]) -> None:
         """Write the checkpoint of `step` in the background while the next steps train; skipped
@@ -218,7 +222,7 @@ class Recovery:
             return f"no replica of stage {silent[0]} gave its state at it" if silent else ""
         await to_thread_to_the_end(checkpoint.seal, directory, step, self.job.training.stages)
         if self._banned_since(bans, step):  # banned while it was sealed: gone as the ban said
-            await to_thread_to_the_end(checkpoint.drop_after, directory, min(self._bans[bans:]))
+            await to_thread_to_the_end(self._drop_after, min(self._bans[bans:]))
             return ""
         log.info("checkpoint of step %d written to %s", step, directory)
         keep = self.job.training.keep_checkpoints
@@ -289,7 +293,23 @@ class Recovery:
 
     def latest(self) -> int:
         """The step to roll back to: the last sealed checkpoint's, else 0."""
-        return (checkpoint.latest(self.directory) or 0) if self.directory else 0
+        return self._sealed_at_most(math.inf)
+
+    def _sealed_at_most(self, at_most: float) -> int:
+        """The last sealed checkpoint's step at or before `at_most` but a banned peer's work's
+        (`_tainted`), else 0."""
+        if not self.directory:
+            return 0
+        sealed = checkpoint.sealed(self.directory)
+        return max((s for s in sealed if s <= at_most and s not in self._tainted), default=0)
+
+    def _drop_after(self, step: int) -> list[int]:
+        """On a thread: `checkpoint.drop_after`, the ones the disk kept remembered as tainted."""
+        assert self.directory is not None
+        after = [s for s in checkpoint.named(self.directory) if s > step]
+        dropped = checkpoint.drop_after(self.directory, step)
+        self._tainted.update(set(after) - set(dropped))
+        return dropped
 
     async def back_before(self, at_most: int) -> int:
         """The step a ban's rollback goes back to: the last sealed checkpoint's at or before
@@ -298,10 +318,10 @@ class Recovery:
         hold work done after `at_most`, a banned peer's (`scheduler.coordinator.trust.bans`)."""
         if not self.directory:
             return 0
-        step = max((s for s in checkpoint.sealed(self.directory) if s <= at_most), default=0)
+        step = self._sealed_at_most(at_most)
         self._bans.append(step)  # and the one being written, if after it (`_banned_since`)
         self._going_back = step  # and those begun before the states are loaded (`restore`)
-        dropped = await asyncio.to_thread(checkpoint.drop_after, self.directory, step)
+        dropped = await asyncio.to_thread(self._drop_after, step)
         if dropped:
             log.warning("checkpoints of steps %s deleted: they hold a banned peer's work", dropped)
         return step

@@ -314,13 +314,20 @@ def prune(root: Path, keep: int) -> list[int]:
 def drop_after(root: Path, step: int) -> list[int]:
     """Delete the checkpoints after `step` (they hold a banned peer's work: a rollback to
     `step` retrains those steps without it), by their directories' names: one whose manifest
-    cannot be read now would be sealed once it can; returns their steps. The manifest goes
-    first."""
-    newer = [s for s in _named(root) if s > step]
-    for s in newer:
-        (_dir(root, s) / "manifest.json").unlink(missing_ok=True)
+    cannot be read now would be sealed once it can; returns the steps deleted (one the disk
+    keeps is said at ERROR, for its caller never to use). The manifest goes first."""
+    dropped = []
+    for s in [s for s in named(root) if s > step]:
+        try:
+            (_dir(root, s) / "manifest.json").unlink(missing_ok=True)
+        except OSError as e:  # kept by the disk (read-only, another's): its caller skips it
+            log.error(
+                "checkpoint %s (a banned peer's work) cannot be deleted: %s", _dir(root, s), e
+            )
+            continue
         shutil.rmtree(_dir(root, s), ignore_errors=True)
-    return newer
+        dropped.append(s)
+    return dropped
 
 
 def sweep(root: Path) -> list[str]:
@@ -356,7 +363,7 @@ def sealed(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def _named(root: Path) -> list[int]:
+def named(root: Path) -> list[int]:
     """The steps of the checkpoints under `root` with a manifest, readable or not, by their
     directories' names (one being written has none yet)."""
     names = [m.parent.name.removeprefix("step-") for m in root.glob("step-*/manifest.json")]

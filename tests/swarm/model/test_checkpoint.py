@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from scheduler.coordinator.recovery import Recovery
+from scheduler.coordinator.replicas import ReplicaClients, grpc_replicas
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from stage_server.replica.runtime import StageRuntime
@@ -66,6 +68,34 @@ def test_a_checkpoint_that_cannot_be_read_is_said_and_a_bans_rollback_drops_it(
     assert not (root / "step-00000002").exists()
     monkeypatch.setattr(Path, "read_text", read_text)  # the disk reads again
     assert checkpoint.latest(root) == 1
+
+
+async def test_a_bans_checkpoint_the_disk_keeps_fails_no_rollback_and_is_never_gone_back_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its manifest could not be deleted (a read-only disk, another owner's directory): the
+    ban's rollback raised, and the job failed. It goes on now to the step before, said at
+    ERROR, and the checkpoint kept, the banned peer's work, is never gone back to after."""
+    job = make_job(tmp_path)
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        _save(root, job, step)
+        checkpoint.seal(root, step, job.training.stages)
+    kept = root / "step-00000002" / "manifest.json"
+    unlink = Path.unlink
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        if path == kept:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    recovery = Recovery(job, ReplicaClients(grpc_replicas(job, "job")), root)
+    assert await recovery.back_before(1) == 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("step-00000002" in m and "Permission denied" in m for m in said), said
+    assert checkpoint.latest(root) == 2  # still there, sealed: but never this job's again
+    assert recovery.latest() == 1 and await recovery.back_before(5) == 1
 
 
 async def test_export_falls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
