@@ -210,10 +210,16 @@ class PeerRegistry:
         return {k: ", ".join(sorted(set(v))) for k, v in lost.items() if v and all(v)}
 
     def was_reached(self, peer: str) -> bool:
-        """Whether the dial-back reached `peer` at its address or through its relay (safe on
-        the metrics thread: one read of a dict)."""
-        report = self._reach.get(peer)
-        return report is not None and report.reachability in _REACHED
+        """Whether the dial-back reached `peer` at the address it announces now, directly or
+        through its relay (a report of an address it announced before is not: it names
+        another host). Safe on the metrics thread: a read of two dicts."""
+        report, announced = self._reach.get(peer), self.peers.get(peer)
+        return (
+            report is not None
+            and announced is not None
+            and report.reachability in _REACHED
+            and report.address == announced.address
+        )
 
     def is_unreachable(self, peer: str) -> bool:
         """Whether the dial-back found nothing answering at `peer`'s address (nor its relay)."""

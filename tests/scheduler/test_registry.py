@@ -620,3 +620,19 @@ async def test_a_host_holds_one_seat_of_a_stage() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await grow
     assert [(m.peer, m.stage) for m in bus.published.values()] == [("sybil1", 1)]
+
+
+def test_a_peer_was_reached_at_the_address_it_announces_now_only() -> None:
+    """/sd lists a peer the dial-back reached (`scheduler.discovery`): a report of the address
+    it announced before kept it listed, for the dial-back's misses before it demotes one, at
+    whatever internal host it announced since."""
+    reg = registry(FakeClock())
+    reg.announce(cpb.PeerAnnouncement(peer="p", address="203.0.113.7:7000"))
+    assert not reg.was_reached("p")  # not dialled yet
+    direct = cpb.REACHABILITY_DIRECT
+    reg.reached(cpb.ReachabilityReport(peer="p", reachability=direct, address="203.0.113.7:7000"))
+    assert reg.was_reached("p")
+    reg.announce(cpb.PeerAnnouncement(peer="p", address="10.1.2.3:7000"))
+    assert not reg.was_reached("p")
+    reg.reached(cpb.ReachabilityReport(peer="p", reachability=direct, address="10.1.2.3:7000"))
+    assert reg.was_reached("p")  # the dial-back reached it there (--dial-private)
