@@ -98,7 +98,7 @@ class PeerRoom:
         now = self._registry.clock.now()
         if now < self._full_until:
             return None  # a whole round of the places just found none: not again at once
-        registry, relays = self._registry, self._registry.relays()
+        registry, relays = self._registry, relays_in_use(self._registry)
         unchecked: str | None = None
         looked = 0
         for _ in range(len(self._heard)):
@@ -152,13 +152,24 @@ class PeerRoom:
 _KEPT, _GONE, _IDLE = "kept", "gone", "idle"
 
 
+def relays_in_use(registry: PeerRegistry) -> set[str]:
+    """The relays (peer ids) some present peer was reached through by the dial-back: a peer's
+    own word (its `relay`, its `relay_address`) makes no relay kept, and one address keeps one
+    place, its first announcer's (a made-up id naming a relay in use is no relay)."""
+    reached, holders = registry.relays_reached(), dict[str, str]()
+    for peer, announced in list(registry.peers.items()):  # in the order they first announced
+        if announced.relay_address in reached:
+            holders.setdefault(announced.relay_address, peer)
+    return set(holders.values())
+
+
 def _kind(registry: PeerRegistry, relays: set[str], peer: str) -> str:
     """Whether `peer`'s place may be taken: never (`_KEPT`), first (`_GONE`: forgotten by the
     registry, found unreachable, or with nothing to dial), or else (`_IDLE`: not checked yet)."""
     announced = registry.peers.get(peer)
     if announced is None:
         return _GONE  # forgotten there since: its place is free
-    if registry.placed(peer) or (announced.relay_address and announced.relay_address in relays):
+    if registry.placed(peer) or peer in relays:
         return _KEPT  # given work, or a relay some present peer is reached through
     report = registry.reachability(peer)
     if registry.is_unreachable(peer) or not announced.address:

@@ -209,6 +209,15 @@ class PeerRegistry:
             lost.setdefault(p.stage, []).append(via if cut_off else "")  # "": not the relay's
         return {k: ", ".join(sorted(set(v))) for k, v in lost.items() if v and all(v)}
 
+    def relays_reached(self) -> set[str]:
+        """The relays (their listeners' `host:port`) the dial-back reached some peer through:
+        the scheduler's own finding, not a peer's word."""
+        return {
+            r.relay
+            for r in list(self._reach.values())
+            if r.reachability == cpb.REACHABILITY_RELAYED and r.relay
+        }
+
     def was_reached(self, peer: str) -> bool:
         """Whether the dial-back reached `peer` at the address it announces now, directly or
         through its relay (a report of an address it announced before is not: it names
@@ -244,11 +253,6 @@ class PeerRegistry:
         peer's word): a stage now or before (kept while its job lets it), or an assignment it
         has not acted on yet."""
         return peer in self._given or peer in self._assigned_at
-
-    def relays(self) -> set[str]:
-        """The relays (their listeners' `host:port`, `relay_address`) some present peer is
-        reached through (or announces as its relay)."""
-        return set(self._via.values())
 
     def given(self, job_id: str, peer: str) -> int | None:
         """The stage of `job_id` last given to `peer` (None: none), even if it left since."""

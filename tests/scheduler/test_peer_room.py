@@ -81,8 +81,10 @@ def test_a_placed_peer_a_relay_in_use_and_a_reached_one_never_make_room(
     behind = _joining("a")
     behind.relay = relay.relay_address  # a peer announces its relay by its listener's address
     # (by the relay's id, as this test had it, a relay in use was evicted first: no peer's
-    # announcement names a relay by its id)
+    # announcement names a relay by its id); the dial-back reached it there
     _admitted(room, registry, behind)
+    relayed = cpb.REACHABILITY_RELAYED
+    registry.reached(cpb.ReachabilityReport(peer="a", reachability=relayed, relay=behind.relay))
     _admitted(room, registry, _joining("b"))
     _found(registry, "b", cpb.REACHABILITY_DIRECT)  # reached: an honest peer waiting for work
     for newcomer in ("x", "y"):
@@ -248,3 +250,22 @@ async def test_an_announcement_that_fails_unforeseen_is_said_and_the_next_is_tak
         finally:
             watch.cancel()
         assert any("peer 'bad' was not taken" in r.getMessage() for r in caplog.records)
+
+
+def test_a_relay_is_kept_by_the_dial_backs_finding_not_a_peers_word() -> None:
+    """Made-up ids each announcing a relay (`relay`) and being one (`relay_address`) of one
+    address: each was kept by its own word, and a flood of them locked every newcomer out. A
+    relay is kept where the dial-back reached a peer through it, one place an address."""
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    for k in range(CAP):
+        fake = cpb.PeerAnnouncement(peer=f"f{k}", state=cpb.PEER_STATE_JOINING)
+        fake.relay = fake.relay_address = "203.0.113.9:7100"
+        _admitted(room, registry, fake)
+    assert _admitted(room, registry, _joining("d")) == ["f0"]
+    # the dial-back reached d through that address: its first announcer left, f1, is kept
+    relayed = cpb.REACHABILITY_RELAYED
+    report = cpb.ReachabilityReport(peer="d", reachability=relayed, relay="203.0.113.9:7100")
+    registry.reached(report)
+    assert _admitted(room, registry, _joining("e")) == ["f2"]  # one place an address
+    assert "f1" in registry.peers
