@@ -169,6 +169,7 @@ class Scheduler:
             self._group = None  # jobs submitted from now on wait in the store for the next run
             for task in [watcher, load, dial_back, *self._tasks.values(), *self._expiring.values()]:
                 task.cancel()
+            self._status.close()  # its held writes' retries: a restart reads the store
 
     def _start(self, job_id: str) -> None:
         if self._group is None:

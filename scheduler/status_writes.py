@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from scheduler.history import History, state_change_text
-from scheduler.store import JobState, JobStore, StoreWriteError
+from scheduler.store import JobState, JobStore, StoreWriteError, moves
+from swarm.errors import SwarmError
 from swarm.policy.backoff import Backoff
 
 __all__ = ["StatusWrites"]
@@ -106,6 +107,12 @@ class StatusWrites:
         now = f"{held.state}: {held.message}" if held.state else held.message
         return f"the job store refused a write ({held.why}); held until it has room: {now}"
 
+    def close(self) -> None:
+        """The scheduler stops: no held write is tried again (a restart reads the store)."""
+        for retry in self._retries.values():
+            retry.cancel()
+        self._retries.clear()
+
     def forget(self, job_id: str) -> None:
         """The job has ended (or is deleted): nothing of it is written any more."""
         self._held.pop(job_id, None)
@@ -119,7 +126,12 @@ class StatusWrites:
             await asyncio.sleep(pause.next())
             if self._held.get(job_id) is not held:
                 continue  # a newer write of the job: held (tried on) or taken
-            if self._write(job_id, held.state, held.message, held.error, held.event) is None:
+            try:
+                why = self._write(job_id, held.state, held.message, held.error, held.event)
+            except SwarmError as e:  # deleted meanwhile, say: nothing to hold any more
+                log.warning("job %s: its held write is dropped: %s", job_id, e)
+                why = None
+            if why is None:
                 del self._held[job_id]
                 log.info("job %s: the job store took its held write", job_id)
                 await self.announce(job_id)
@@ -132,16 +144,26 @@ class StatusWrites:
         error: str | None,
         event: bool,
     ) -> str | None:
-        """None once the store holds it; else why not (the store's words)."""
+        """None once the store holds it (or there is nothing to write: the job is deleted or
+        finished, or can no longer become `state`); else why not (the store's words). A state
+        the stored one cannot move to at once (a newer write over a held one: queued, then
+        running) is reached through the states between (`moves`)."""
         record = self.store.get(job_id)
-        if record is None:
-            return None  # deleted: nothing to write
+        if record is None or record.finished:
+            return None  # deleted, or ended (cancelled meanwhile): nothing more of it is written
+        steps = moves(record.state, state) if state else []
+        if steps is None:
+            log.warning(
+                "job %s is %s: it cannot become %s; not written", job_id, record.state, state
+            )
+            return None
         try:
-            if state and state != record.state:
-                self.store.set_state(job_id, state, message=message, error=error)
-                if event:
-                    self.history.record(job_id, "state", state_change_text(record, state, message))
-            elif message != (record.message or ""):
+            for then in steps:
+                self.store.set_state(job_id, then, message=message, error=error)
+            if steps and event:
+                assert state is not None
+                self.history.record(job_id, "state", state_change_text(record, state, message))
+            elif not steps and message != (record.message or ""):
                 self.store.set_message(job_id, message)
                 log.info("job %s: %s", job_id, message)
         except StoreWriteError as e:

@@ -425,6 +425,22 @@ class JobStore:
         return JobRecord(**d)
 
 
+def moves(old: JobState, new: JobState) -> list[JobState] | None:
+    """The states a job at `old` passes through to `new`, `new` last ([] where it is there);
+    None where none lead there (a finished job, say)."""
+    paths: dict[JobState, list[JobState]] = {old: []}
+    frontier = [old]
+    while frontier and new not in paths:
+        at = frontier.pop(0)
+        for then in sorted(_NEXT.get(at, ())) + (
+            ["failed", "cancelled"] if at not in TERMINAL else []
+        ):
+            if then not in paths:
+                paths[then] = [*paths[at], then]
+                frontier.append(then)
+    return paths.get(new)
+
+
 def _allowed(old: JobState, new: JobState) -> bool:
     if old in TERMINAL:
         return False

@@ -77,3 +77,41 @@ async def test_a_jobs_end_waits_until_the_store_holds_it(tmp_path: Path) -> None
         await asyncio.wait_for(ended, WAIT_S)
         assert store.get(job_id).state == "succeeded" and writes.warning(job_id) is None  # type: ignore[union-attr]
         assert job_id in announced
+
+
+async def test_a_newer_state_over_a_held_one_goes_through_the_states_between(
+    tmp_path: Path,
+) -> None:
+    """The store held "queued" while "placing" was held; the attempt's "running" then asked a
+    move the store forbids (queued to running): FailedPrecondition, not the full disk, ended the
+    attempt, and after its retries a job that trained was stored "failed". A review found it."""
+    with tiny_disk(tmp_path / "disk") as disk, JobStore(disk / "jobs.db") as store:
+        job_id = store.create("j", "", "/", 3).id
+        writes = StatusWrites(store, History(store), _announce, retry_s=(30.0, 60.0))
+        filler = fill(disk)
+        assert not await writes.set(job_id, "placing", "waiting for peers")
+        assert not await writes.set(job_id, "running", "training")  # raised here
+        assert "running: training" in (writes.warning(job_id) or "")
+        filler.unlink()
+        await writes.written(job_id, "succeeded", "done")  # through placing and running
+        record = store.get(job_id)
+        assert record is not None and (record.state, record.message) == ("succeeded", "done")
+        writes.close()
+
+
+async def test_a_held_write_of_a_job_that_ended_meanwhile_is_dropped(tmp_path: Path) -> None:
+    with tiny_disk(tmp_path / "disk") as disk, JobStore(disk / "jobs.db") as store:
+        job_id = store.create("j", "", "/", 3).id
+        writes = StatusWrites(store, History(store), _announce, retry_s=(0.05, 0.1))
+        filler = fill(disk)
+        assert not await writes.set(job_id, None, "waiting for peers")
+        filler.unlink()
+        store.set_state(job_id, "cancelled", message="cancelled on request")  # the user's
+        await wait_until(lambda: writes.warning(job_id) is None, timeout_s=WAIT_S)
+        record = store.get(job_id)
+        assert record is not None and record.message == "cancelled on request"
+        writes.close()
+
+
+async def _announce(job_id: str) -> None:
+    pass
