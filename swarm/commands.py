@@ -191,7 +191,7 @@ def _local(args: argparse.Namespace) -> int:
 
     from swarm.device.facts import TorchFacts, resolve_device, use_device
     from swarm.job.config import load_job
-    from swarm.model.hf import check_out, write_hf
+    from swarm.model.hf import check_out, check_writable, write_hf
     from swarm.model.local_steps import simulates_replicas
     from swarm.ops.model_out import ModelOut, writable
 
@@ -213,8 +213,9 @@ def _local(args: argparse.Namespace) -> int:
     if out is not None and hf:
         try:
             check_out(out, job.model)
-        except FileExistsError as e:
-            raise SwarmError(f"--out {out}: {e}") from None
+            check_writable(out)
+        except OSError as e:  # exists and not empty, or a directory it cannot write in
+            raise SwarmError(f"--out {out}: {getattr(e, 'strerror', None) or e}") from None
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     with contextlib.ExitStack() as stack:
         model_out = None if out is None or hf else stack.enter_context(ModelOut("--out", out))
@@ -226,7 +227,10 @@ def _local(args: argparse.Namespace) -> int:
             else:
                 from swarm.model.transformer import plain_state
 
-                write_hf(out, *plain_state(job, state), None)
+                try:
+                    write_hf(out, *plain_state(job, state), None)
+                except OSError as e:  # a full disk: said in one line (nothing is left of it)
+                    raise SwarmError(f"--out {out}: cannot write it ({e.strerror or e})") from None
             print(f"wrote {out}")
     return 0
 

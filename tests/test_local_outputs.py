@@ -116,3 +116,16 @@ def test_a_log_that_fails_mid_run_is_said_and_training_goes_on(
     assert out.exists() and trained == [1]
     said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(said) == 1 and "No space left" in said[0], said
+
+
+def test_an_hf_directory_it_cannot_make_is_refused_before_training(
+    tmp_path: Path, trained: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its parent a file (or a directory it may not write in): the model, trained, was lost to
+    a traceback as `write_hf` made its directory (a review found it)."""
+    (tmp_path / "afile").write_text("not a directory")
+    out = tmp_path / "afile" / "hf"
+    code = _local(tmp_path, "--out", str(out), "--format", "hf")
+    err = capsys.readouterr().err
+    assert code == 2 and trained == [], err
+    assert f"--out {out}:" in err and "Traceback" not in err, err

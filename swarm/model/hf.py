@@ -150,6 +150,15 @@ def check_out(out: Path, cfg: ModelConfig) -> None:
         raise FileExistsError(f"{out} exists and is not an empty directory")
 
 
+def check_writable(out: Path) -> None:
+    """That `write_hf` can build its directory beside `out` (an OSError where not): made and
+    removed, before a training whose model it writes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    probe = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    probe.mkdir()
+    probe.rmdir()
+
+
 def write_hf(
     out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype | None
 ) -> Path:
