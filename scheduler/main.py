@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from scheduler.admission import Admission
 from scheduler.callers import Callers
 from scheduler.data_root import check_data_root
+from scheduler.dial_findings import was_reached
 from scheduler.discovery import sd_document
 from scheduler.job_api import JobApiServicer
 from scheduler.service import Scheduler, SchedulerOptions, collector
@@ -216,7 +217,8 @@ async def _serve(
 
     def sd() -> tuple[str, bytes]:  # on the metrics thread: a copy of the registry's
         registry = scheduler.peer_registry
-        return sd_document(own[0], list(dict(registry.peers).values()), registry.was_reached)
+        peers = list(dict(registry.peers).values())
+        return sd_document(own[0], peers, lambda peer: was_reached(registry, peer))
 
     metrics_port = (
         serve_metrics(

@@ -31,6 +31,7 @@ import logging
 import math
 from collections import OrderedDict
 
+from scheduler.dial_findings import relays_reached
 from scheduler.registry import PeerRegistry
 from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
@@ -156,7 +157,7 @@ def relays_in_use(registry: PeerRegistry) -> set[str]:
     """The relays (peer ids) some present peer was reached through by the dial-back: a peer's
     own word (its `relay`, its `relay_address`) makes no relay kept, and one address keeps one
     place, its first announcer's (a made-up id naming a relay in use is no relay)."""
-    reached, holders = registry.relays_reached(), dict[str, str]()
+    reached, holders = relays_reached(registry), dict[str, str]()
     for peer, announced in list(registry.peers.items()):  # in the order they first announced
         if announced.relay_address in reached:
             holders.setdefault(announced.relay_address, peer)

@@ -70,9 +70,6 @@ class Shown:
     joining: str  # while JOINING: what it waits for
 
 
-_REACHED = (cpb.REACHABILITY_DIRECT, cpb.REACHABILITY_RELAYED)
-
-
 class PeerRegistry:
     def __init__(
         self,
@@ -208,27 +205,6 @@ class PeerRegistry:
             cut_off = bool(via) and via not in present and not reached
             lost.setdefault(p.stage, []).append(via if cut_off else "")  # "": not the relay's
         return {k: ", ".join(sorted(set(v))) for k, v in lost.items() if v and all(v)}
-
-    def relays_reached(self) -> set[str]:
-        """The relays (their listeners' `host:port`) the dial-back reached some peer through:
-        the scheduler's own finding, not a peer's word."""
-        return {
-            r.relay
-            for r in list(self._reach.values())
-            if r.reachability == cpb.REACHABILITY_RELAYED and r.relay
-        }
-
-    def was_reached(self, peer: str) -> bool:
-        """Whether the dial-back reached `peer` at the address it announces now, directly or
-        through its relay (a report of an address it announced before is not: it names
-        another host). Safe on the metrics thread: a read of two dicts."""
-        report, announced = self._reach.get(peer), self.peers.get(peer)
-        return (
-            report is not None
-            and announced is not None
-            and report.reachability in _REACHED
-            and report.address == announced.address
-        )
 
     def is_unreachable(self, peer: str) -> bool:
         """Whether the dial-back found nothing answering at `peer`'s address (nor its relay)."""

@@ -14,6 +14,7 @@ import pytest
 
 from client.live import status_lines
 from scheduler.assignments import Assignments, Say
+from scheduler.dial_findings import was_reached
 from scheduler.registry import PeerRegistry
 from scheduler.replica_status import replica_status
 from scheduler.stalls import Health
@@ -628,11 +629,11 @@ def test_a_peer_was_reached_at_the_address_it_announces_now_only() -> None:
     whatever internal host it announced since."""
     reg = registry(FakeClock())
     reg.announce(cpb.PeerAnnouncement(peer="p", address="203.0.113.7:7000"))
-    assert not reg.was_reached("p")  # not dialled yet
+    assert not was_reached(reg, "p")  # not dialled yet
     direct = cpb.REACHABILITY_DIRECT
     reg.reached(cpb.ReachabilityReport(peer="p", reachability=direct, address="203.0.113.7:7000"))
-    assert reg.was_reached("p")
+    assert was_reached(reg, "p")
     reg.announce(cpb.PeerAnnouncement(peer="p", address="10.1.2.3:7000"))
-    assert not reg.was_reached("p")
+    assert not was_reached(reg, "p")
     reg.reached(cpb.ReachabilityReport(peer="p", reachability=direct, address="10.1.2.3:7000"))
-    assert reg.was_reached("p")  # the dial-back reached it there (--dial-private)
+    assert was_reached(reg, "p")  # the dial-back reached it there (--dial-private)
