@@ -50,6 +50,9 @@ class NoCopies:
         """What a whole state of a replica at `step` holds besides its module and optimizer."""
         return {}
 
+    def check(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """What `load` would refuse of `state` at `step`, refused before anything is loaded."""
+
     def load(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """The copies a replica at `step` computes on, from a whole state (after the module)."""
 
@@ -100,20 +103,24 @@ class DelayedCopies(NoCopies):
             for name, p in self.module_at(step, step).named_parameters()
         }
 
+    def check(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        names = [name for name, _ in self.module.named_parameters()]
+        if computes_on(self.job, step) != step and any(f"prev/{n}" not in state for n in names):
+            raise InvalidArgument(
+                f"stage {self.stage}: a delayed_update state of step {step} must hold the "
+                "parameters before its last update (prev/<name>)"
+            )
+
     def load(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """The copies of the parameters steps `step` and `step + 1` compute on, from `state`
         (its `prev/` tensors; at step 0 they are the parameters themselves)."""
+        self.check(step, state)
         current = self._copy()
         older = copy.deepcopy(self.module)
         with torch.no_grad():
             for name, p in older.named_parameters():
                 prev = state.get(f"prev/{name}")
                 if prev is None:
-                    if computes_on(self.job, step) != step:
-                        raise InvalidArgument(
-                            f"stage {self.stage}: a delayed_update state of step {step} must "
-                            "hold the parameters before its last update (prev/<name>)"
-                        )
                     self._versions = {step: current}
                     return
                 p.copy_(prev)

@@ -189,7 +189,15 @@ class EagerRound(LocalRound):
                 state[f"{prefix}/{n}"] = t.detach().cpu().clone()
         return state
 
+    def check(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
+        for prefix, marker in (("share", SHARED), ("average", AVERAGED)):
+            at = state.get(marker)
+            whole = all(f"{prefix}/{n}" in state for n in names)
+            if at is not None and int(at.item()) >= 0 and not whole:
+                raise InvalidArgument(f"a state of round {int(at.item())} without all {prefix}/")
+
     def load(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
+        self.check(names, state, step)
         super().load(names, state, step)
         self._last = None
         self.share, self.shared = self._loaded(names, state, "share", SHARED)

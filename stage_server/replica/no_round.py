@@ -91,6 +91,9 @@ class NoRound:
         """What a whole state holds of the round (`names`: the parameters' names)."""
         return {}
 
+    def check(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
+        """What `load` would refuse of `state`, refused before anything is loaded."""
+
     def load(self, names: list[str], state: dict[str, torch.Tensor], step: int) -> None:
         """The round from a whole state of step `step` (after the module and optimizer)."""
 

@@ -84,6 +84,9 @@ class PriorParams:
     def export(self, step: int) -> dict[str, torch.Tensor]:
         return self.copies.export(step)
 
+    def check(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        self.copies.check(step, state)
+
     def load(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """A state was loaded (a rollback's, a copy's): what was kept is of another history
         (its memory kept for the next `keep`)."""

@@ -435,6 +435,10 @@ class StageRuntime:
         """Become the replica whose `export_state` this is, at `step`."""
         self.snapshots.detach()  # the state changes in place
         try:
+            # what the copies and the round need of it, before anything is overwritten: a
+            # refusal after the module's load left a replica a mix of two states
+            self.copies.check(step, state)
+            self.round.check(self._param_names(), state, step)
             stage_state.load_state(self.module, self.optimizer, state)
         except InvalidArgument as e:
             raise InvalidArgument(f"stage {self.stage}: {e}") from e

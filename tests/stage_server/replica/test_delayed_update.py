@@ -133,8 +133,14 @@ def test_a_copy_of_a_replica_computes_as_it_does(tmp_path: Path) -> None:
     for k, v in source.state_dict().items():
         assert torch.equal(v, copy.state_dict()[k]), k
     missing = {k: v for k, v in state.items() if not k.startswith("prev/")}
+    # refused before anything of it is loaded: the module and its optimizer were overwritten
+    # first, and a replica (a standby copying anew) was left a mix of two states at its old step
+    other = StageRuntime(job, 0)
+    before = {k: v.clone() for k, v in other.export_state().items()}
     with pytest.raises(InvalidArgument, match="prev/"):
-        StageRuntime(job, 0).load_state(2, missing)
+        other.load_state(2, missing)
+    after = other.export_state()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     StageRuntime(job, 0).load_state(0, missing)  # at step 0 the parameters are their own prev
 
 

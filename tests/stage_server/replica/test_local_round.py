@@ -349,8 +349,11 @@ def test_the_eager_round_travels_with_the_state_and_refuses_what_is_not_due(
     assert c.round is not None and c.round.pending and c.copy_step == 1
     summed = _sum([a, b], lambda rt: rt.round.eager_part(2))
     a.round.set_average(2, summed)
+    before = {k: v.clone() for k, v in c.export_state().items()}
     with pytest.raises(InvalidArgument, match="without all average/"):
         c.load_state(2, _without_average(a))  # a state that says it holds the sum, but not all
+    after = c.export_state()  # refused before anything of it is loaded: c as it was
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     plain = StageRuntime(
         make_job(
             tmp_path,
