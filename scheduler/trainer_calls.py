@@ -11,7 +11,13 @@ from swarm.errors import InvalidArgument
 from swarm.job.schema import MAX_IN_FLIGHT
 from swarm.proto import scheduler_pb2 as spb
 
-__all__ = ["MAX_REPORTED", "MAX_TRAINER_ID_CHARS", "TrainerCalls", "trainer_call"]
+__all__ = [
+    "MAX_REPORTED",
+    "MAX_REPORT_ENTRIES",
+    "MAX_TRAINER_ID_CHARS",
+    "TrainerCalls",
+    "trainer_call",
+]
 
 # A trainer's calls, which any token holder may make: its id (kept by the coordinator a minute
 # after its last call, and with each of its leases) is at most this long (swarm's own are under
@@ -20,6 +26,10 @@ __all__ = ["MAX_REPORTED", "MAX_TRAINER_ID_CHARS", "TrainerCalls", "trainer_call
 # report held the event loop 1.5 s in their conversion alone.
 MAX_TRAINER_ID_CHARS = 256
 MAX_REPORTED = MAX_IN_FLIGHT  # what a window may hold: `[runtime] max_in_flight`'s bound
+# What a report's results hold beside their microbatches, all of them together (holders, the
+# route, the replicas touched, verdicts and their auditors, digests): a result's are a few per
+# stage. One result of 2M empty digests (4 MiB) was 2M objects made on the event loop.
+MAX_REPORT_ENTRIES = 1 << 18
 
 
 def trainer_call(trainer: str, **lists: Sized) -> None:
@@ -38,6 +48,12 @@ def trainer_call(trainer: str, **lists: Sized) -> None:
             )
 
 
+def _entries(r: spb.MicrobatchReport) -> int:
+    """What a result holds beside its microbatch (each repeated field's length: no copy)."""
+    lists = (r.holders, r.chain, r.back, r.verdicts, r.touched, r.digests)
+    return sum(len(items) for items in lists)
+
+
 class TrainerCalls:
     """A trainer's calls checked where they enter the job API: past their bounds
     (`trainer_call`), or under a trainer id another caller holds (`TrainerKeys`)."""
@@ -53,6 +69,15 @@ class TrainerCalls:
     def report(self, request: spb.SchedulerReportMicrobatchesRequest) -> None:
         """A report, its `next` lease included: all of it, before any of it is taken."""
         trainer_call(request.trainer, results=request.results, released=request.released)
+        entries = sum(_entries(r) for r in request.results)
+        if entries <= MAX_REPORT_ENTRIES:  # its verdicts' auditors too, once they are few
+            entries += sum(len(v.auditors) for r in request.results for v in r.verdicts)
+        if entries > MAX_REPORT_ENTRIES:
+            raise InvalidArgument(
+                f"a report whose results hold {entries} entries (holders, routes, replicas "
+                f"touched, verdicts, digests), over the {MAX_REPORT_ENTRIES} (swarm's "
+                "MAX_REPORT_ENTRIES)"
+            )
         if request.HasField("next") and request.next.job != request.job:
             # Only the report's job is checked as known: a next lease of another would bind its
             # trainer id under a job of any name, of any length, for an hour.

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from scheduler.store import JobStore
-from scheduler.trainer_calls import MAX_REPORTED, MAX_TRAINER_ID_CHARS
+from scheduler.trainer_calls import MAX_REPORT_ENTRIES, MAX_REPORTED, MAX_TRAINER_ID_CHARS
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
 from tests.support.api import start_api
@@ -35,7 +35,12 @@ async def test_a_trainers_id_and_lists_past_their_bounds_are_refused(tmp_path: P
     api.control.report = report  # type: ignore[attr-defined]
     many = [spb.MicrobatchReport(step=0, index=i, samples=4) for i in range(MAX_REPORTED + 1)]
     refs = [spb.MicrobatchRef(step=0, index=i) for i in range(MAX_REPORTED + 1)]
+    # one result whose inner lists hold more than any result's: 2M empty digests in one report
+    # were 2M objects made on the event loop, seconds of it
+    swollen = spb.MicrobatchReport(step=0, index=0, samples=4)
+    swollen.digests.extend(spb.GradientDigest() for _ in range(MAX_REPORT_ENTRIES + 1))
     calls = [
+        spb.SchedulerReportMicrobatchesRequest(job=job, trainer="t", results=[swollen]),
         spb.SchedulerReportMicrobatchesRequest(job=job, trainer="t", results=many),
         spb.SchedulerReportMicrobatchesRequest(job=job, trainer="t", released=range(len(refs))),
         spb.SchedulerReportMicrobatchesRequest(

@@ -184,9 +184,11 @@ class Bans:
         self.metrics.audit_runs.inc(result.audit_runs)
         await self._late(self.contributions.record(result))
         # Worked on at `result.step`: a peer that joined after the step's leases went out (so
-        # `saw` missed it there) may still have been routed to by a trainer following it.
+        # `saw` missed it there) may still have been routed to by a trainer following it. A
+        # member some lease saw only: `touched` is the reporter's word, and any id in it was
+        # kept (in the store too, a write each) and counted as a former member at entry.
         for peer in result.touched:
-            if result.step < self.first_seen.get(peer, result.step + 1):
+            if peer in self._addresses and result.step < self.first_seen.get(peer, result.step + 1):
                 self.standing.came(peer, result.step)
         for verdict in result.verdicts:
             if verdict.peer not in self.banned and self._convicts(verdict):

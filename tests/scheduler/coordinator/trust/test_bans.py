@@ -296,3 +296,15 @@ async def test_two_seats_of_one_host_convict_no_one_and_two_hosts_do() -> None:
     verdict = Verdict("x", 0, "its outputs differ", ("y", "z"))
     await local.screen("t", _result(0, 0, touched=("x",), verdicts=(verdict,)), None)
     assert list(local.banned) == ["x"]
+
+
+async def test_a_reports_touched_ids_that_are_no_members_are_not_kept() -> None:
+    """A report's `touched` (the replicas its result rests on) is any token holder's word: each
+    id in it was kept as a member from that step, in the store too (a synchronous write per id
+    on the event loop), and skipped the entry bound as a former member. Only members some lease
+    saw are."""
+    bans, _, _, _ = _bans()
+    bans.saw([[Replica("a", "a:1")], [Replica("b", "b:1")]], 3)
+    made_up = tuple(f"x{i}" for i in range(10_000))
+    assert not await bans.screen("t", _result(3, 0, touched=("a", "b", *made_up)), None)
+    assert set(bans.first_seen) == {"a", "b"}
