@@ -51,6 +51,7 @@ _LOOK_PAST = 64
 # After a round of every place found none to take, newcomers are turned away this long without
 # another round (16,384 places looked at for each of a flood's newcomers held the event loop).
 _FULL_S = 1.0
+_RELAYS_S = 1.0  # how long the relays in use, as found, stand (`PeerRoom._relays_in_use`)
 
 
 class PeerRoom:
@@ -63,9 +64,18 @@ class PeerRoom:
         self._turned_away = self._made_room = 0
         self._full_until = -math.inf  # till when no place may be taken (a round just found none)
         self._said = RatedLog(log)
+        # `relays_in_use`, a pass over every peer: once a second at most, not for each newcomer
+        # of a flood (relays come and go far more slowly)
+        self._relays: tuple[float, set[str]] = (-math.inf, set())
 
     def __len__(self) -> int:
         return len(self._heard)
+
+    def _relays_in_use(self, now: float) -> set[str]:
+        at, relays = self._relays
+        if now - at >= _RELAYS_S:
+            self._relays = (now, relays := relays_in_use(self._registry))
+        return relays
 
     def admit(self, message: cpb.PeerAnnouncement) -> list[str] | None:
         """The peers to forget so that the announcement's peer may be kept ([] for a peer kept
@@ -99,7 +109,7 @@ class PeerRoom:
         now = self._registry.clock.now()
         if now < self._full_until:
             return None  # a whole round of the places just found none: not again at once
-        registry, relays = self._registry, relays_in_use(self._registry)
+        registry, relays = self._registry, self._relays_in_use(now)
         unchecked: str | None = None
         looked = 0
         for _ in range(len(self._heard)):

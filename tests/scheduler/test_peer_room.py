@@ -267,5 +267,24 @@ def test_a_relay_is_kept_by_the_dial_backs_finding_not_a_peers_word() -> None:
     relayed = cpb.REACHABILITY_RELAYED
     report = cpb.ReachabilityReport(peer="d", reachability=relayed, relay="203.0.113.9:7100")
     registry.reached(report)
+    registry.clock.advance(1.0)  # the relays in use, as found, stand a second
     assert _admitted(room, registry, _joining("e")) == ["f2"]  # one place an address
     assert "f1" in registry.peers
+
+
+def test_the_relays_in_use_are_found_once_a_second_not_for_each_newcomer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding them is a pass over every peer: for each newcomer of a flood into a full room
+    (16,384 places), it held the event loop again (a review found it)."""
+    passes: list[int] = []
+    real = peer_room.relays_in_use
+    monkeypatch.setattr(peer_room, "relays_in_use", lambda r: passes.append(1) or real(r))
+    registry = _registry()
+    room = PeerRoom(registry, cap=CAP)
+    for k in range(CAP + 50):
+        _admitted(room, registry, _joining(f"n{k}"))
+    assert len(passes) == 1
+    registry.clock.advance(1.0)
+    _admitted(room, registry, _joining("late"))
+    assert len(passes) == 2
