@@ -300,6 +300,10 @@ class Membership:
         for peer in [p for p in self._joining if p not in current]:
             self._joining.pop(peer).cancel()
         self.entry.forget(current)
+        # where each peer served: of those present, and of members that left (back moved)
+        self._stage_of = {
+            p: k for p, k in self._stage_of.items() if p in current or p in self._left
+        }
         for peer in self.standbys.choose(members, self.synced):
             self.synced.discard(peer)  # a standby from this step on: it holds no work of it
             for ledger in self.ledgers():

@@ -100,3 +100,19 @@ async def test_a_joiner_that_refuses_its_join_says_why(
     await h.step()  # asked again: it joins
     await until(lambda: "m" in membership.synced)
     assert membership.waits() == {}
+
+
+async def test_where_made_up_peers_served_is_not_kept_once_they_are_gone(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """Each peer listed as serving was kept with its stage for the coordinator's life: made-up
+    ids passing through the scheduler's room (which bounds those present, not those that came)
+    grew it by one each (a review of unbounded state found it)."""
+    h = await started(tmp_path, make_harness, "a", "c")
+    membership = h.coordinator.membership
+    for i in range(200):
+        h.swarm.add(0, f"sybil-{i}")
+        h.coordinator.replicas()
+        h.swarm.remove(f"sybil-{i}")
+    await membership.sync(h.coordinator.ledger.step)  # type: ignore[union-attr]
+    assert set(membership._stage_of) == {"a", "c"}
