@@ -74,20 +74,22 @@ def collector(scheduler: SchedulerView) -> Collector:
             totals: dict[tuple[str, str], float] = {}
             registry = scheduler.peer_registry
             present = list(registry.peers.values())
+            known = set(scheduler.snapshot)  # a job a peer names is its word: labels ours only
             shown = {
                 s.announcement.peer: (str(s.stage), s.state)
-                for job in {p.job for p in present if p.job}
+                for job in {p.job for p in present if p.job in known}
                 for s in registry.shown(
                     job, scheduler.admitted(job), standbys=scheduler.standbys(job)
                 )
             }
             for p in present:
-                announced = (str(p.stage) if p.HasField("stage") else "", p.state)
+                job = p.job if p.job in known else ""
+                announced = (str(p.stage) if p.HasField("stage") and job else "", p.state)
                 stage, shown_state = shown.get(p.peer, announced)
                 state = peer_state_name(shown_state)
-                counts[(p.job, stage, state)] = counts.get((p.job, stage, state), 0) + 1
+                counts[(job, stage, state)] = counts.get((job, stage, state), 0) + 1
                 if shown_state == cpb.PEER_STATE_SERVING and stage:
-                    key = (p.job, stage)
+                    key = (job, stage)
                     totals[key] = totals.get(key, 0.0) + p.samples_per_second.get(p.stage, 0.0)
             for labels, n in counts.items():
                 peers.add_metric(list(labels), n)
@@ -131,8 +133,8 @@ def _boundaries(scheduler: SchedulerView) -> GaugeMetricFamily:
         "Bytes per token sent across a boundary between two stages, as encoded on the wire",
         labels=["job", "boundary", "direction"],
     )
-    registry = scheduler.peer_registry
-    for job in sorted({p.job for p in list(registry.peers.values()) if p.job}):
+    registry, known = scheduler.peer_registry, set(scheduler.snapshot)
+    for job in sorted({p.job for p in list(registry.peers.values()) if p.job in known}):
         sent: dict[int, list[cpb.BoundaryTraffic]] = {}
         for shown in registry.shown(job, scheduler.admitted(job)):
             said = registry.boundary(shown.announcement.peer, job, shown.stage)
