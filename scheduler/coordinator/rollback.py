@@ -158,6 +158,7 @@ class Rollback:
             rolled = max(self.leasing + 1, time.time_ns() // 1_000_000)
             self.membership.synced = await self.recovery.restore(step, self.members(), rolled)
             self.leasing = self.membership.rolled_back = rolled
+            self.membership.standbys.rolled_back()  # what each held is of the old trajectory
             lost = [k for k, stage in enumerate(self.membership.replicas()) if not stage]
             if lost:  # not every stage could load it: the next lease tries again
                 await self._unloaded_said(step, lost)

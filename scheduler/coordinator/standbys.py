@@ -361,6 +361,15 @@ class Standbys:
         if peer in self._stage and (at >= 0 or self._at.get(peer, -1) < 0):
             self._at[peer] = at
 
+    def rolled_back(self) -> None:
+        """A rollback loaded another state: what each standby held is of the trajectory rolled
+        back, so none holds a copy until its Join says so again (its last copy's step kept read
+        "0 steps behind", and the bound on a standby holding no copy never applied)."""
+        for peer in self._stage:
+            self._at[peer] = -1
+            self._behind.pop(peer, None)
+            self._none.pop(peer, None)
+
     def lag(self, peer: str, step: int) -> int | None:
         """How many steps `peer` is behind `step` (None: it holds no copy yet)."""
         at = self._at.get(peer, -1)

@@ -266,6 +266,10 @@ async def test_a_standby_that_missed_a_rollback_is_not_promoted_when_training_is
     await h.step()
     await until(lambda: len(held.called("join")) > 2, "the standby asked to Join anew")
     assert held.step == 2 and held.epoch > before == held.state_epoch
+    # what it holds is of the trajectory rolled back: status said "0 steps behind" (its last
+    # copy's step kept), and the bound on a standby holding no copy never applied (a review)
+    waits = h.coordinator.membership.waits()
+    assert waits[standby].startswith("standby for stage 1: holds no copy yet"), waits
     promoted: list[tuple[int, int, str]] = []
     h.coordinator.membership.standbys.promoted.append(lambda *told: promoted.append(told))
     h.swarm.remove(replica)
