@@ -444,9 +444,9 @@ class Scheduler:
                 record = self.store.get(job_id)
                 if record is not None and not record.finished:
                     self.history.record(job_id, "state", f"failed at step {record.step}: {e}")
-                    # (its event is the line above, not the state's change)
-                    write = self._status.written
-                    await write(job_id, "failed", "failed", error=str(e), event=False)
+                    await self._status.written(  # its event is the line above
+                        job_id, "failed", "failed", error=str(e), event=False
+                    )
                 else:
                     await self._announce(job_id)
         finally:  # this task stays in `_tasks` until it has ended (`_start`)

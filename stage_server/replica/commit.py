@@ -48,6 +48,7 @@ from stage_server.replica.messages import Limits
 from stage_server.replica.pending_apply import PendingApply
 from stage_server.replica.runtime import Served, StageRuntime
 from stage_server.replica.step_sums import Sent
+from stage_server.replica.tensor_checks import all_finite
 from stage_server.replica.worker import Worker
 from swarm.device.oom import OutOfDeviceMemory, inject, is_out_of_memory, oom_message
 from swarm.errors import FailedPrecondition, InvalidArgument, NonFiniteGradient, WireError
@@ -345,7 +346,7 @@ class Committer:
     def _finite(self, c: Commit, what: str, sums: list[torch.Tensor]) -> None:
         """On the worker: refuse a round's pool sum that holds NaN or infinity, before anything
         of it is kept or applied (`NonFiniteGradient`: the coordinator fails the job)."""
-        if not sums or bool(torch.stack([torch.isfinite(t).all() for t in sums]).all()):  # 1 sync
+        if all_finite(sums):
             return
         self.metrics.nonfinite()
         raise NonFiniteGradient(

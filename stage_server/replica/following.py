@@ -16,6 +16,7 @@ import torch
 
 from stage_server.replica.no_round import NoRound
 from stage_server.replica.step_sums import Sums
+from stage_server.replica.tensor_checks import all_finite
 from swarm.errors import FailedPrecondition, InvalidArgument
 from swarm.rpc.state_streams import Update
 
@@ -109,6 +110,5 @@ def _finite(tensors: Iterable[torch.Tensor], what: str) -> None:
     """On the worker: a source's NaN or infinity is never loaded nor applied (the members' own
     pool sums are refused alike, `stage_server.replica.commit`): served, followed and promoted, it
     failed the job later, naming its learning rate and not the source."""
-    floats = [t for t in tensors if t.is_floating_point()]
-    if floats and not bool(torch.stack([torch.isfinite(t).all() for t in floats]).all()):  # 1 sync
+    if not all_finite(tensors):
         raise InvalidArgument(f"{what} holds NaN or infinity: not taken")

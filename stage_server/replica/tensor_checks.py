@@ -12,7 +12,7 @@ for every replica of the stage alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -23,7 +23,7 @@ from swarm.model.state_checks import StateChecks
 from swarm.model.transformer import DTYPES
 from swarm.wire.crossing import Crossing
 
-__all__ = ["Given", "TensorChecks"]
+__all__ = ["Given", "TensorChecks", "all_finite"]
 
 Given = Crossing[torch.Tensor, torch.Tensor]
 """What crosses into a stage as the replica takes it: its inputs (stage 0's are the token ids),
@@ -131,3 +131,10 @@ class TensorChecks:
     def state_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """One tensor of a state to load must be one of this stage's (`StateChecks`)."""
         self.state.state_tensor(name, tensor)
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating value of `tensors` is finite (True for none): one device sync for
+    all of them, not one a tensor."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    return not floats or bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())
