@@ -40,6 +40,21 @@ async def _copied(source: HostileStage, runtime: StageRuntime) -> tuple[Copy, st
     return copy, address
 
 
+def _spoiled_sum(
+    runtime: StageRuntime,
+    spoiled: Callable[[torch.Tensor], torch.Tensor],
+    honest: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[int], Iterator[tuple[int, int, torch.Tensor]]]:
+    """A source's updates (`HostileStage`'s): gradient sum 3 `spoiled`, the others `honest`."""
+    params = list(runtime.params)
+
+    def updates(from_step: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for i, p in enumerate(params):
+            yield from_step, i, spoiled(p) if i == 3 else honest(p)
+
+    return updates
+
+
 async def test_a_copy_refuses_a_source_whose_state_has_a_wrong_shape(tmp_path: Path) -> None:
     job = make_job(tmp_path)
     whole = initial_state(job, STAGE)
@@ -58,12 +73,7 @@ async def test_a_copy_refuses_an_update_of_a_wrong_shape(tmp_path: Path) -> None
     job = make_job(tmp_path)
     whole = initial_state(job, STAGE)
     runtime = StageRuntime(job, STAGE)
-    params = list(runtime.params)
-
-    def updates(from_step: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for i, p in enumerate(params):
-            yield from_step, i, torch.zeros(7, dtype=p.dtype) if i == 3 else torch.zeros_like(p)
-
+    updates = _spoiled_sum(runtime, lambda p: torch.zeros(7, dtype=p.dtype), torch.zeros_like)
     source = HostileStage(lambda: whole.items(), step=3, updates=updates)
     copy, address = await _copied(source, runtime)
     assert isinstance(copy.error, InvalidArgument), copy.task.exception()
@@ -97,13 +107,8 @@ async def test_a_copy_refuses_an_update_that_is_not_finite(tmp_path: Path) -> No
     job = make_job(tmp_path)
     whole = initial_state(job, STAGE)
     runtime = StageRuntime(job, STAGE)
-    params = list(runtime.params)
-
-    def updates(from_step: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for i, p in enumerate(params):
-            yield from_step, i, torch.full_like(p, float("nan")) if i == 3 else torch.ones_like(p)
-
-    source = HostileStage(lambda: whole.items(), step=3, updates=updates)
+    nan = _spoiled_sum(runtime, lambda p: torch.full_like(p, float("nan")), torch.ones_like)
+    source = HostileStage(lambda: whole.items(), step=3, updates=nan)
     copy, address = await _copied(source, runtime)
     assert isinstance(copy.error, InvalidArgument), copy.task.exception()
     assert address in str(copy.error) and "NaN or infinity" in str(copy.error), copy.error

@@ -13,6 +13,7 @@ from scheduler.coordinator.replicas import ReplicaClients, grpc_replicas
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from stage_server.replica.runtime import StageRuntime
+from swarm.job.config import JobConfig
 from swarm.model import checkpoint
 from tests.support.disks import fill, tiny_disk
 from tests.support.fakes import NoBus  # export never touches the bus
@@ -28,6 +29,15 @@ def _save(root: Path, job, step: int) -> dict[str, torch.Tensor]:  # type: ignor
             {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
         )
     return model
+
+
+def _sealed(tmp_path: Path, *steps: int) -> tuple[JobConfig, Path]:
+    """A job and its checkpoints of `steps`, each sealed."""
+    job, root = make_job(tmp_path), tmp_path / "ckpt"
+    for step in steps:
+        _save(root, job, step)
+        checkpoint.seal(root, step, job.training.stages)
+    return job, root
 
 
 def test_only_sealed_checkpoints_count(tmp_path: Path) -> None:
@@ -47,11 +57,7 @@ def test_a_checkpoint_that_cannot_be_read_is_said_and_a_bans_rollback_drops_it(
     unsaid: a rollback went further back, saying "no checkpoint", and a ban's rollback left the
     newer checkpoint, which holds the banned peer's work, for a later `latest` to pick once its
     disk read again."""
-    job = make_job(tmp_path)
-    root = tmp_path / "ckpt"
-    for step in (1, 2):
-        _save(root, job, step)
-        checkpoint.seal(root, step, job.training.stages)
+    _, root = _sealed(tmp_path, 1, 2)
     unreadable = root / "step-00000002" / "manifest.json"
     read_text = Path.read_text
 
@@ -76,11 +82,7 @@ async def test_a_bans_checkpoint_the_disk_keeps_fails_no_rollback_and_is_never_g
     """Its manifest could not be deleted (a read-only disk, another owner's directory): the
     ban's rollback raised, and the job failed. It goes on now to the step before, said at
     ERROR, and the checkpoint kept, the banned peer's work, is never gone back to after."""
-    job = make_job(tmp_path)
-    root = tmp_path / "ckpt"
-    for step in (1, 2):
-        _save(root, job, step)
-        checkpoint.seal(root, step, job.training.stages)
+    job, root = _sealed(tmp_path, 1, 2)
     kept = root / "step-00000002" / "manifest.json"
     unlink = Path.unlink
 
