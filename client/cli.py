@@ -15,8 +15,10 @@ from swarm.flags import (
     add_metrics_token,
     add_secret,
     add_token,
+    at_least,
     env_name,
     metrics_token,
+    seconds,
     token,
 )
 from swarm.net.invite import add_join_flag
@@ -107,7 +109,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
     if command == "submit":
         p.add_argument("job_file", type=Path, help="job file (TOML)")
         p.add_argument("--wait", action="store_true", help="show progress until the job ends")
-        p.add_argument("--poll", type=float, default=0.5, help="seconds between progress polls")
+        p.add_argument("--poll", type=seconds, default=0.5, help="seconds between progress polls")
         _retry_for(p, WAIT_RETRY_S, "with --wait")
     elif command == "status":
         p.epilog, p.formatter_class = STATUS_VIEW, _KeptLines
@@ -120,7 +122,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
             help="keep the view up to date (replicas, throughput, recent events) until the job "
             "ends; exits as `submit --wait` does",
         )
-        p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+        p.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes")
         _retry_for(p, WATCH_RETRY_S, "with --watch")
     elif command in ("cancel", "delete", "export"):
         p.add_argument("job", help="job id")
@@ -160,7 +162,7 @@ def _job_command(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_tls_flags(p)
     add_join_flag(p)
-    add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=float)
+    add_flag(p, "timeout", 30.0, "deadline per call (seconds)", type=seconds)
 
 
 def _retry_for(p: argparse.ArgumentParser, default: float, view: str) -> None:
@@ -210,7 +212,7 @@ def _trainer(p: argparse.ArgumentParser) -> None:
         help='with --stage-servers and pool.mode = "local": write the route record here, '
         "which `swarm local JOB --routes FILE` replays",
     )
-    add_flag(p, "threads", 1, "torch threads", type=int)
+    add_flag(p, "threads", 1, "torch threads", type=at_least(1))
     add_flag(
         p,
         "metrics-port",

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from swarm.job.config import JobConfig, verify_data
+from swarm.model.data import check_token_ids
 
 __all__ = ["DataHashes"]
 
@@ -48,7 +49,14 @@ class DataHashes:
 
     async def _hashed(self, job: JobConfig) -> JobConfig:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(verify_data, job)
+            return await asyncio.to_thread(_verified, job)
+
+
+def _verified(job: JobConfig) -> JobConfig:
+    """The job with its hashes pinned, once its files pass the checks, its token ids too."""
+    pinned = verify_data(job)
+    check_token_ids(pinned)
+    return pinned
 
 
 def _identity(job: JobConfig) -> tuple[Any, ...]:

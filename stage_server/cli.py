@@ -16,6 +16,7 @@ from swarm.flags import (
     add_flag,
     add_metrics_token,
     add_switch,
+    at_least,
     env_name,
     metrics_token,
     token,
@@ -90,7 +91,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     )
     add_metrics_token(p)
     add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
-    add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=int)
+    add_flag(p, "threads", 1, "torch threads: this process's share of the cores", type=at_least(1))
     add_switch(
         p,
         "compile-stage",
@@ -246,7 +247,12 @@ def _run(args: argparse.Namespace) -> None:
     if args.job:
         if args.stage is None:
             raise SwarmError("--job needs --stage (or leave out both to join a scheduler's swarm)")
-        asyncio.run(run_stage_server(load_job(args.job), opts, throttle=args.throttle))
+        job = load_job(args.job)
+        if not 0 <= args.stage < job.training.stages:  # before anything indexes the stages
+            raise SwarmError(
+                f"--stage {args.stage}: the job has stages 0..{job.training.stages - 1}"
+            )
+        asyncio.run(run_stage_server(job, opts, throttle=args.throttle))
     elif args.broker:
         joining = run_peer(
             opts,

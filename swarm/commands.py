@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from swarm.bus.flags import add_login_flags, scheduler_token
 from swarm.errors import SwarmError
-from swarm.flags import add_flag, add_token, token
+from swarm.flags import add_flag, add_token, at_least, token
 from swarm.net.paths import PEER_DOMAIN
 from swarm.net.tls import add_tls_flags
 
@@ -37,7 +37,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
             help="--out as a torch state_dict, or a Hugging Face checkpoint directory",
         )
         add_flag(p, "device", "cpu", "torch device: cpu, cuda:N, mps")
-        add_flag(p, "threads", 0, "torch threads (0: one per core)", type=int)
+        add_flag(p, "threads", 0, "torch threads (0: one per core)", type=at_least(0))
         p.add_argument("--log", type=Path, help="write one JSON line per step here")
         p.add_argument(
             "--replicas",
@@ -162,6 +162,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from swarm.device.facts import TorchFacts, resolve_device
     from swarm.model.generate import from_hf, generate, load_hf, text_codec
 
     if args.tokens < 0:
@@ -172,7 +173,8 @@ def _generate(args: argparse.Namespace) -> int:
             f"the model knows {cfg.vocab_size} tokens, the tokenizer makes {codec.vocab_size}: "
             "give the --tokenizer its data was prepared with (none for bytes)"
         )
-    model = load_hf(args.model, args.device)
+    facts = TorchFacts()  # a device this machine lacks: said as `swarm local` says it
+    model = load_hf(args.model, resolve_device(args.device, facts))
     ids = generate(
         model,
         codec.encode(args.prompt),
@@ -206,6 +208,11 @@ def _local(args: argparse.Namespace) -> int:
         )
     if args.replicas is not None and args.routes is not None:
         raise SwarmError("give --replicas or --routes, not both: the record names its replicas")
+    if args.routes is not None:  # read as the steps come: a file it cannot open said first
+        try:
+            Path(args.routes).open("rb").close()
+        except OSError as e:
+            raise SwarmError(f"--routes {args.routes}: cannot read it ({e.strerror})") from None
     # What it writes, opened before it trains (`swarm.ops.model_out`)
     if args.log is not None:
         writable("--log", Path(args.log), "a").close()

@@ -6,13 +6,16 @@ process's environment default for gRPC's own logging (below)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
+    "MAX_SECONDS",
     "HelpFormatter",
     "add_flag",
     "add_insecure_no_token",
@@ -20,9 +23,11 @@ __all__ = [
     "add_secret",
     "add_switch",
     "add_token",
+    "at_least",
     "env_default",
     "env_name",
     "metrics_token",
+    "seconds",
     "secret",
     "token",
     "warn_if_url_password",
@@ -37,6 +42,41 @@ if not os.environ.get("GRPC_VERBOSITY"):
     os.environ["GRPC_VERBOSITY"] = "ERROR"
 
 _TOKEN_HELP = "swarm token (default: SWARM_TOKEN)"
+
+
+# A deadline or a pause at most (s). gRPC turns a deadline into nanoseconds from now: past
+# ~9.2e9 s (and at inf, or any negative) a call failed at once as "did not answer in time"
+# without being sent; a pause of 0 polled the scheduler in a tight loop.
+MAX_SECONDS = 86400.0
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 and at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_SECONDS:  # NaN fails it too
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a number of seconds > 0 and <= {MAX_SECONDS:g}"
+        )
+    return value
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `least`."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: an integer >= {least}")
+        return value
+
+    integer.__name__ = f"an integer >= {least}"  # argparse names a type by it in its errors
+    return integer
 
 
 def env_name(flag: str) -> str:

@@ -12,6 +12,7 @@ from swarm.errors import SwarmError
 from swarm.flags import (
     add_flag,
     add_metrics_token,
+    at_least,
     env_name,
     metrics_token,
     token,
@@ -85,7 +86,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "gRPC calls served at once; past it, refused",
         type=int,
     )
-    add_flag(p, "threads", 1, "torch threads for the sums", type=int)
+    add_flag(p, "threads", 1, "torch threads for the sums", type=at_least(1))
 
 
 def run(command: str, args: argparse.Namespace) -> int:

@@ -27,13 +27,12 @@ from typing import Any
 
 from swarm.device.sharing import DEFAULT_CACHE_BYTES
 from swarm.errors import ConfigError
+from swarm.job.schema import GRPC_MAX_MESSAGE
 
 __all__ = ["MESSAGE_HEADROOM", "PeerLimits", "flag_name"]
 
 # Room in a message for a chunk's header: a message is at most a chunk and this.
 MESSAGE_HEADROOM = 1 << 20
-# The largest message gRPC can be told to take (its lengths are 32-bit).
-_GRPC_MAX_MESSAGE = 2**31 - 1
 
 
 def _limit(default: Any, help: str) -> Any:
@@ -90,12 +89,12 @@ class PeerLimits:
                 f"{self.max_chunk_bytes}"
             )
         if not (
-            self.max_chunk_bytes + MESSAGE_HEADROOM <= self.max_message_bytes <= _GRPC_MAX_MESSAGE
+            self.max_chunk_bytes + MESSAGE_HEADROOM <= self.max_message_bytes <= GRPC_MAX_MESSAGE
         ):
             raise ConfigError(
                 f"--max-message-bytes {self.max_message_bytes} must be at least --max-chunk-bytes "
                 f"{self.max_chunk_bytes} + 1 MiB (a chunk and its header) and at most "
-                f"{_GRPC_MAX_MESSAGE}"
+                f"{GRPC_MAX_MESSAGE}"
             )
         if self.receive_budget_bytes < self.max_tensor_bytes:
             raise ConfigError(

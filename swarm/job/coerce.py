@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import types
 from collections.abc import Callable
 from dataclasses import MISSING, field, fields
@@ -42,6 +43,7 @@ GE0: Check = (lambda v: v >= 0, ">= 0")
 GE1: Check = (lambda v: v >= 1, ">= 1")
 GT0: Check = (lambda v: v > 0, "> 0")
 UNIT: Check = (lambda v: 0 <= v < 1, "in [0, 1)")
+_INT64 = 2**63  # an integer field holds an int64: the job store's, torch's and gRPC's
 
 
 def checked_field(default: Any = MISSING, check: Check | None = None) -> Any:
@@ -111,8 +113,13 @@ def _coerce(key: str, value: Any, hint: Any, check: Check | None) -> Any:
         items = [float(v) for v in value] if ok else []
     elif hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not -_INT64 <= value < _INT64:  # TOML's integers are any size; SQLite's not
+            raise not_allowed(key, value, f"an integer of at most {_INT64 - 1}")
     elif hint is float:
         ok, value = number, float(value) if number else value
+        if ok and not math.isfinite(value):  # inf passes every range; no deadline, rate or
+            # size means it, and NaN compares false to all: each said as what it is
+            raise not_allowed(key, value, "a finite " + _describe(hint, check).removeprefix("a "))
     elif hint is Path:
         ok, value = isinstance(value, str | Path), Path(value) if isinstance(value, str) else value
     else:

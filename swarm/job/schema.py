@@ -11,7 +11,6 @@ this schema; the schema does not call it).
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -70,6 +69,15 @@ IN_FLIGHT: Check = (lambda v: 1 <= v <= MAX_IN_FLIGHT, f"in 1..{MAX_IN_FLIGHT}")
 # forgets which caller held it (`scheduler.trainer_keys`).
 MAX_LEASE_TIMEOUT_S = 3600.0
 LEASE_TIMEOUT: Check = (lambda v: 0 < v <= MAX_LEASE_TIMEOUT_S, f"in (0, {MAX_LEASE_TIMEOUT_S:g}]")
+# A call's or a round's deadline at most. gRPC turns a deadline into an absolute time in
+# nanoseconds: past ~9.2e9 s it overflows and every call failed at once as "Deadline Exceeded",
+# which read as peers that did not answer. A day is far past any step.
+MAX_DEADLINE_S = 86400.0
+DEADLINE: Check = (lambda v: 0 < v <= MAX_DEADLINE_S, f"> 0 and <= {MAX_DEADLINE_S:g}")
+# The largest message gRPC can be told to take (its lengths are 32-bit): past it every client
+# the job builds raised OverflowError, naming no key.
+GRPC_MAX_MESSAGE = 2**31 - 1
+MESSAGE_BYTES: Check = (lambda v: 1 <= v <= GRPC_MAX_MESSAGE, f">= 1 and <= {GRPC_MAX_MESSAGE}")
 
 
 @dataclass(frozen=True)
@@ -295,10 +303,6 @@ class PoolConfig(Section):
     #: the outer one, `swarm.job.rule`)
     overlap: Literal["none", "eager"] = "none"
 
-    def _validate(self) -> None:
-        if not math.isfinite(self.outer_lr):
-            raise not_allowed("pool.outer_lr", self.outer_lr, "a finite number > 0")
-
 
 @dataclass(frozen=True)
 class RebalanceConfig(Section):
@@ -317,10 +321,6 @@ class RebalanceConfig(Section):
     horizon_s: float = _f(3600.0, GT0)  #: seconds a move's gain lasts, weighed against its cost
 
     def _validate(self) -> None:
-        for name in ("period_s", "hysteresis", "min_dwell_s", "move_cost_s", "horizon_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value):  # inf passes the range checks but breaks the arithmetic
-                raise not_allowed(f"rebalance.{name}", value, "a finite number")
         if self.horizon_s <= self.move_cost_s:
             allowed = f"a number > rebalance.move_cost_s = {self.move_cost_s}"
             raise not_allowed("rebalance.horizon_s", self.horizon_s, allowed)
@@ -338,13 +338,16 @@ class RuntimeConfig(Section):
     #: trainer carries every one (the carry plane, the first; its link carries 3x a server's)
     data_plane: Literal["push", "relay"] = "push"
     max_queue: int = _f(64, GE1)  #: pushed microbatches a replica queues before it says busy
-    rpc_timeout_s: float = _f(60.0, GT0)  #: deadline of each Forward/Backward call (seconds)
-    commit_timeout_s: float = _f(120.0, GT0)  #: deadline of a step's commit/averaging (seconds)
+    rpc_timeout_s: float = _f(60.0, DEADLINE)  #: deadline of each Forward/Backward call (seconds)
+    #: deadline of a step's commit/averaging (seconds)
+    commit_timeout_s: float = _f(120.0, DEADLINE)
     chunk_bytes: int = _f(4 * MiB, GE1)  #: messages larger than this are streamed in chunks (bytes)
-    max_message_bytes: int = _f(64 * MiB, GE1)  #: gRPC max message size (bytes; > chunk_bytes)
+    #: gRPC max message size (bytes; > chunk_bytes)
+    max_message_bytes: int = _f(64 * MiB, MESSAGE_BYTES)
     max_tensor_bytes: int = _f(1024 * MiB, GE1)  #: largest tensor a server accepts (bytes)
     activation_cache: int = _f(64, GE0)  #: microbatches whose activations a server keeps (count)
-    averaging_timeout_s: float = _f(60.0, GT0)  #: a pool round waits this long for a replica (s)
+    #: a pool round waits this long for a replica (s)
+    averaging_timeout_s: float = _f(60.0, DEADLINE)
     #: averaging rounds one step may fail (no commit between) before the job fails (count)
     max_commit_rounds: int = _f(10, GE1)
     #: unreported leased microbatches go elsewhere (s)
@@ -360,7 +363,7 @@ class RuntimeConfig(Section):
     #: the job does not need serving has room (`swarm.policy.spares`), else none
     standby: int | Literal["auto"] = _f("auto", GE0)
     #: seconds with no committed step before a job stops, or shows `stalled`, naming the cause
-    patience_s: float = _f(600.0, (lambda v: 0 < v < math.inf, "finite and > 0"))
+    patience_s: float = _f(600.0, GT0)
 
     def _validate(self) -> None:
         if self.max_message_bytes <= self.chunk_bytes:

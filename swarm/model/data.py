@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from swarm.errors import ConfigError
+from swarm.job.coerce import show
 from swarm.job.config import JobConfig, token_width
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SyntheticData",
     "TextData",
     "TokenData",
+    "check_token_ids",
     "make_data",
     "make_val_data",
     "microbatch_seed",
@@ -93,10 +95,10 @@ class TokenData:
         seed: int,
         part: tuple[float, float] = (0.0, 1.0),
     ) -> None:
-        dtype = np.uint16 if token_width(vocab_size) == 2 else np.uint32
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.tokens = _token_map(path, vocab_size)
         if len(self.tokens) < seq_len + 2:
             raise ValueError(f"{path} has {len(self.tokens)} tokens; a sample needs {seq_len + 2}")
+        _check_ids(self.tokens, path, vocab_size)
         self.low, self.high = _span(path, len(self.tokens), part, seq_len)
         self.path, self.vocab_size = path, vocab_size
         self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
@@ -131,6 +133,34 @@ class SyntheticData:
         stride = torch.randint(1, 8, (b, 1), generator=gen)
         rows = (start + stride * torch.arange(self.seq_len + 1)[None, :]) % self.vocab_size
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _token_map(path: Path, vocab_size: int) -> np.memmap:
+    return np.memmap(path, dtype=np.uint16 if token_width(vocab_size) == 2 else np.uint32, mode="r")
+
+
+def _check_ids(tokens: np.ndarray, path: Path, vocab_size: int) -> None:
+    """Every id of a token file inside the vocabulary, read once as the file opens (numpy's
+    pass over the page cache, a fraction of its hashing): a file made with a larger tokenizer
+    failed only at the step whose microbatch drew such an id, hours in."""
+    largest = int(tokens.max()) if len(tokens) else -1
+    if largest >= vocab_size:
+        raise ConfigError(
+            f"the token file {show(str(path))} holds token id {largest}, outside "
+            f"model.vocab_size = {vocab_size}: use the vocabulary size of the tokenizer that "
+            "made it"
+        )
+
+
+def check_token_ids(job: JobConfig) -> None:
+    """`ConfigError` unless every id of a token job's data files is inside its vocabulary: the
+    scheduler's check as a job is submitted, where it is refused with its cause."""
+    if job.data.kind != "tokens":
+        return
+    vocab = job.model.vocab_size
+    for path in (job.data.path, job.data.val_path):
+        if path is not None:
+            _check_ids(_token_map(Path(path), vocab), Path(path), vocab)
 
 
 def _span(path: Path, length: int, part: tuple[float, float], seq_len: int) -> tuple[int, int]:

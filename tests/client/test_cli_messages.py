@@ -15,6 +15,7 @@ import pytest
 
 from swarm.cli import COMMANDS, load, main, parse
 from swarm.job.config import load_job
+from swarm.model.hf import write_hf
 from swarm.model.transformer import build_model
 from tests.support.api import RunningApi
 from tests.support.jobs import write_job
@@ -170,3 +171,84 @@ def test_status_help_explains_every_line_and_column_of_the_view(
     for column in header:
         assert re.search(rf"^    {re.escape(column)}  ", epilog, re.M), column
     assert "? is a direction not measured yet" in epilog and "events" in epilog
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # past ~9.2e9 s gRPC cannot express a deadline: the call failed unsent, "did not answer"
+        ["status", "j", "--timeout", "inf"],
+        ["status", "j", "--timeout", "1e10"],
+        ["jobs", "--timeout", "-1"],
+        ["cancel", "j", "--timeout", "nan"],
+        # a pause of 0 polled the scheduler in a tight loop
+        ["submit", "job.toml", "--wait", "--poll", "0"],
+        ["status", "j", "--watch", "--interval", "0"],
+    ],
+    ids=lambda argv: " ".join(argv[-2:]),
+)
+def test_a_deadline_or_pause_out_of_range_is_refused_naming_its_flag(
+    argv: list[str], clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert f"argument {argv[-2]}: {argv[-1]!r}: a number of seconds > 0 and <= 86400" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "least"),
+    [
+        (["local", "job.toml", "--threads", "-1"], 0),  # torch raised, a traceback
+        (["trainer", "--job", "j", "--threads", "0"], 1),
+        (["stage-server", "--threads", "-2"], 1),  # clamped to 1 without a word
+        (["aggregator", "--threads", "x"], 1),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else str(a),
+)
+def test_threads_below_their_least_are_refused_naming_the_flag(
+    argv: list[str],
+    least: int,
+    clean_env: MutableMapping[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert f"argument --threads: {argv[-1]!r}: an integer >= {least}" in err, err
+
+
+def test_a_route_record_that_cannot_be_read_is_said_before_any_training(
+    tmp_path: Path, clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = write_job(tmp_path, "local", pool={"mode": "local"}, training={"steps": 100000})
+    missing = tmp_path / "routes.jsonl"
+    # (were the model built and trained first, 100,000 steps would time the test out)
+    assert main(["local", str(job), "--threads", "1", "--routes", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--routes {missing}: cannot read it (No such file or directory)" in err, err
+
+
+def test_generate_on_a_device_this_machine_lacks_says_so(
+    tmp_path: Path, clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = load_job(write_job(tmp_path, "gen", model={"vocab_size": 256}))
+    write_hf(tmp_path / "hf", build_model(job).state_dict(), job.model, None)
+    argv = ["generate", str(tmp_path / "hf"), "--prompt", "hi", "--device", "cuda:7"]
+    assert main(argv) == 2  # was torch's own error, a traceback
+    assert "--device cuda:7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", ["2", "-1"])
+def test_a_stage_server_asked_for_a_stage_the_job_lacks_says_which_it_has(
+    stage: str,
+    tmp_path: Path,
+    clean_env: MutableMapping[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job = write_job(tmp_path, "two", training={"stages": 2})
+    # (stage 2 of two indexed the partition first: an IndexError's traceback)
+    assert main(["stage-server", "--job", str(job), "--stage", stage, "--port", "0"]) == 2
+    assert f"--stage {stage}: the job has stages 0..1" in capsys.readouterr().err

@@ -234,6 +234,27 @@ BAD: list[tuple[Sections, bytes | None, list[str]]] = [
     ({"runtime": {"max_in_flight": "0"}}, None, ["runtime.max_in_flight = 0", "in 1..65536"]),
     ({"runtime": {"rpc_timeout_s": "0"}}, None, ["runtime.rpc_timeout_s = 0", "a number > 0"]),
     ({"runtime": {"commit_timeout_s": "-1"}}, None, ["runtime.commit_timeout_s = -1", "> 0"]),
+    # a deadline past what gRPC can express failed every call at once, blaming the peers
+    ({"runtime": {"rpc_timeout_s": "inf"}}, None, ["runtime.rpc_timeout_s = Infinity", "finite"]),
+    (
+        {"runtime": {"averaging_timeout_s": "1e10"}},
+        None,
+        ["runtime.averaging_timeout_s = 10000000000.0", "<= 86400"],
+    ),
+    ({"optimizer": {"lr": "inf"}}, None, ["optimizer.lr = Infinity", "a finite number > 0"]),
+    ({"optimizer": {"eps": "nan"}}, None, ["optimizer.eps = NaN", "a finite number > 0"]),
+    # past SQLite's integers: the job store answered INTERNAL, naming no key
+    (
+        {"training": {"steps": "9223372036854775808"}},
+        None,
+        ["training.steps = 9223372036854775808", "at most 9223372036854775807"],
+    ),
+    # past gRPC's: every client of the job raised OverflowError
+    (
+        {"runtime": {"max_message_bytes": "4294967296"}},
+        None,
+        ["runtime.max_message_bytes = 4294967296", "<= 2147483647"],
+    ),
     ({"runtime": {"chunk_bytes": "0"}}, None, ["runtime.chunk_bytes = 0", ">= 1"]),
     (
         {"runtime": {"max_message_bytes": "4194304"}},

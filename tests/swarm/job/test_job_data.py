@@ -178,7 +178,7 @@ async def test_submit_pins_the_data_sha256_into_the_stored_spec(api: _Api, root:
 
 
 async def test_submit_pins_a_token_file_as_it_pins_text(api: _Api, root: Path) -> None:
-    ids = bytes(range(256)) * 2  # 256 uint16 ids
+    ids = bytes(b for i in range(256) for b in (i, 0))  # 256 uint16 ids, each < vocab_size
     (root / "data" / "tokens.bin").write_bytes(ids)
     spec = _spec("data/tokens.bin").replace('kind = "text"', 'kind = "tokens"')
     stored = api.store.get((await api.submit(spec, root)).job)
@@ -186,6 +186,11 @@ async def test_submit_pins_a_token_file_as_it_pins_text(api: _Api, root: Path) -
     assert tomllib.loads(stored.spec)["data"]["sha256"] == hashlib.sha256(ids).hexdigest()
     outside = spec.replace("data/tokens.bin", str(root.parent / "outside.txt"))
     assert "data root" in (await api.refused(outside, root)).details()
+    # a file made with a larger tokenizer: refused at submit, where the job failed at the step
+    # whose microbatch drew such an id
+    (root / "data" / "wide.bin").write_bytes(ids[:-2] + (300).to_bytes(2, "little"))
+    refused = await api.refused(spec.replace("tokens.bin", "wide.bin"), root)
+    assert "holds token id 300, outside model.vocab_size = 256" in refused.details()
 
 
 async def test_submit_pins_the_initial_checkpoint_under_the_data_root(

@@ -112,8 +112,17 @@ def test_bad_token_files_are_refused_clearly(tmp_path: Path) -> None:
     (tmp_path / "odd.bin").write_bytes(b"\x01" * 201)  # not a whole number of uint16 ids
     with pytest.raises(ConfigError, match="not a whole number of 2-byte ids"):
         load_job(_job(tmp_path, tmp_path / "odd.bin", 256))
-    (tmp_path / "big.bin").write_bytes(np.full(200, 900, np.uint16).tobytes())
-    data = make_data(load_job(_job(tmp_path, tmp_path / "big.bin", 256)))
+    # an id past the vocabulary, anywhere in the file: refused as its data opens (before any
+    # step), where it failed only at the step whose microbatch drew it, hours in
+    ids = np.full(700_000, 7, np.uint16)
+    ids[600_000] = 900
+    (tmp_path / "big.bin").write_bytes(ids.tobytes())
+    with pytest.raises(ConfigError, match=r"holds token id 900, outside model\.vocab_size = 256"):
+        make_data(load_job(_job(tmp_path, tmp_path / "big.bin", 256)))
+    # and one the file gained after its job loaded: refused as a microbatch draws it
+    (tmp_path / "late.bin").write_bytes(np.full(200, 7, np.uint16).tobytes())
+    data = make_data(load_job(_job(tmp_path, tmp_path / "late.bin", 256)))
+    (tmp_path / "late.bin").write_bytes(np.full(200, 900, np.uint16).tobytes())
     with pytest.raises(ValueError, match=r"token id 900, outside model\.vocab_size = 256"):
         data.microbatch(0, 0)
     with pytest.raises(ConfigError, match="no such file"):
