@@ -119,7 +119,8 @@ def _add_training(p: argparse.ArgumentParser) -> None:
         "lost-stage-grace-s",
         30.0,
         "a trained job whose stage nobody serves waits this long for its replica, then gives "
-        "the stage to fresh peers and rolls back to the last checkpoint",
+        "the stage to fresh peers and rolls back to the last checkpoint; a job's start waits "
+        "as long for a replica of each stage at the step the job has recorded",
         type=float,
     )
     add_flag(

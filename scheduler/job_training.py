@@ -118,7 +118,12 @@ class JobTraining:
             metrics=_trainer_metrics(job_id),
         )
         try:
-            self.store.resume(job_id, await coordinator.start())  # a re-run replaces old rows
+            # the holders of the step the store has are waited for as placement waits for a lost
+            # stage's (peers come back one by one after a restart)
+            record = self.store.get(job_id)
+            recorded = record.step if record is not None else None
+            started = await coordinator.start(recorded, self.assignments.lost_stage_grace_s)
+            self.store.resume(job_id, started)  # a re-run replaces old rows
             self.coordinators[job_id] = coordinator
             speed.start()
             await self.set_status(job_id, "running", reports.opening)

@@ -5,9 +5,10 @@ so without a sweep every job ever run would leave its announcement, its last ste
 assignment per peer it ever had, and days of jobs would grow the broker and every fresh
 subscriber's backlog. Assignments go at once (an ended job needs no server), every one the
 broker holds, an earlier run's to peers long gone too; the announcement and steps stay
-`retain_s` longer, so a peer that was briefly away still learns the end and frees itself. The
-store keeps the job's record, which is what `swarm status` reads, so nothing is lost to it. A
-sweep is bounded: finding what the broker holds waits for the burst of retained messages on a
+`retain_s` longer, so a peer that was briefly away still learns the end and frees itself:
+`retain_s` of the broker's holding them (a broker away holds nothing; the clear waits for it).
+The store keeps the job's record, which is what `swarm status` reads, so nothing is lost to it.
+Finding what the broker holds is bounded: it waits for the burst of retained messages on a
 fresh subscription to fall quiet, and no longer than a fixed timeout.
 """
 
@@ -39,13 +40,34 @@ async def clear_retained(
             await bus.publish(topic, b"", retain=True)
     except Exception:
         log.exception("job %s: retained assignments not cleared", job_id)
-    await asyncio.sleep(retain_s)
+    await _held_for(bus, retain_s)
     try:
         await bus.publish(topics.steps(job_id), b"", retain=True)
         await bus.publish(topics.job(job_id), b"", retain=True)
     except Exception:
         log.exception("job %s: retained announcement not cleared", job_id)
     forget(job_id)
+
+
+async def _held_for(bus: BusLike, retain_s: float) -> None:
+    """Wait until the broker has held the job's last announcement `retain_s`: the bus's link up
+    (`ready`, its retained messages restored) that long without a break. An announcement
+    published while the broker was away is kept by the bus and sent when it is back; a clear
+    published meanwhile replaced it there, and peers never learned that the job had ended (they
+    served it for good). A break shorter than a look (`_SWEEP_QUIET_S`) may go unseen: the
+    announcement is restored with the link all the same."""
+    ready = getattr(bus, "ready", None)
+    if not isinstance(ready, asyncio.Event):  # a bus without a link to lose (a test's)
+        await asyncio.sleep(retain_s)
+        return
+    loop = asyncio.get_running_loop()
+    while True:
+        await ready.wait()
+        up = loop.time()
+        while ready.is_set() and (held := loop.time() - up) < retain_s:
+            await asyncio.sleep(min(_SWEEP_QUIET_S, retain_s - held))
+        if ready.is_set():
+            return
 
 
 async def retained_on(bus: BusLike, pattern: str) -> list[str]:

@@ -209,12 +209,14 @@ class LocalCoordinator:
         self.two_phase = TwoPhaseCommit(context, self.rounds, voids, self.bans)
 
     # -- lifecycle ------------------------------------------------------------------------------
-    async def start(self) -> int:
-        """Bring every replica to one step (finishing a half-applied commit) and open it."""
+    async def start(self, recorded: int | None = None, wait_s: float = 0.0) -> int:
+        """Bring every replica to one step (finishing a half-applied commit) and open it.
+        `recorded`: the job's step as its store has it, whose holders a start waits for
+        `wait_s` at most (`holders`); None where no store keeps one (`swarm trainer`)."""
         if isinstance(self.clients.factory, GrpcReplicas):
             await self.clients.factory.prepare()
         await self.recovery.sweep()
-        step = await self._rollback.reconcile()
+        step = await self._rollback.reconcile(recorded, wait_s)
         await self.rounds.started(step, self.replicas())
         self._open(step)
         return step

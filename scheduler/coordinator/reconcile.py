@@ -4,9 +4,9 @@ Moved out of `membership` (its members, clients and joins are what it acts throu
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
+from scheduler.coordinator.holders import Seen, holds
 from scheduler.coordinator.membership import Membership
 from swarm.errors import SwarmError
 from swarm.proto import stage_pb2 as pb
@@ -18,20 +18,18 @@ __all__ = ["reconcile"]
 log = logging.getLogger(__name__)
 
 
-async def reconcile(membership: Membership) -> int:
+async def reconcile(membership: Membership, seen: Seen, recorded: int | None = None) -> int:
     """Bring every replica to the newest step, and return it. A coordinator that died while
     applying a step leaves some replicas a step behind with the step prepared: applying it
     is exact. Other laggards (new replicas, restarted ones) copy a member at that step. One
     that does not answer is left out (it rejoins at a boundary), not a reason to fail the
-    start. Stages left with no member are the caller's to recover."""
-    pairs = [(k, r) for k, stage in enumerate(membership.members()) for r in stage]
-    answers = await asyncio.gather(
-        *(membership.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
-    )
+    start; so is one past the job's `recorded` step (`holders.holds`: a made-up id answering
+    step 10^6 was the step every replica went to). Stages left with no member are the
+    caller's to recover. `seen`: the look at the listed replicas it acts on."""
     infos: list[tuple[int, Replica, pb.StageInfoResponse]] = []
     unanswered: dict[int, list[str]] = {}
     membership.unanswered = unanswered
-    for (stage, r), info in zip(pairs, answers, strict=True):
+    for stage, r, info in seen.answers:
         if isinstance(info, SwarmError):
             log.warning("stage %d: %s does not answer: left out (%s)", stage, r.peer, info)
             unanswered.setdefault(stage, []).append(f"{r.peer} at {r.address}: {brief(info)}")
@@ -44,6 +42,16 @@ async def reconcile(membership: Membership) -> int:
                 f"expected job {membership.job_id!r} stage {stage} "
                 f"(same job file on both sides?)"
             )
+        if recorded is not None and info.step > recorded and not holds(info.step, recorded):
+            log.warning(
+                "stage %d: %s says step %d, past the job's recorded step %d: not believed, "
+                "left out",
+                stage,
+                r.peer,
+                info.step,
+                recorded,
+            )
+            continue
         infos.append((stage, r, info))
     target = max((info.step for _, _, info in infos), default=0)
     # The clipping coefficient of the step being finished, from a replica that applied it.

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+from scheduler.coordinator.holders import await_holders, look
 from scheduler.coordinator.live_steps import LiveSteps
 from scheduler.coordinator.membership import Membership
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -244,10 +245,27 @@ class Rollback:
         }
         return [k for k in range(len(members)) if k not in answering]
 
-    async def reconcile(self) -> int:
+    async def reconcile(self, recorded: int | None = None, wait_s: float = 0.0) -> int:
         """At a start: the step every replica is brought to (finishing a half-applied commit),
-        rolling every stage back first where that step cannot be trained from."""
-        target = await reconcile(self.membership)
+        rolling every stage back first where that step cannot be trained from. `recorded`: the
+        job's step as its store has it (None: no store), whose holders are waited for `wait_s`
+        at most (`holders`)."""
+        if recorded is None:
+            seen = await look(self.membership)
+        else:
+            seen = await await_holders(
+                self.membership, recorded, wait_s, self.clock, self.on_status
+            )
+        target = await reconcile(self.membership, seen, recorded)
+        if recorded is not None and target < recorded and self.recovery.latest() < recorded:
+            log.warning(
+                "no replica holds the job's recorded step %d: resuming from step %d; steps "
+                "%d..%d are trained again",
+                recorded,
+                max(target, self.recovery.latest()),
+                max(target, self.recovery.latest()),
+                recorded - 1,
+            )
         missing = [k for k, replicas in enumerate(self.membership.replicas()) if not replicas]
         saved = self.recovery.latest()
         if (missing or saved > target) and all(self.members()):

@@ -40,6 +40,8 @@ class Harness:
         self.job, self.swarm, self.clock = job, swarm, FakeClock()
         self.steps: asyncio.Queue[StepRecord] = asyncio.Queue()
         self.rollbacks: asyncio.Queue[int] = asyncio.Queue()
+        self.statuses: list[str] = []  # what it said for `swarm status`, unless a test listens
+        kwargs.setdefault("on_status", self.statuses.append)
         self.coordinator = LocalCoordinator(
             job,
             swarm.job_id,

@@ -54,6 +54,8 @@ class Peers:
 
 
 class Assignments:
+    lost_stage_grace_s = 30.0  # the scheduler's default: a start waits this long for holders
+
     def floor(self, job: JobConfig) -> int:
         return 1
 

@@ -1,0 +1,85 @@
+"""An ended job's retained announcement outlives a broker outage: the sweep clears it only once
+the broker has held it `retain_s` (`scheduler.retained.clear_retained`). Before, a final
+announcement published while the broker was away was kept in the bus's memory, then replaced
+there by the sweep's clear `retain_s` later; the broker, back, got only the clear, and peers
+never learned that the job had ended (they served it for good)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from scheduler import retained
+from scheduler.retained import clear_retained
+from swarm.bus.broker import EmbeddedBroker
+from swarm.bus.connection import Bus, BusSettings
+from swarm.proto import control_pb2 as cpb
+from tests.support.broker_link import BrokerLink
+
+pytestmark = pytest.mark.timeout(90)
+
+# (a publish waits 0.5 s for a link, not 10: the outage outlasts it, as a real one would)
+QUICK = BusSettings(
+    keepalive_s=1, operation_timeout_s=1.0, reconnect_max_s=0.5, publish_timeout_s=0.5
+)
+WAIT_S = 20.0
+RETAIN_S = 0.5
+
+
+def _bus(url: str, name: str) -> Bus:
+    return Bus(url, name, registry=CollectorRegistry(), settings=QUICK)
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not condition():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pytest.fail(f"{what}: not within {WAIT_S:g} s")
+
+
+async def test_an_end_announced_in_an_outage_reaches_the_broker_before_its_clear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the sweep's search for assignments gives up on a broker away within 1 s, not 10
+    monkeypatch.setattr(retained, "_SWEEP_TIMEOUT_S", 1.0)
+    broker = EmbeddedBroker(port=0)
+    await broker.start()
+    link = BrokerLink(broker.port)
+    states: list[int] = []
+    forgotten = asyncio.Event()
+    try:
+        async with _bus(link.url, "scheduler") as bus, _bus(broker.url, "a-peer") as peer:
+            await bus.wait_connected(WAIT_S)
+            await peer.wait_connected(WAIT_S)
+            topic = bus.topics.job("j1")
+
+            async def watch() -> None:
+                async for _, message in peer.subscribe(topic):
+                    assert isinstance(message, cpb.JobAnnouncement)
+                    states.append(message.state)
+
+            watching = asyncio.create_task(watch())
+            running = cpb.JobAnnouncement(job="j1", name="j1", state=cpb.JOB_STATE_RUNNING)
+            await bus.publish(topic, running, retain=True)
+            await _until(lambda: cpb.JOB_STATE_RUNNING in states, "running")
+            link.cut()
+            await _until(lambda: not bus.connected, "the scheduler's link down")
+            ended = cpb.JobAnnouncement(job="j1", name="j1", state=cpb.JOB_STATE_CANCELLED)
+            await bus.publish(topic, ended, retain=True, timeout=0.2)  # kept for the broker
+            sweep = asyncio.create_task(
+                clear_retained(bus, "j1", RETAIN_S, lambda _: forgotten.set())
+            )
+            await asyncio.sleep(3.0)  # the search and the job's retain_s pass while it is away
+            link.mend()
+            await _until(lambda: cpb.JOB_STATE_CANCELLED in states, "the end, on the broker")
+            await asyncio.wait_for(sweep, WAIT_S)  # and then cleared, the job forgotten
+            assert forgotten.is_set()
+            watching.cancel()
+    finally:
+        link.close()
+        await broker.stop()
