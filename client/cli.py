@@ -63,10 +63,10 @@ what the view shows (docs/deployment.md, "Watch it", says more):
                NAT, through that relay); UNREACHABLE (why and the fix below the table); - not
                dialled back yet
     UP/DOWN    its link rates in Mbit/s, up (what it sends) / down (what it receives): the
-               largest of its recent transfers of 1 MiB or more (rounds, state downloads,
-               activations), or what --bandwidth says. ? is a direction not measured yet: ?/3140
-               is a peer that has received a state download (3140 Mbit/s down) but sent nothing
-               that large yet; - is neither
+               largest of its recent transfers of 16 MiB or more sent, 1 MiB or more received
+               (rounds, state downloads, activations), or what --bandwidth says.
+               ? is a direction not measured yet: ?/3140 is a peer that has received a state
+               download (3140 Mbit/s down) but sent nothing that large yet; - is neither
     HOLDS      microbatches whose activations it keeps for their Backward, as its load reports
                say (its cache's bound over a microbatch's measured bytes); - not said (a CPU
                server without --max-activation-cache-bytes, the last stage, or before its
@@ -280,10 +280,12 @@ def _run_trainer(args: argparse.Namespace) -> int:
         )
     from client.standalone import parse_stage_servers, run_trainer
     from swarm.job.config import load_job
+    from swarm.model.data import check_token_ids
 
     if not args.stage_servers:
         raise SwarmError("give --scheduler ADDR --job JOB_ID, or --job FILE --stage-servers ...")
     job = load_job(args.job)
+    check_token_ids(job)  # before it trains, not at the step that draws one
     return asyncio.run(
         run_trainer(
             job,

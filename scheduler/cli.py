@@ -98,7 +98,7 @@ def _add_storage(p: argparse.ArgumentParser) -> None:
         p,
         "keep-finished-jobs",
         None,
-        "keep this many finished jobs (the most recently ended); older ones are deleted with "
+        "keep each submitter's this many most recently ended jobs; older ones are deleted with "
         "their checkpoints and final models, at start and as jobs end (default: keep every one)",
         type=int,
     )

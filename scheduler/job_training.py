@@ -91,6 +91,9 @@ class JobTraining:
     # each job's ban book while a write of it waits for room (a full disk): the next attempt
     # starts with what it holds (`scheduler.stored_bans`)
     ban_books: dict[str, StoredBans] = field(default_factory=dict)
+    # the jobs an attempt has started for in this scheduler's run: only a first attempt waits
+    # at its start for the holders of the job's trained step (`coordinator.holders`)
+    _attempted: set[str] = field(default_factory=set)
 
     def vouched(self, job_id: str, peer: str) -> bool:
         """Whether the scheduler gave `peer` a stage of `job_id`, or the job's coordinator
@@ -118,11 +121,12 @@ class JobTraining:
             metrics=_trainer_metrics(job_id),
         )
         try:
-            # the holders of the step the store has are waited for as placement waits for a lost
-            # stage's (peers come back one by one after a restart)
-            record = self.store.get(job_id)
-            recorded = record.step if record is not None else None
-            started = await coordinator.start(recorded, self.assignments.lost_stage_grace_s)
+            # A first attempt (this scheduler just started: peers come back one by one) waits
+            # for the holders of the step the job has trained as placement waits for a lost
+            # stage's. A later one follows placement, which waited for them already.
+            wait_s = 0.0 if job_id in self._attempted else self.assignments.lost_stage_grace_s
+            self._attempted.add(job_id)
+            started = await coordinator.start(self.store.trained(job_id), wait_s)
             self.store.resume(job_id, started)  # a re-run replaces old rows
             self.coordinators[job_id] = coordinator
             speed.start()
@@ -141,6 +145,10 @@ class JobTraining:
             await coordinator.close()
             if routes is not None:
                 routes.close()
+
+    def forget(self, job_id: str) -> None:
+        """Let go of what was kept for `job_id` across its attempts, now that it has ended."""
+        self._attempted.discard(job_id)
 
     def _ban_book(self, job_id: str) -> StoredBans:
         """The job's ban book: the one before while a write of it waits (a full disk), else a

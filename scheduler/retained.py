@@ -15,6 +15,7 @@ fresh subscription to fall quiet, and no longer than a fixed timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _SWEEP_QUIET_S = 0.5  # retained messages arrive at once: this long without one, none is left
 _SWEEP_TIMEOUT_S = 10.0  # the longest a sweep of an ended job's retained topics takes
+_HELD_CAP = 10  # an ended job's announcement is cleared within this many times its retain_s
 
 
 async def clear_retained(
@@ -40,7 +42,7 @@ async def clear_retained(
             await bus.publish(topic, b"", retain=True)
     except Exception:
         log.exception("job %s: retained assignments not cleared", job_id)
-    await _held_for(bus, retain_s)
+    await _held_for(bus, job_id, retain_s)
     try:
         await bus.publish(topics.steps(job_id), b"", retain=True)
         await bus.publish(topics.job(job_id), b"", retain=True)
@@ -49,25 +51,35 @@ async def clear_retained(
     forget(job_id)
 
 
-async def _held_for(bus: BusLike, retain_s: float) -> None:
+async def _held_for(bus: BusLike, job_id: str, retain_s: float) -> None:
     """Wait until the broker has held the job's last announcement `retain_s`: the bus's link up
-    (`ready`, its retained messages restored) that long without a break. An announcement
+    (`ready`, its retained messages restored) that long without a break seen. An announcement
     published while the broker was away is kept by the bus and sent when it is back; a clear
     published meanwhile replaced it there, and peers never learned that the job had ended (they
-    served it for good). A break shorter than a look (`_SWEEP_QUIET_S`) may go unseen: the
-    announcement is restored with the link all the same."""
+    served it for good). Looked at every twentieth of `retain_s` (a shorter break may go unseen:
+    the announcement is restored with the link all the same), and `_HELD_CAP` times `retain_s`
+    at most: a bus that ended for good, or a link that never stays up that long, clears then."""
     ready = getattr(bus, "ready", None)
     if not isinstance(ready, asyncio.Event):  # a bus without a link to lose (a test's)
         await asyncio.sleep(retain_s)
         return
     loop = asyncio.get_running_loop()
-    while True:
-        await ready.wait()
+    deadline, every = loop.time() + _HELD_CAP * retain_s, max(_SWEEP_QUIET_S, retain_s / 20)
+    while (left := deadline - loop.time()) > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready.wait(), left)
         up = loop.time()
         while ready.is_set() and (held := loop.time() - up) < retain_s:
-            await asyncio.sleep(min(_SWEEP_QUIET_S, retain_s - held))
+            await asyncio.sleep(min(every, retain_s - held))
         if ready.is_set():
             return
+    log.warning(
+        "job %s: the broker did not stay reachable %.0f s in %.0f s: its announcement is "
+        "cleared all the same",
+        job_id,
+        retain_s,
+        _HELD_CAP * retain_s,
+    )
 
 
 async def retained_on(bus: BusLike, pattern: str) -> list[str]:

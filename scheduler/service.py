@@ -468,6 +468,7 @@ class Scheduler:
         self._status.forget(job_id)
         self.history.forget(job_id)
         self._layers.pop(job_id, None)
+        self._training.forget(job_id)
         self._expire(job_id)
         if self._group is not None and self._retention.keep is not None:
             self._group.create_task(self._retention.sweep())

@@ -18,8 +18,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from scheduler.history import History, state_change_text
-from scheduler.store import JobState, JobStore, StoreWriteError, moves
+from scheduler.store import JobState, JobStore, StoreWriteError
 from swarm.errors import SwarmError
+from swarm.job.states import moves
 from swarm.policy.backoff import Backoff
 
 __all__ = ["StatusWrites"]

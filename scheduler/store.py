@@ -36,7 +36,13 @@ from scheduler.store_pages import page_of, position
 from scheduler.store_requests import job_of, remember
 from scheduler.store_rows import EventRow, JobRecord, StepRow  # re-exported
 from swarm.errors import FailedPrecondition, InvalidArgument, NotFound
-from swarm.job.states import JOB_STATES, TERMINAL, UNFINISHED, JobState  # re-exported
+from swarm.job.states import (  # re-exported
+    JOB_STATES,
+    TERMINAL,
+    UNFINISHED,
+    JobState,
+    may_move,
+)
 
 __all__ = [
     "MAX_BANS",
@@ -52,16 +58,6 @@ __all__ = [
     "StoreError",
     "StoreWriteError",
 ]
-
-# Allowed moves besides "failed"/"cancelled" (reachable from any unfinished state) and staying put.
-# running -> placing: a training attempt failed and the job waits to be placed again.
-# running <-> stalled: a stage has no replica while the job trains, and is served again.
-_NEXT: dict[JobState, frozenset[JobState]] = {
-    "queued": frozenset({"placing"}),
-    "placing": frozenset({"running"}),
-    "running": frozenset({"placing", "stalled", "succeeded"}),
-    "stalled": frozenset({"running", "placing", "succeeded"}),
-}
 
 # A job record's columns: the row, the loss of its step 0 (what `swarm demo` starts from), and
 # its newest evaluation.
@@ -204,7 +200,7 @@ class JobStore:
         if state not in JOB_STATES:
             raise InvalidArgument(f"unknown job state {state!r}; allowed: {JOB_STATES}")
         old = self._require(job_id)
-        if not _allowed(old.state, state):
+        if not may_move(old.state, state):
             raise FailedPrecondition(f"job {job_id!r} is {old.state}; it cannot become {state}")
         self._write(
             "UPDATE jobs SET state = ?, error = COALESCE(?, error), message = COALESCE(?, message),"
@@ -372,6 +368,12 @@ class JobStore:
                 (step, self._clock(), job_id, step - 1, job_id, job_id, job_id),
             )
 
+    def trained(self, job_id: str) -> int:
+        """The step the job has trained to as this store knows it: its recorded step, or past
+        it the step after a record whose write failed and is held (a full disk)."""
+        kept = self._kept.get(job_id)
+        return max(self._require(job_id).step, max(kept) + 1 if kept else 0)
+
     def resume(self, job_id: str, step: int) -> None:
         """The job's coordinator (re)starts at `step`. Steps recorded from `step` on belong to a
         run that was lost (every replica restarted empty, say) and are trained again: forget
@@ -423,25 +425,3 @@ class JobStore:
         d["first_loss"], d["val_loss"] = _loss(d["first_loss"]), _loss(d["val_loss"])
         d["val_step"] = -1 if d["val_step"] is None else d["val_step"]
         return JobRecord(**d)
-
-
-def moves(old: JobState, new: JobState) -> list[JobState] | None:
-    """The states a job at `old` passes through to `new`, `new` last ([] where it is there);
-    None where none lead there (a finished job, say)."""
-    paths: dict[JobState, list[JobState]] = {old: []}
-    frontier = [old]
-    while frontier and new not in paths:
-        at = frontier.pop(0)
-        for then in sorted(_NEXT.get(at, ())) + (
-            ["failed", "cancelled"] if at not in TERMINAL else []
-        ):
-            if then not in paths:
-                paths[then] = [*paths[at], then]
-                frontier.append(then)
-    return paths.get(new)
-
-
-def _allowed(old: JobState, new: JobState) -> bool:
-    if old in TERMINAL:
-        return False
-    return new == old or new in ("failed", "cancelled") or new in _NEXT[old]

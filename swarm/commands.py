@@ -193,6 +193,7 @@ def _local(args: argparse.Namespace) -> int:
 
     from swarm.device.facts import TorchFacts, resolve_device, use_device
     from swarm.job.config import load_job
+    from swarm.model.data import check_token_ids
     from swarm.model.hf import check_out, check_writable, write_hf
     from swarm.model.local_steps import simulates_replicas
     from swarm.ops.model_out import ModelOut, writable
@@ -200,6 +201,7 @@ def _local(args: argparse.Namespace) -> int:
     facts = TorchFacts()  # the device checked first, as a stage server's: a clear error, no cuda:0
     use_device(device := resolve_device(args.device, facts), facts)
     job = load_job(args.job_file)
+    check_token_ids(job)  # before it trains, not at the step that draws one
     local_steps = simulates_replicas(job)
     if not local_steps and (args.replicas is not None or args.routes is not None):
         raise SwarmError(

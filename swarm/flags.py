@@ -108,7 +108,13 @@ def add_flag(
         # It would read as set for this role, and is read by none: say so, not bind elsewhere.
         print(f"swarm: {env_name(flag)} is not read; this command reads {name}", file=sys.stderr)
     help = f"{help} [env {name}]"
-    p.add_argument(f"--{flag}", default=env_default(env or flag, default), help=help, **kw)
+    # A typed flag's variable is parsed by its type, as its value on the command line is:
+    # `SWARM_TIMEOUT=inf` is refused as `--timeout inf` is.
+    raw = os.environ.get(name)
+    typed = raw is not None and "type" in kw
+    p.add_argument(
+        f"--{flag}", default=raw if typed else env_default(env or flag, default), help=help, **kw
+    )
 
 
 def add_switch(p: argparse.ArgumentParser, flag: str, help: str) -> None:

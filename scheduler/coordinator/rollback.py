@@ -250,6 +250,8 @@ class Rollback:
         rolling every stage back first where that step cannot be trained from. `recorded`: the
         job's step as its store has it (None: no store), whose holders are waited for `wait_s`
         at most (`holders`)."""
+        if recorded is not None:  # a checkpoint sealed past the store's record (held) counts
+            recorded = max(recorded, self.recovery.latest())
         if recorded is None:
             seen = await look(self.membership)
         else:

@@ -31,7 +31,7 @@ from pathlib import Path
 from swarm.bus.flags import scheduler_token
 from swarm.bus.topics import DEFAULT_PREFIX, SCHEDULER_USER, TOOL_USER
 from swarm.errors import ConfigError
-from swarm.flags import add_token, env_name, token
+from swarm.flags import add_secret, add_token, env_name, token
 from swarm.net.tls import Tls
 
 __all__ = [
@@ -341,10 +341,10 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         "--user", help="the user Mosquitto runs as (default: mosquitto as root, else you)"
     )
     add_token(p, "the swarm token, every peer's password (default: SWARM_TOKEN, else made up)")
-    p.add_argument(
-        "--scheduler-token",
-        default=None,  # none from the environment here: help must not print the secret
-        help="the scheduler's own password (default: SWARM_SCHEDULER_TOKEN, else made up)",
+    add_secret(  # and --scheduler-token-file, as every secret flag has
+        p,
+        "scheduler-token",
+        "the scheduler's own password (default: SWARM_SCHEDULER_TOKEN, else made up)",
     )
     p.add_argument(
         "--tls-mutual",

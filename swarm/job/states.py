@@ -1,5 +1,6 @@
 """Job and peer states: the names the store, the CLI and the metrics use, and their protobuf enums
-(`control.proto`), converted both ways here and nowhere else."""
+(`control.proto`), converted both ways here and nowhere else; and the moves a job's state may
+make (the store refuses others)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ __all__ = [
     "JobState",
     "job_state_name",
     "job_state_proto",
+    "may_move",
+    "moves",
     "peer_state_name",
 ]
 
@@ -57,3 +60,37 @@ def peer_state_name(value: int) -> str:
 
 def _enum_name(enum: EnumTypeWrapper, value: int, prefix: str) -> str:
     return enum.Name(value).removeprefix(prefix).lower()  # type: ignore[arg-type]
+
+
+# Allowed moves besides "failed"/"cancelled" (reachable from any unfinished state) and staying put.
+# running -> placing: a training attempt failed and the job waits to be placed again.
+# running <-> stalled: a stage has no replica while the job trains, and is served again.
+_NEXT: dict[JobState, frozenset[JobState]] = {
+    "queued": frozenset({"placing"}),
+    "placing": frozenset({"running"}),
+    "running": frozenset({"placing", "stalled", "succeeded"}),
+    "stalled": frozenset({"running", "placing", "succeeded"}),
+}
+
+
+def moves(old: JobState, new: JobState) -> list[JobState] | None:
+    """The states a job at `old` passes through to `new`, `new` last ([] where it is there);
+    None where none lead there (a finished job, say)."""
+    paths: dict[JobState, list[JobState]] = {old: []}
+    frontier = [old]
+    while frontier and new not in paths:
+        at = frontier.pop(0)
+        for then in sorted(_NEXT.get(at, ())) + (
+            ["failed", "cancelled"] if at not in TERMINAL else []
+        ):
+            if then not in paths:
+                paths[then] = [*paths[at], then]
+                frontier.append(then)
+    return paths.get(new)
+
+
+def may_move(old: JobState, new: JobState) -> bool:
+    """Whether a job at `old` may be set to `new` (as its store refuses otherwise)."""
+    if old in TERMINAL:
+        return False
+    return new == old or new in ("failed", "cancelled") or new in _NEXT[old]

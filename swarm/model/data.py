@@ -98,7 +98,6 @@ class TokenData:
         self.tokens = _token_map(path, vocab_size)
         if len(self.tokens) < seq_len + 2:
             raise ValueError(f"{path} has {len(self.tokens)} tokens; a sample needs {seq_len + 2}")
-        _check_ids(self.tokens, path, vocab_size)
         self.low, self.high = _span(path, len(self.tokens), part, seq_len)
         self.path, self.vocab_size = path, vocab_size
         self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
@@ -140,9 +139,9 @@ def _token_map(path: Path, vocab_size: int) -> np.memmap:
 
 
 def _check_ids(tokens: np.ndarray, path: Path, vocab_size: int) -> None:
-    """Every id of a token file inside the vocabulary, read once as the file opens (numpy's
-    pass over the page cache, a fraction of its hashing): a file made with a larger tokenizer
-    failed only at the step whose microbatch drew such an id, hours in."""
+    """Every id of a token file inside the vocabulary (numpy's pass over the file, a fraction
+    of its hashing): a file made with a larger tokenizer failed only at the step whose
+    microbatch drew such an id, hours in."""
     largest = int(tokens.max()) if len(tokens) else -1
     if largest >= vocab_size:
         raise ConfigError(
@@ -153,8 +152,11 @@ def _check_ids(tokens: np.ndarray, path: Path, vocab_size: int) -> None:
 
 
 def check_token_ids(job: JobConfig) -> None:
-    """`ConfigError` unless every id of a token job's data files is inside its vocabulary: the
-    scheduler's check as a job is submitted, where it is refused with its cause."""
+    """`ConfigError` unless every id of a token job's data files is inside its vocabulary.
+    Checked once per job where it enters (the scheduler's submission, `swarm local`, a trainer
+    given a job file), off any event loop: a large file costs seconds. A job from a scheduler
+    is checked already (its data pinned by its hash), and a microbatch past the vocabulary is
+    still refused as it is drawn."""
     if job.data.kind != "tokens":
         return
     vocab = job.model.vocab_size

@@ -198,6 +198,27 @@ def test_a_deadline_or_pause_out_of_range_is_refused_naming_its_flag(
 
 
 @pytest.mark.parametrize(
+    ("variable", "value", "argv"),
+    [
+        ("SWARM_TIMEOUT", "inf", ["jobs"]),
+        ("SWARM_THREADS", "-3", ["trainer", "--job", "j"]),
+    ],
+)
+def test_a_flags_variable_is_held_to_the_flags_own_check(
+    variable: str,
+    value: str,
+    argv: list[str],
+    clean_env: MutableMapping[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    clean_env[variable] = value
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"'{value}'" in err, err
+
+
+@pytest.mark.parametrize(
     ("argv", "least"),
     [
         (["local", "job.toml", "--threads", "-1"], 0),  # torch raised, a traceback
@@ -252,3 +273,18 @@ def test_a_stage_server_asked_for_a_stage_the_job_lacks_says_which_it_has(
     # (stage 2 of two indexed the partition first: an IndexError's traceback)
     assert main(["stage-server", "--job", str(job), "--stage", stage, "--port", "0"]) == 2
     assert f"--stage {stage}: the job has stages 0..1" in capsys.readouterr().err
+
+
+SECRET_FLAGS = ("--token", "--metrics-token", "--scheduler-token", "--admin-token")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_secret_flag_has_its_file_twin(
+    command: str, clean_env: MutableMapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/deployment.md: a secret on the command line shows in `ps`; each has a -file flag
+    (`swarm broker-config --scheduler-token` had none)."""
+    flags = _help(command, capsys)
+    for secret in SECRET_FLAGS:
+        if secret in flags:
+            assert f"{secret}-file" in flags, f"swarm {command} {secret}"

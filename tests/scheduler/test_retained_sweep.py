@@ -18,6 +18,7 @@ from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, BusSettings
 from swarm.proto import control_pb2 as cpb
 from tests.support.broker_link import BrokerLink
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -83,3 +84,15 @@ async def test_an_end_announced_in_an_outage_reaches_the_broker_before_its_clear
     finally:
         link.close()
         await broker.stop()
+
+
+async def test_a_broker_that_never_comes_back_holds_the_clear_a_bounded_while(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(retained, "_SWEEP_TIMEOUT_S", 0.5)
+    forgotten: list[str] = []
+    async with _bus(f"mqtt://127.0.0.1:{free_port()}", "scheduler") as bus:  # nothing there
+        # cleared after 10 x retain_s (the job forgotten here), not waited for for good
+        await asyncio.wait_for(clear_retained(bus, "j1", 0.2, forgotten.append), WAIT_S)
+    assert forgotten == ["j1"]
+    assert "job j1: the broker did not stay reachable" in caplog.text

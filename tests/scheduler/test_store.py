@@ -204,6 +204,8 @@ def test_a_full_disk_fails_a_step_record_clearly_and_the_next_step_records_both(
             with pytest.raises(StoreWriteError, match=r"step 1 of job .* not recorded .*full"):
                 store.record_step(job.id, 1, 2.0, 16, 0.1)
             assert [r.step for r in store.steps(job.id)] == [0]  # nothing half-written
+            # what the job has trained counts the held record: a start believes replicas at it
+            assert (store.get(job.id).step, store.trained(job.id)) == (1, 2)  # type: ignore[union-attr]
             filler.unlink()  # room again: the next step's record writes the kept one first
             assert store.record_step(job.id, 2, 1.0, 16, 0.1)
         with JobStore(disk / "jobs.db") as store:  # and they are durable

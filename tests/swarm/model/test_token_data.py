@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from swarm.cli import main
 from swarm.errors import ConfigError
 from swarm.job.config import load_job
-from swarm.model.data import TokenData, make_data
+from swarm.model.data import TokenData, check_token_ids, make_data
 from swarm.model.prepare import prepare_data
 from swarm.model.reference import train_local
 from tests.support.jobs import write_job
@@ -108,17 +108,23 @@ def test_a_vocabulary_over_65536_ids_is_stored_as_uint32(tmp_path: Path) -> None
     assert int(inputs.max()) > 65_535  # read as 32-bit ids
 
 
-def test_bad_token_files_are_refused_clearly(tmp_path: Path) -> None:
+def test_bad_token_files_are_refused_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "odd.bin").write_bytes(b"\x01" * 201)  # not a whole number of uint16 ids
     with pytest.raises(ConfigError, match="not a whole number of 2-byte ids"):
         load_job(_job(tmp_path, tmp_path / "odd.bin", 256))
-    # an id past the vocabulary, anywhere in the file: refused as its data opens (before any
-    # step), where it failed only at the step whose microbatch drew it, hours in
+    # an id past the vocabulary, anywhere in the file: refused before any step (at submit, as
+    # `swarm local` or a trainer given the file starts), where it failed only at the step whose
+    # microbatch drew it, hours in
     ids = np.full(700_000, 7, np.uint16)
     ids[600_000] = 900
     (tmp_path / "big.bin").write_bytes(ids.tobytes())
+    big = _job(tmp_path, tmp_path / "big.bin", 256)
     with pytest.raises(ConfigError, match=r"holds token id 900, outside model\.vocab_size = 256"):
-        make_data(load_job(_job(tmp_path, tmp_path / "big.bin", 256)))
+        check_token_ids(load_job(big))
+    assert main(["local", str(big), "--threads", "1"]) == 2
+    assert "holds token id 900" in capsys.readouterr().err
     # and one the file gained after its job loaded: refused as a microbatch draws it
     (tmp_path / "late.bin").write_bytes(np.full(200, 7, np.uint16).tobytes())
     data = make_data(load_job(_job(tmp_path, tmp_path / "late.bin", 256)))
