@@ -39,12 +39,14 @@ from scheduler.reachability import Dialer, ReachabilityChecker, retained_on
 from scheduler.registry import PeerRegistry
 from scheduler.replica_status import replica_status, unreachable_warnings
 from scheduler.retained import clear_retained
+from scheduler.retained import retained_on as retained_topics
 from scheduler.retention import Retention
 from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health
 from scheduler.status_writes import StatusWrites
 from scheduler.store import JobRecord, JobState, JobStore
 from swarm.bus.connection import BusLike
+from swarm.bus.topics import TopicError
 from swarm.clock import MonotonicClock
 from swarm.errors import FailedPrecondition, NotFound, SwarmError
 from swarm.job.config import JobConfig, parse_job
@@ -164,6 +166,7 @@ class Scheduler:
             for record in list(self.snapshot.values()):
                 if record.finished:  # perhaps not cleared before a restart
                     self._expire(record.id)
+            group.create_task(self._sweep_leftovers())
             group.create_task(self._retention.sweep())
             await stop.wait()
             self._group = None  # jobs submitted from now on wait in the store for the next run
@@ -479,6 +482,26 @@ class Scheduler:
             task = self._group.create_task(sweep)
             self._expiring[job_id] = task
             task.add_done_callback(lambda _: self._expiring.pop(job_id, None))
+
+    async def _sweep_leftovers(self) -> None:
+        """The retained topics of every ended (or deleted) job the broker still holds, however
+        old: a sweep a stop cut short is done now. Only the newest page of jobs was looked at;
+        one older kept its announcement and assignments on the broker for good. What the broker
+        holds bounds the work, not the jobs ever run."""
+        topics = self.bus.topics
+        try:
+            held = await retained_topics(self.bus, topics.job("+") + "/#")
+        except Exception:
+            log.exception("the retained topics of ended jobs were not looked for")
+            return
+        jobs: set[str] = set()
+        for topic in held:
+            with contextlib.suppress(TopicError):  # not one of ours: nothing to clear
+                jobs.add(topics.parse(topic).job or "")
+        for job_id in sorted(jobs - {""}):
+            record = self.store.get(job_id)
+            if record is None or record.finished:
+                self._expire(job_id)
 
     def _forget(self, job_id: str) -> None:
         """Let go of an ended job's last traces here (its snapshot record and metric series) once

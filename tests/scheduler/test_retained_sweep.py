@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from scheduler import retained
+from scheduler.main import SchedulerOptions
 from scheduler.retained import clear_retained
+from scheduler.service import Scheduler
+from scheduler.store import JobStore
 from swarm.bus.broker import EmbeddedBroker
 from swarm.bus.connection import Bus, BusSettings
+from swarm.bus.topics import SCHEDULER_USER
 from swarm.proto import control_pb2 as cpb
 from tests.support.broker_link import BrokerLink
 from tests.support.ports import free_port
@@ -31,7 +36,7 @@ RETAIN_S = 0.5
 
 
 def _bus(url: str, name: str) -> Bus:
-    return Bus(url, name, registry=CollectorRegistry(), settings=QUICK)
+    return Bus(url, name, username=SCHEDULER_USER, registry=CollectorRegistry(), settings=QUICK)
 
 
 async def _until(condition: Callable[[], bool], what: str) -> None:
@@ -96,3 +101,32 @@ async def test_a_broker_that_never_comes_back_holds_the_clear_a_bounded_while(
         await asyncio.wait_for(clear_retained(bus, "j1", 0.2, forgotten.append), WAIT_S)
     assert forgotten == ["j1"]
     assert "job j1: the broker did not stay reachable" in caplog.text
+
+
+async def test_an_old_ended_jobs_leftovers_are_swept_at_a_start(tmp_path: Path) -> None:
+    """At a start only the newest 100 jobs' retained topics were swept: an older ended job whose
+    sweep a stop cut short kept its announcement and assignments on the broker for good."""
+    async with EmbeddedBroker() as broker:
+        with JobStore(tmp_path / "jobs.sqlite") as store:
+            old = store.create("old", "", str(tmp_path), 10).id
+            store.set_state(old, "cancelled", message="cancelled on request")
+            for i in range(101):  # newer ended jobs: the old one is past the first page
+                store.set_state(store.create(f"new{i}", "", str(tmp_path), 10).id, "cancelled")
+            async with _bus(broker.url, "scheduler") as bus:
+                await bus.wait_connected(WAIT_S)
+                left = bus.topics.assign(old, "peer-a")
+                await bus.publish(left, b"\x08\x01", retain=True)  # its last assignment
+                assert _held(broker, left)
+                opts = SchedulerOptions(tmp_path / "ckpt", finished_retain_s=0.2)
+                stop = asyncio.Event()
+                running = asyncio.create_task(Scheduler(store, bus, opts).run(stop))
+                try:
+                    await _until(lambda: not _held(broker, left), "the old job's assignment swept")
+                finally:
+                    stop.set()
+                    await asyncio.wait_for(running, WAIT_S)
+
+
+def _held(broker: EmbeddedBroker, topic: str) -> bool:
+    held = broker._broker.retained_messages.get(topic)  # type: ignore[union-attr]
+    return held is not None and bool(held.data)
