@@ -46,7 +46,7 @@ from scheduler.coordinator.trust.sum_checks import (
 )
 from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.errors import NonFiniteGradient
-from swarm.model.routes import Join, StepRuns, Sync
+from swarm.model.routes import Join, Resume, StepRuns, Sync
 from swarm.model.transformer import stage_layout
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
@@ -107,6 +107,9 @@ class PoolRounds:
         self.series.round.set(self._round(step))
         synced = await self._counted(members, step)
         for stage, replicas in enumerate(members):
+            if step:  # a restart: the replicas go on with what the record gave them
+                self.on_record(Resume(step, stage, tuple(r.peer for r in replicas)))
+                continue
             for r in replicas:
                 self.on_record(Join(step, stage, r.peer, None))
         await self._resumed(step, members, synced)

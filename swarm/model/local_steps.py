@@ -34,7 +34,7 @@ from swarm.model.optim import build_optimizer
 from swarm.model.outer_rules import build_outer_optimizer
 from swarm.model.reference import evaluate
 from swarm.model.replay_rounds import Pool, Replica, replay_round
-from swarm.model.routes import Join, Record, Run, StepRuns, Sync
+from swarm.model.routes import Join, Record, Resume, Run, StepRuns, Sync
 from swarm.model.transformer import (
     StageModule,
     build_model,
@@ -162,6 +162,8 @@ class _Replay:
                 self._step(record)
             elif isinstance(record, Sync):
                 self._sync(record)
+            elif isinstance(record, Resume):
+                self._resume(record)
             else:
                 self._join(record)
         if self.done < total:
@@ -203,9 +205,23 @@ class _Replay:
                 f"step {self.done - 1}'s runs; it must come {when}"
             )
 
+    def _resume(self, record: Resume) -> None:
+        """A coordinator restarted at `record.step`: the replicas it names go on with what they
+        hold; one the record never gave the stage cannot be replayed."""
+        self._expect(record, self.done, f"before step {record.step}'s runs")
+        pool = self._pool(record.step, record.stage)
+        for peer in record.peers:
+            if peer not in pool.replicas:
+                raise ConfigError(
+                    f"route record, step {record.step}: peer {peer!r} resumes stage "
+                    f"{record.stage}, which the record never gave it"
+                )
+
     def _join(self, record: Join) -> None:
         self._expect(record, self.done, f"before step {record.step}'s runs")
         pool = self._pool(record.step, record.stage)
+        if record.peer in pool.replicas and record.source is None and self.done == 0:
+            return  # a coordinator restarted before step 0 committed: the same initial state
         if record.peer in pool.replicas:
             raise ConfigError(
                 f"route record, step {record.step}: peer {record.peer!r} joins stage "
@@ -229,7 +245,10 @@ class _Replay:
     def _step(self, record: StepRuns) -> None:
         t = record.step
         if t != self.done:
-            raise ConfigError(f"route record: step {t}'s runs where step {self.done}'s were due")
+            raise ConfigError(
+                f"route record: step {t}'s runs where step {self.done}'s were due (a scheduler "
+                "stopped between a step's APPLY and its record leaves that step out)"
+            )
         began = time.perf_counter()
         val_loss = None
         if self.val is not None and t % self.every == 0:  # the shared parameters (a round's start)

@@ -20,7 +20,9 @@ The file is JSON lines, one record per line, in the order things happened:
   job's last round, `"mean": [peers]`, the members whose mean is the trained model (absent:
   the group);
 - `{"join": t, "stage": k, "peer": p, "source": q}`: from step t on, p is a replica of stage k,
-  a copy of q (`source` null: the job's initial parameters, no optimizer state yet).
+  a copy of q (`source` null: the job's initial parameters, no optimizer state yet);
+- `{"resume": t, "stage": k, "peers": [peers]}`: a coordinator (re)started at step t (a
+  scheduler's restart) with these replicas of stage k, each holding what the record gave it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import IO
 
 from swarm.errors import ConfigError
 
-__all__ = ["Join", "Record", "Run", "StepRuns", "Sync", "read_routes", "write_record"]
+__all__ = ["Join", "Record", "Resume", "Run", "StepRuns", "Sync", "read_routes", "write_record"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,14 @@ class Join:
     source: str | None
 
 
-Record = StepRuns | Sync | Join
+@dataclass(frozen=True)
+class Resume:
+    step: int
+    stage: int
+    peers: tuple[str, ...]
+
+
+Record = StepRuns | Sync | Join | Resume
 
 
 def to_json(record: Record) -> dict[str, object]:
@@ -85,6 +94,8 @@ def to_json(record: Record) -> dict[str, object]:
             if value is not None:
                 d[key] = list(value)
         return d
+    if isinstance(record, Resume):
+        return {"resume": record.step, "stage": record.stage, "peers": list(record.peers)}
     join, source = record.step, record.source
     return {"join": join, "stage": record.stage, "peer": record.peer, "source": source}
 
@@ -108,6 +119,9 @@ def from_json(d: dict[str, object]) -> Record:
             for k in ("averaged", "mean")
         )
         return Sync(int(d["sync"]), int(d["stage"]), group, averaged, mean)  # type: ignore[call-overload]
+    if "resume" in d:
+        peers = tuple(str(p) for p in d["peers"])  # type: ignore[attr-defined]
+        return Resume(int(d["resume"]), int(d["stage"]), peers)  # type: ignore[call-overload]
     source = d.get("source")
     return Join(
         int(d["join"]),  # type: ignore[call-overload]

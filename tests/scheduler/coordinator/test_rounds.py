@@ -12,7 +12,8 @@ import pytest
 
 from swarm.errors import PeerUnavailable
 from swarm.job.fingerprint import fingerprint
-from swarm.model.routes import Join, Record, StepRuns, Sync
+from swarm.model.local_steps import train_replicas
+from swarm.model.routes import Join, Record, Resume, StepRuns, Sync
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 from swarm.rpc.lease import Task
@@ -346,3 +347,28 @@ async def test_a_duplicate_reported_while_a_round_ends_leaves_the_replica_in_the
     assert not a.called("discard")
     assert [[r.peer for r in s] for s in h.coordinator.replicas()] == [["a", "b"], ["c"]]
     assert {(t.step, t.index) for t in await h.lease("B", 2)} == {(2, 0), (2, 1)}
+
+
+async def test_a_record_through_a_coordinators_restart_replays(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A scheduler restarted after a round: its coordinator resumes the pools as they were. It
+    wrote a `Join` from the initial parameters for every member, and `swarm local --routes`
+    refused the record ("joins stage 0, which it already serves")."""
+    job = _local(tmp_path)
+    _, first, records, _ = _pools(job, make_harness)
+    await first.coordinator.start()
+    await first.step({0: "a"})
+    await first.step({0: "b"})  # the round after step 1 ends
+    await first.coordinator.close()  # the scheduler stops
+    swarm = FakeSwarm(fingerprint(job), 2)  # type: ignore[arg-type]
+    for stage, peer in ((0, "a"), (0, "b"), (1, "c")):
+        replica = swarm.add(stage, peer, step=2)
+        replica.round_synced, replica.round_samples = 2, 0  # the round ended and applied
+    again = make_harness(job, swarm, on_route=records.append)  # type: ignore[arg-type]
+    assert await again.coordinator.start() == 2
+    await again.step({0: "a"})
+    await again.step({0: "a"})
+    resumed = [r for r in records if isinstance(r, Resume)]
+    assert [(r.step, r.stage, r.peers) for r in resumed] == [(2, 0, ("a", "b")), (2, 1, ("c",))]
+    train_replicas(job, routes=records)  # type: ignore[arg-type]
