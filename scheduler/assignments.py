@@ -218,6 +218,9 @@ class Assignments:
         )
         coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
         sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
+        # said once each while it is known: not every id ever held back (a token holder makes
+        # up ids on one host freely; the registry keeps those present only)
+        self._held_back &= self.registry.peers.keys()
         there = [
             [r.peer for r in stage] + more for stage, more in zip(members, coming, strict=True)
         ]

@@ -59,6 +59,11 @@ class Handing:
         self._offers = True  # False once an offer failed here: nothing handed over then
 
     def serve(self, device: torch.device) -> None:
+        """A stage served anew: the replicas pushed to before, and those that refused, were
+        the last stage's next ones (kept, they grew with every job served, and one that refused
+        once was on the wire in every later job)."""
+        self._sites.clear()
+        self._refused.clear()
         if device == self._device:
             return
         self._device, self.site = device, self._site_of(device)

@@ -85,7 +85,8 @@ class Limits:
     # the host's registry of who computes on each device (`swarm.device.claims`)
     claims: Claims = field(default_factory=Claims)
     _window: Window | None = field(default=None, repr=False)  # the served replica's, to close
-    _logged: set[tuple[Any, ...]] = field(default_factory=set, repr=False)  # clamps said once
+    # the clamps said last: a job's are said once as it is served, not kept for every job
+    _said: tuple[Any, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self._clamp(
@@ -106,8 +107,8 @@ class Limits:
         clamped = self._clamp(job.runtime)
         self.block_size = job.compression.block_size
         said = (job.name, *clamped)
-        if clamped and said not in self._logged:
-            self._logged.add(said)
+        if clamped and said != self._said:
+            self._said = said
             log.warning(
                 "job %s: its [runtime] is clamped by this peer's limits: %s",
                 job.name,

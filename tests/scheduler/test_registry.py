@@ -621,6 +621,23 @@ async def test_a_host_holds_one_seat_of_a_stage() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await grow
     assert [(m.peer, m.stage) for m in bus.published.values()] == [("sybil1", 1)]
+    # the ids held back are kept (to be said once) while they are known, not for good
+    reg.announce(cpb.PeerAnnouncement(peer="sybil2", state=cpb.PEER_STATE_OFFLINE))
+    late = joining("sybil3", speeds=(0.0, 9.0))
+    late.address = "5.6.7.8:7002"
+    reg.announce(late)
+    grow = asyncio.create_task(assignments.grow("j", 2, []))
+    await asyncio.sleep(0)
+    assignments.changed.set()
+    try:
+        async with asyncio.timeout(10.0):
+            while "sybil3" not in assignments._held_back:
+                await asyncio.sleep(0.01)
+    finally:
+        grow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await grow
+    assert assignments._held_back == {"sybil3"}
 
 
 def test_a_peer_was_reached_at_the_address_it_announces_now_only() -> None:

@@ -293,3 +293,16 @@ async def test_a_busy_replicas_slot_is_given_back_and_the_next_try_hands_over_ag
     assert handed_forms(calls)[1:] == [("b", True, True), ("b", True, True)]
     assert fake.unused == [s.handle.shm for s in slots], "busy, then answered with bytes"
     assert fake.store == {}
+
+
+def test_a_refusal_and_the_sites_learned_hold_for_the_stage_served_only() -> None:
+    """Kept across jobs, they grew with every job's next replicas, and a peer that refused
+    once went on the wire in every later job."""
+    handing = Handing(StageMetrics("p"), make=lambda _d: None, site_of=lambda _d: "site")  # type: ignore[arg-type,return-value]
+    handing.serve(torch.device("cpu"))
+    handing.learned("next", "site")
+    handing.refused("next", HandoverRefused("no room"))
+    assert (handing._sites, handing._refused) == ({}, {"next"})
+    handing.learned("other", "site")
+    handing.serve(torch.device("cpu"))  # the next job's stage (or a move)
+    assert (handing._sites, handing._refused) == ({}, set())
