@@ -189,15 +189,18 @@ def _framed(cls: Any, whole: bool, piece: torch.Tensor) -> framing.Framed | byte
     return framing.frame(cls, 0, wire.tensor_bytes(piece))
 
 
-@functools.cache
+# Two sizes kept: a stage's state downloads' (`CHUNK`) and its job's `chunk_bytes`. Cached for
+# good, each new job's own size pinned 2 x 16 MiB more of host memory, for the process's life.
+@functools.lru_cache(maxsize=2)
 def _shared(chunk_bytes: int) -> Staging:
     return Staging(chunk_bytes, TorchChunkCopies(), pinned=True)
 
 
 def staging(chunk_bytes: int, copies: ChunkCopies | None = None) -> Staging:
     """The staging of chunks of `chunk_bytes` through `copies`: torch's (None) share the
-    process's pinned buffers, made once for its life (pinning memory is slow: not at every
-    round or download), whichever round or download stages; another's (a test's) its own."""
+    process's pinned buffers of the two sizes used last, made once for as long as they are
+    (pinning memory is slow: not at every round or download), whichever round or download
+    stages; another's (a test's) its own."""
     return _shared(chunk_bytes) if copies is None else Staging(chunk_bytes, copies)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,14 +29,24 @@ and the relay it is reached through ("" for none; `stage_server/peer/reachabilit
 
 class StageMetrics:
     """A stage server's series. The job and stage labels change when the peer is assigned a
-    stage (`bind`); the series of earlier assignments stay, as counters should.
+    stage (`bind`); the series of earlier assignments stay, as counters should, for the job
+    served and the one before it (`KEPT_JOBS`): a scrape sees an ended job's final counts until
+    another job after it; older jobs' go (they stayed for good, ~300 samples a job served, and
+    its gauges at their last values).
 
     Each series is looked up once for the labels of the moment (`_series`), not at every count:
     prometheus_client's `labels` checks and builds its key on each call, and the push plane
     counts a dozen times a microbatch on the event loop that relays the next (issue 69)."""
 
+    KEPT_JOBS = 2
+
     def __init__(self, peer: str, registry: CollectorRegistry | None = None) -> None:
         reg = self.registry = registry or CollectorRegistry()
+        # each job's series as made (metric, label values), to remove them with the job; the
+        # jobs served, the newest last ("" for none: its series always stay)
+        self._made: dict[str, list[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
+        self._served: list[str] = []
+        self._making = threading.Lock()  # series are made on the worker's thread too
         self.values = {"job": "", "stage": "", "peer": peer}
         self.facts = ("idle", "", "")  # state, job, stage: what `swarm_peer_info` says
         self.path = ("unknown", "")  # reachability, relay: its other labels
@@ -167,7 +179,10 @@ class StageMetrics:
         key = (metric, *extra)
         found = series.get(key)
         if found is None:
-            found = series[key] = metric.labels(*(values[k] for k in LABELS), *extra)
+            labels = (*(values[k] for k in LABELS), *extra)
+            found = series[key] = metric.labels(*labels)
+            with self._making:
+                self._made.setdefault(values["job"], []).append((metric, labels))
         return found
 
     def identify(self, peer: str) -> None:
@@ -175,8 +190,19 @@ class StageMetrics:
         self.values = {**self.values, "peer": peer}
 
     def bind(self, job: str, stage: int) -> None:
-        """Serving `stage` of `job` from now on: the labels of the series to come."""
+        """Serving `stage` of `job` from now on: the labels of the series to come; the series
+        of jobs served before the last `KEPT_JOBS` go."""
         self.values = {**self.values, "job": job, "stage": str(stage)}
+        if job in self._served:
+            self._served.remove(job)
+        self._served.append(job)
+        while len(gone := [j for j in self._served if j][: -self.KEPT_JOBS]):
+            self._served.remove(gone[0])
+            with self._making:
+                made = self._made.pop(gone[0], [])
+            for metric, labels in made:
+                with contextlib.suppress(KeyError):  # (made twice by two threads at once)
+                    metric.remove(*labels)
         self.boundary = BoundaryTally()
         self.became("serving", job, stage)
 

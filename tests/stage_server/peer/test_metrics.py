@@ -61,3 +61,22 @@ def test_gauges_and_records_read_the_current_series() -> None:
     assert metrics.records_kept() == 1.0
     metrics.bind("j", 1)  # a new stage: its own series, none kept there yet
     assert metrics.records_kept() == 0.0
+
+
+def test_the_series_of_jobs_before_the_last_two_go() -> None:
+    """A server serving job after job kept every job's series for good (~300 samples each, and
+    its gauges at their last values); the job served and the one before it stay, so a scrape
+    sees an ended job's final counts until the job after it."""
+    metrics = StageMetrics("p1")
+    for n in range(4):
+        metrics.bind(f"job{n}", 0)
+        metrics.observe("Push", "OK", 0.5)
+        metrics.received(1, 2)
+    exposed = {s.labels.get("job") for f in metrics.registry.collect() for s in f.samples}
+    assert {"job0", "job1"}.isdisjoint(exposed), exposed
+    assert {"job2", "job3"} <= exposed
+    serving = {"job": "job3", "stage": "0", "peer": "p1"}
+    assert value(metrics, "swarm_stage_wire_bytes_received_total", **serving) == 1.0
+    metrics.bind("job2", 1)  # served again: its series stay, and job3's as the one before
+    exposed = {s.labels.get("job") for f in metrics.registry.collect() for s in f.samples}
+    assert {"job2", "job3"} <= exposed
