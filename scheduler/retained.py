@@ -4,9 +4,10 @@ Why: a retained message lives on the broker until someone clears it (an empty re
 so without a sweep every job ever run would leave its announcement, its last step and an
 assignment per peer it ever had, and days of jobs would grow the broker and every fresh
 subscriber's backlog. Assignments go at once (an ended job needs no server), every one the
-broker holds, an earlier run's to peers long gone too; the announcement and steps stay
-`retain_s` longer, so a peer that was briefly away still learns the end and frees itself:
-`retain_s` of the broker's holding them (a broker away holds nothing; the clear waits for it).
+broker holds, an earlier run's to peers long gone too; the steps stay `retain_s` longer, of the
+broker's holding them (a broker away holds nothing; the clear waits for it). The announcement,
+by which a peer away across the end learns it, stays until newer jobs' ends push it out
+(`scheduler.ended_announcements`).
 The store keeps the job's record, which is what `swarm status` reads, so nothing is lost to it.
 Finding what the broker holds is bounded: it waits for the burst of retained messages on a
 fresh subscription to fall quiet, and no longer than a fixed timeout.
@@ -33,9 +34,10 @@ _HELD_CAP = 10  # an ended job's announcement is cleared within this many times 
 async def clear_retained(
     bus: BusLike, job_id: str, retain_s: float, forget: Callable[[str], None]
 ) -> None:
-    """Clear ended job `job_id`'s retained topics: its assignments at once, its announcement and
-    steps after `retain_s`; then `forget(job_id)` (what the scheduler still shows of the job).
-    A broker that refuses is logged, not raised: the sweep goes on."""
+    """Clear ended job `job_id`'s retained topics: its assignments at once, its steps after
+    `retain_s` (its announcement stays, with the newest ended jobs':
+    `scheduler.ended_announcements`); then `forget(job_id)` (what the scheduler still shows of
+    the job). A broker that refuses is logged, not raised: the sweep goes on."""
     topics = bus.topics
     try:
         for topic in await retained_on(bus, topics.assign(job_id, "+")):
@@ -45,20 +47,19 @@ async def clear_retained(
     await _held_for(bus, job_id, retain_s)
     try:
         await bus.publish(topics.steps(job_id), b"", retain=True)
-        await bus.publish(topics.job(job_id), b"", retain=True)
     except Exception:
-        log.exception("job %s: retained announcement not cleared", job_id)
+        log.exception("job %s: retained steps not cleared", job_id)
     forget(job_id)
 
 
 async def _held_for(bus: BusLike, job_id: str, retain_s: float) -> None:
-    """Wait until the broker has held the job's last announcement `retain_s`: the bus's link up
-    (`ready`, its retained messages restored) that long without a break seen. An announcement
+    """Wait until the broker has held the job's last retained messages `retain_s`: the bus's
+    link up (`ready`, its retained messages restored) that long without a break seen. A message
     published while the broker was away is kept by the bus and sent when it is back; a clear
-    published meanwhile replaced it there, and peers never learned that the job had ended (they
-    served it for good). Looked at every twentieth of `retain_s` (a shorter break may go unseen:
-    the announcement is restored with the link all the same), and `_HELD_CAP` times `retain_s`
-    at most: a bus that ended for good, or a link that never stays up that long, clears then."""
+    published meanwhile replaced it there, and the broker never had it. Looked at every
+    twentieth of `retain_s` (a shorter break may go unseen: the message is restored with the
+    link all the same), and `_HELD_CAP` times `retain_s` at most: a bus that ended for good, or
+    a link that never stays up that long, clears then."""
     ready = getattr(bus, "ready", None)
     if not isinstance(ready, asyncio.Event):  # a bus without a link to lose (a test's)
         await asyncio.sleep(retain_s)

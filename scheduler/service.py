@@ -30,6 +30,7 @@ from scheduler.collector import collector
 from scheduler.coordinator import LocalCoordinator, gather_model
 from scheduler.coordinator.metrics import CoordinatorFamilies
 from scheduler.dial_back import StageDialer
+from scheduler.ended_announcements import EndedAnnouncements
 from scheduler.history import History
 from scheduler.job_training import JobTraining, final_path, routes_path
 from scheduler.logged import logged
@@ -119,6 +120,7 @@ class Scheduler:
         self._group: asyncio.TaskGroup | None = None
         self._user_cancelled: set[str] = set()
         self._expiring: dict[str, asyncio.Task[None]] = {}  # ended jobs, until cleared
+        self._announcements = EndedAnnouncements()  # the ended jobs' that stay retained
         # Each started job's layers per stage, partitioned once off the event loop: GetJob and
         # ListJobs ask for them on it, again and again.
         self._layers: dict[str, list[range]] = {}
@@ -160,6 +162,8 @@ class Scheduler:
             load = group.create_task(self._watch_load())
             dial_back = group.create_task(self.reachability.run())
             self.snapshot = {r.id: r for r in self.store.page(100)[0]}
+            newest = self.store.page(self._announcements.kept)[0]
+            self._announcements.seed(r.id for r in newest if r.finished)
             for record in self.store.unfinished():
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
                 self._start(record.id)
@@ -473,6 +477,8 @@ class Scheduler:
         self._layers.pop(job_id, None)
         self._training.forget(job_id)
         self._expire(job_id)
+        for old in self._announcements.ended(job_id):
+            self._clear_announcement(old)
         if self._group is not None and self._retention.keep is not None:
             self._group.create_task(self._retention.sweep())
 
@@ -502,6 +508,20 @@ class Scheduler:
             record = self.store.get(job_id)
             if record is None or record.finished:
                 self._expire(job_id)
+                if job_id not in self._announcements:
+                    self._clear_announcement(job_id)
+
+    def _clear_announcement(self, job_id: str) -> None:
+        """Clear an ended job's retained announcement: newer ended jobs' took its place."""
+
+        async def clear() -> None:
+            try:
+                await self.bus.publish(self.bus.topics.job(job_id), b"", retain=True)
+            except Exception:
+                log.exception("job %s: retained announcement not cleared", job_id)
+
+        if self._group is not None:
+            self._group.create_task(clear())
 
     def _forget(self, job_id: str) -> None:
         """Let go of an ended job's last traces here (its snapshot record and metric series) once

@@ -1,6 +1,8 @@
 """What the scheduler lets go of when a job ends (a real broker, the embedded one): its retained
-assignments at once (those of an earlier scheduler run too), its announcement and steps after
-`finished_retain_s`, and its per-job state; the job's record stays in the store."""
+assignments at once (those of an earlier scheduler run too), its steps after
+`finished_retain_s`, its announcement once newer jobs' ends push it out
+(`scheduler.ended_announcements`: here the newest 2 stay), and its per-job state; the job's
+record stays in the store."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from scheduler import ended_announcements
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.store import JobStore
 from swarm.bus.broker import EmbeddedBroker
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
 FAST = BusSettings(keepalive_s=2, operation_timeout_s=3.0, close_timeout_s=4.0)
 JOBS = 3
+KEPT = 2  # the newest ended jobs whose announcements stay retained
 
 
 async def _retained(url: str, pattern: str) -> set[str]:
@@ -49,7 +53,10 @@ async def _retained(url: str, pattern: str) -> set[str]:
 # moment of the test, so its ResourceWarning is not ours to fail on. It is collected below rather
 # than in whichever later test the collector happens to run.
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
-async def test_an_ended_job_leaves_nothing_behind(tmp_path: Path) -> None:
+async def test_an_ended_job_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ended_announcements, "KEPT", KEPT)
     try:
         await _an_ended_job_leaves_nothing_behind(tmp_path)
     finally:
@@ -85,12 +92,18 @@ async def _an_ended_job_leaves_nothing_behind(tmp_path: Path) -> None:
                     async with asyncio.timeout(WAIT_S):
                         while await _retained(broker.url, topics.assign("+", "+")):
                             pass
-                    assert len(await _retained(broker.url, topics.job("+"))) == JOBS
+                    # the newest ended jobs' announcements (cancelled) stay; older ones go
+                    kept = {topics.job(job_id) for job_id in ids[-KEPT:]}
+                    async with asyncio.timeout(WAIT_S):
+                        while await _retained(broker.url, topics.job("+")) != kept:
+                            pass
                     await asyncio.sleep(opts.finished_retain_s)  # past it now
-                    assert await _retained(broker.url, topics.everything()) == set()
+                    # and only they: a peer away at their end learns it as it reconnects
+                    assert await _retained(broker.url, topics.everything()) == kept
                     assert not scheduler._user_cancelled and not scheduler._speed
                     assert not scheduler.snapshot and not scheduler._tasks
-                    assert not [t for t in bus._retained if t.startswith(f"{topics.prefix}jobs/")]
+                    jobs = [t for t in bus._retained if t.startswith(f"{topics.prefix}jobs/")]
+                    assert set(jobs) == kept
                     assert [r.state for r in store.list()] == ["cancelled"] * JOBS
                 finally:
                     stop.set()
