@@ -17,7 +17,7 @@ from pathlib import Path
 
 from swarm.job.config import JobConfig, verify_data
 from swarm.job.schema import FILE_DATA
-from swarm.rpc.cache_room import make_room
+from swarm.rpc.cache_room import drop_stale_partials
 from swarm.rpc.fetch_file import Source, cache_lock, fetch_file
 
 __all__ = ["Fetch", "local_data"]
@@ -46,8 +46,10 @@ async def local_data(job: JobConfig, fetch: Fetch, cache: Path) -> JobConfig:
                     log.info("data.%s %s is not here: fetching it from the scheduler", key, path)
                     source = _source(fetch, key == "val_path")
                     await fetch_file(source, kept, sha256=digest, what=f"data.{key}")
-        # the data files used last stay, this one first; older ones go (`swarm.rpc.cache_room`)
-        await asyncio.to_thread(make_room, cache / "data", cache / "locks", "data", digest)
+        # other files' fetches a job's end cut short go (`swarm.rpc.cache_room`)
+        await asyncio.to_thread(
+            drop_stale_partials, cache / "data", cache / "locks", "data", digest
+        )
         data = replace(data, val_path=kept) if key == "val_path" else replace(data, path=kept)
     job = replace(job, data=data)
     return await asyncio.to_thread(verify_data, job)  # reads the file: off the event loop

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 
 from swarm.bus.connection import BusLike
+from swarm.deadline import within
 
 __all__ = ["clear_retained", "retained_on"]
 
@@ -68,7 +69,7 @@ async def _held_for(bus: BusLike, job_id: str, retain_s: float) -> None:
     deadline, every = loop.time() + _HELD_CAP * retain_s, max(_SWEEP_QUIET_S, retain_s / 20)
     while (left := deadline - loop.time()) > 0:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ready.wait(), left)
+            await within(ready.wait(), left)
         up = loop.time()
         while ready.is_set() and (held := loop.time() - up) < retain_s:
             await asyncio.sleep(min(every, retain_s - held))

@@ -162,8 +162,13 @@ class Scheduler:
             load = group.create_task(self._watch_load())
             dial_back = group.create_task(self.reachability.run())
             self.snapshot = {r.id: r for r in self.store.page(100)[0]}
-            newest = self.store.page(self._announcements.kept)[0]
-            self._announcements.seed(r.id for r in newest if r.finished)
+            # the ended jobs whose announcements stay, said again: a broker that restarted
+            # with this scheduler (the embedded one) holds none, and one that missed the end
+            # still holds the job as running, spec and all
+            kept = self.store.ended_last(self._announcements.kept)
+            self._announcements.seed(kept)
+            for job_id in kept:
+                group.create_task(self._announce(job_id, shown=False))
             for record in self.store.unfinished():
                 log.info("resuming job %s (%s, step %d)", record.id, record.state, record.step)
                 self._start(record.id)
@@ -329,11 +334,14 @@ class Scheduler:
         job = self._config(record.spec, record.base_dir, record.name, check_data=False)
         return partition(layer_costs(job.model), job.training.stages)
 
-    async def _announce(self, job_id: str) -> None:
+    async def _announce(self, job_id: str, shown: bool = True) -> None:
+        """Publish the job's stored record, retained; `shown`: and take it into `snapshot`
+        (what the metrics and listings show: not an old ended job's, said again at a start)."""
         r = self.store.get(job_id)
         if r is None:
             return
-        self.snapshot[job_id] = r
+        if shown:
+            self.snapshot[job_id] = r
         message = cpb.JobAnnouncement(
             job=r.id,
             name=r.name,
@@ -515,6 +523,9 @@ class Scheduler:
         """Clear an ended job's retained announcement: newer ended jobs' took its place."""
 
         async def clear() -> None:
+            record = self.store.get(job_id)
+            if record is not None and not record.finished:
+                return  # its id taken again by a job since (deleted, then made anew): it runs
             try:
                 await self.bus.publish(self.bus.topics.job(job_id), b"", retain=True)
             except Exception:

@@ -221,6 +221,17 @@ class JobStore:
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         self._kept.pop(job_id, None)
 
+    def ended_last(self, limit: int) -> Ids:
+        """The `limit` finished jobs that ended most recently (by their last update), newest
+        first."""
+        marks = ", ".join("?" * len(TERMINAL))
+        rows = self._db.execute(
+            f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY updated DESC, rowid DESC"
+            " LIMIT ?",
+            (*TERMINAL, limit),
+        )
+        return [r["id"] for r in rows]
+
     def finished_beyond(self, keep: int) -> Ids:
         """Each submitter's finished jobs but the `keep` of theirs that ended most recently (by
         their last update), most recent first: what a retention of `keep` finished jobs per

@@ -207,7 +207,9 @@ class _Replay:
 
     def _resume(self, record: Resume) -> None:
         """A coordinator restarted at `record.step`: the replicas it names go on with what they
-        hold; one the record never gave the stage cannot be replayed."""
+        hold, and only they (one it does not name left while none ran: its round's samples
+        dropped, as a round's end drops one missing from its group); one the record never gave
+        the stage cannot be replayed."""
         self._expect(record, self.done, f"before step {record.step}'s runs")
         pool = self._pool(record.step, record.stage)
         for peer in record.peers:
@@ -216,6 +218,8 @@ class _Replay:
                     f"route record, step {record.step}: peer {peer!r} resumes stage "
                     f"{record.stage}, which the record never gave it"
                 )
+        pool.replicas = {peer: pool.replicas[peer] for peer in record.peers}
+        pool.own = {peer: own for peer, own in pool.own.items() if peer in record.peers}
 
     def _join(self, record: Join) -> None:
         self._expect(record, self.done, f"before step {record.step}'s runs")

@@ -27,7 +27,7 @@ from swarm.net import dial
 from swarm.net.invite import cache_dir
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
-from swarm.rpc.cache_room import make_room
+from swarm.rpc.cache_room import drop_stale_partials
 from swarm.rpc.fetch_file import Source, cache_lock, durably_renamed, fetch_file
 from swarm.rpc.status import from_rpc_error
 from swarm.wire.chunking import grpc_options
@@ -74,8 +74,8 @@ async def local_init(job: JobConfig, fetch: InitFetch, cache: Path) -> JobConfig
                     job.model.init_from,
                 )
                 await _fetch_directory(fetch, kept, pin)
-    # the checkpoints used last stay, this one first; older ones go (`swarm.rpc.cache_room`)
-    await asyncio.to_thread(make_room, cache / "init", cache / "locks", "init", pin)
+    # other checkpoints' fetches a job's end cut short go (`swarm.rpc.cache_room`)
+    await asyncio.to_thread(drop_stale_partials, cache / "init", cache / "locks", "init", pin)
     return replace(job, model=replace(job.model, init_from=kept))
 
 

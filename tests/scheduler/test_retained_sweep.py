@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from scheduler import retained
+from scheduler import ended_announcements, retained
 from scheduler.main import SchedulerOptions
 from scheduler.retained import clear_retained
 from scheduler.service import Scheduler
@@ -130,3 +130,28 @@ async def test_an_old_ended_jobs_leftovers_are_swept_at_a_start(tmp_path: Path) 
 def _held(broker: EmbeddedBroker, topic: str) -> bool:
     held = broker._broker.retained_messages.get(topic)  # type: ignore[union-attr]
     return held is not None and bool(held.data)
+
+
+async def test_a_start_says_the_last_ended_jobs_announcements_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded broker starts with the scheduler holding nothing: the ended jobs whose
+    announcements stay (here the one that ended last, not the one made last) are said again,
+    for a peer away across their end."""
+    monkeypatch.setattr(ended_announcements, "KEPT", 1)
+    async with EmbeddedBroker() as broker:
+        with JobStore(tmp_path / "jobs.sqlite") as store:
+            first, last = (store.create(n, "", str(tmp_path), 10).id for n in ("first", "last"))
+            store.set_state(last, "cancelled")
+            store.set_state(first, "cancelled")  # the one that ended last
+            async with _bus(broker.url, "scheduler") as bus:
+                await bus.wait_connected(WAIT_S)
+                opts = SchedulerOptions(tmp_path / "ckpt", finished_retain_s=0.2)
+                stop = asyncio.Event()
+                running = asyncio.create_task(Scheduler(store, bus, opts).run(stop))
+                try:
+                    await _until(lambda: _held(broker, bus.topics.job(first)), "said again")
+                    assert not _held(broker, bus.topics.job(last))
+                finally:
+                    stop.set()
+                    await asyncio.wait_for(running, WAIT_S)

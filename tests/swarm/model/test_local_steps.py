@@ -19,7 +19,16 @@ from swarm.model.data import make_val_data
 from swarm.model.local_steps import synthetic_routes, train_replicas
 from swarm.model.outer_rules import eager_gradients
 from swarm.model.reference import evaluate, train_local
-from swarm.model.routes import Join, Record, Run, StepRuns, Sync, read_routes, write_record
+from swarm.model.routes import (
+    Join,
+    Record,
+    Resume,
+    Run,
+    StepRuns,
+    Sync,
+    read_routes,
+    write_record,
+)
 from swarm.ops.progress import StepRecord
 from tests.support.equality import assert_no_member_skipped_a_round, assert_states_within
 from tests.support.jobs import make_job, write_job
@@ -337,3 +346,24 @@ def test_a_member_left_out_of_a_round_that_trains_on_is_caught_apart_from_the_re
     for after in (_runs(1, "a", "b"), Sync(1, 0, ("a", "b"))):
         with pytest.raises(AssertionError, match="b serves stage 0 after the round of step 0"):
             assert_no_member_skipped_a_round([*start, Sync(0, 0, ("a",)), after])
+
+
+def test_a_replica_a_restart_left_out_may_join_again(tmp_path: Path) -> None:
+    """A scheduler's restart at step 4 (a round's start) found stage 0's r1 gone: the record's
+    `resume` names r0 alone, and r1 joins again later as a copy of r0. The replay kept r1 in
+    the pool through the resume, and refused its join ("which it already serves")."""
+    job = _job(tmp_path, training={"steps": 8})
+    records: list[Record] = []
+    for r in synthetic_routes(job, 2):
+        if isinstance(r, StepRuns) and r.step == 4:
+            records.append(Resume(4, 0, ("r0",)))
+            records += [Resume(4, k, ("r0", "r1")) for k in range(1, job.training.stages)]
+            records.append(Join(4, 0, "r1", "r0"))
+        records.append(r)
+    train_replicas(job, routes=records)
+    # a replica the record never gave the stage cannot resume it
+    records = [
+        Resume(4, 0, ("ghost",)) if isinstance(r, Resume) and not r.stage else r for r in records
+    ]
+    with pytest.raises(ConfigError, match="peer 'ghost' resumes stage 0, which the record never"):
+        train_replicas(job, routes=records)

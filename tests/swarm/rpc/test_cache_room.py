@@ -1,6 +1,6 @@
-"""A machine's cache of fetched checkpoints and data files keeps the few used last
-(`swarm.rpc.cache_room`): every one ever fetched stayed, and the partial fetch a job's end cut
-short, for good (a 7B checkpoint is ~14 GB)."""
+"""A machine's cache of fetched checkpoints and data files drops the partial fetches nobody went
+on with (`swarm.rpc.cache_room`): a fetch a job's end cut short stayed for good (up to a whole
+checkpoint, ~14 GB for a 7B model)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import fcntl
 import os
 from pathlib import Path
 
-from swarm.rpc.cache_room import make_room
+from swarm.rpc.cache_room import STALE_S, drop_stale_partials
+
+OLD = STALE_S + 60.0
 
 
-def _item(folder: Path, name: str, age_s: float, directory: bool = True) -> Path:
+def _item(folder: Path, name: str, age_s: float, directory: bool = False) -> Path:
     path = folder / name
     if directory:
         path.mkdir(parents=True)
@@ -24,31 +26,28 @@ def _item(folder: Path, name: str, age_s: float, directory: bool = True) -> Path
     return path
 
 
-def test_the_items_used_last_stay_and_the_others_go_their_partials_too(tmp_path: Path) -> None:
+def test_stale_partial_fetches_of_other_pins_go_and_everything_else_stays(tmp_path: Path) -> None:
     cache, locks = tmp_path / "init", tmp_path / "locks"
-    for age, pin in enumerate(("b", "c", "d", "e")):  # b used last, e first
-        _item(cache, pin, age * 100.0)
-    _item(cache, "f.partial", 500.0)  # a fetch a job's end cut short
-    _item(cache, "f.manifest", 500.0, directory=False)
-    _item(cache, "a", 1000.0)  # the oldest, and the one in use now
-    removed = make_room(cache, locks, "init", using="a", kept=3)
-    assert sorted(p.name for p in cache.iterdir()) == ["a", "b", "c"]
-    assert sorted(removed) == ["d", "e", "f"]
-    # used now: the newest, however old it was
-    assert sorted(make_room(cache, locks, "init", using="c", kept=1)) == ["a", "b"]
-    assert [p.name for p in cache.iterdir()] == ["c"]
+    _item(cache, "whole", OLD, directory=True)  # a fetched checkpoint, however old: kept
+    _item(cache, "cut.partial", OLD, directory=True)  # a fetch a job's end cut short
+    _item(cache, "cut.manifest", OLD)
+    _item(cache, "cut.manifest.partial", OLD)
+    _item(cache, "fresh.partial", 60.0, directory=True)  # a restart's, to go on with soon
+    _item(cache, "mine.partial", OLD, directory=True)  # the pin in use now
+    removed = drop_stale_partials(cache, locks, "init", using="mine")
+    assert removed == ["cut.manifest", "cut.manifest.partial", "cut.partial"]
+    assert sorted(p.name for p in cache.iterdir()) == ["fresh.partial", "mine.partial", "whole"]
 
 
-def test_an_item_being_fetched_stays(tmp_path: Path) -> None:
+def test_a_partial_being_fetched_stays(tmp_path: Path) -> None:
     cache, locks = tmp_path / "data", tmp_path / "locks"
-    _item(cache, "old", 1000.0, directory=False)
-    _item(cache, "new", 0.0, directory=False)
+    _item(cache, "old.partial", OLD)
     locks.mkdir()
     fd = os.open(locks / "data-old", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another process fetching it
-        assert make_room(cache, locks, "data", using="new", kept=1) == []
-        assert (cache / "old").exists()
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process fetching it, slowly
+        assert drop_stale_partials(cache, locks, "data", using="new") == []
+        assert (cache / "old.partial").exists()
     finally:
         os.close(fd)
-    assert make_room(cache, locks, "data", using="new", kept=1) == ["old"]
+    assert drop_stale_partials(cache, locks, "data", using="new") == ["old.partial"]
