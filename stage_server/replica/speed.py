@@ -50,6 +50,11 @@ LOCK_POLL_S = 0.1
 _REPEATS, _MIN_TIMED_S, _MAX_REPEATS = 3, 0.1, 100
 
 
+# Stages' figures a machine's cache keeps, those used last (~400 bytes each): the whole file is
+# read and written at each take-up, and kept a key per model shape ever measured.
+KEPT_MEASURES = 1024
+
+
 def cache_path() -> Path:
     """The machine's figures: a file in the peers' cache directory, shared by all of them."""
     return cache_dir() / "throughput.json"
@@ -202,6 +207,11 @@ def measure_job(
             result[stage] = cache[key] / max(throttle, 1.0)
         _say(job, device, cache, path, measured, throttle)
         if measured:
+            for stage in range(job.training.stages):  # used now: the last to go
+                key = _key(job, stage, device)
+                cache[key] = cache.pop(key)
+            for old in list(cache)[:-KEPT_MEASURES]:  # a key per shape ever measured stayed
+                del cache[old]
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -135,3 +135,20 @@ def test_a_measuring_lock_held_too_long_is_said_and_waited_for_no_longer(
     said = [r.getMessage() for r in caplog.records]
     assert any(str(lock) in s and "another stage server" in s for s in said), said
     assert any("measuring without it" in s for s in said), said
+
+
+def test_the_cache_keeps_the_figures_used_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key per model shape ever measured stayed, the whole file read and written at each
+    take-up: it keeps the `KEPT_MEASURES` used last, this job's among them."""
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(speed, "KEPT_MEASURES", 4)
+    monkeypatch.setattr(speed, "measure_stage", lambda job, stage, device: 7.0)
+    speed.cache_path().parent.mkdir(parents=True)
+    speed.cache_path().write_text(json.dumps({f"old{i}": 1.0 for i in range(10)}))
+    job = make_job(tmp_path, training={"stages": 2})
+    assert measure_job(job, torch.device("cpu")) == {0: 7.0, 1: 7.0}
+    kept = json.loads(speed.cache_path().read_text())
+    assert len(kept) == 4 and list(kept)[:2] == ["old8", "old9"]
+    assert list(kept.values())[2:] == [7.0, 7.0]
