@@ -26,7 +26,7 @@ from swarm.clock import Clock
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 
-__all__ = ["POLL_S", "Seen", "await_holders", "holds", "look"]
+__all__ = ["AHEAD", "POLL_S", "Seen", "await_holders", "holds", "look"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,19 @@ class Seen:
         return [k for k in range(self.stages) if k not in held]
 
 
+# Steps a replica may be past the job's record and be believed. One: a coordinator stopped
+# between a step's APPLY and its record. Two: the next step opens before a step's record is
+# written (`LocalCoordinator._next_step` admits copies first), and may be applied meanwhile. A
+# liar within it costs what one a step on did (its stage's target no other stage holds: the
+# start rolls back); one further is not believed.
+AHEAD = 2
+
+
 def holds(step: int, recorded: int) -> bool:
     """Whether a replica answering `step` holds its stage's state at the job's `recorded`
-    step: at it, or one step on (stopped between an APPLY and its record); a replica past that
-    is not believed (any token holder may announce an id and answer any step)."""
-    return recorded <= step <= recorded + 1
+    step: at it, or up to `AHEAD` steps on; a replica past that is not believed (any token
+    holder may announce an id and answer any step)."""
+    return recorded <= step <= recorded + AHEAD
 
 
 async def look(membership: Membership) -> Seen:

@@ -98,3 +98,16 @@ async def test_a_replica_past_the_recorded_step_is_not_believed(
     h = make_harness(job, swarm)
     assert await h.coordinator.start(recorded=3, wait_s=GRACE_S) == 3  # was 10**6: job "done"
     assert [r.peer for r in h.coordinator.replicas()[0]] == ["a"]
+
+
+async def test_replicas_two_steps_past_the_record_are_believed(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """The next step opens before a step's record is written, and may be applied meanwhile: a
+    scheduler stopped then leaves every replica two steps past the store."""
+    job = job_of(tmp_path, steps=6)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a, c = swarm.add(0, "a", step=5), swarm.add(1, "c", step=5)
+    h = make_harness(job, swarm)
+    assert await h.coordinator.start(recorded=3, wait_s=0.0) == 5
+    assert a.called("load_state") == [] and c.called("load_state") == []
