@@ -235,15 +235,9 @@ class Rollback:
 
     async def _silent(self) -> list[int]:
         """The stages none of whose replicas answers Info now."""
-        members = self.members()
-        calls = [(k, r) for k, stage in enumerate(members) for r in stage]
-        answers = await asyncio.gather(
-            *(self.membership.clients.get(k, r).info() for k, r in calls), return_exceptions=True
-        )
-        answering = {
-            k for (k, _), a in zip(calls, answers, strict=True) if not isinstance(a, BaseException)
-        }
-        return [k for k in range(len(members)) if k not in answering]
+        seen = await look(self.membership)
+        answering = {k for k, _, a in seen.answers if not isinstance(a, BaseException)}
+        return [k for k in range(seen.stages) if k not in answering]
 
     async def reconcile(self, recorded: int | None = None, wait_s: float = 0.0) -> int:
         """At a start: the step every replica is brought to (finishing a half-applied commit),
