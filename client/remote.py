@@ -28,6 +28,7 @@ from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
+from swarm.rpc.cache_room import Uses
 from swarm.rpc.init_fetch import is_local
 from swarm.rpc.lease import (
     Lease,
@@ -220,13 +221,14 @@ async def run_remote_trainer(
     A scheduler that does not answer is asked again, backing off, for `retry_for_s`."""
     torch.set_num_threads(max(1, threads))
     remote = RemoteCoordinator(address, job_id, token=token, retry_for_s=retry_for_s)
+    uses = Uses()  # the fetched data files this run reads: held until it ends
     try:
         status = await remote.job()
         # The data file at the path the job was submitted with, else fetched from the scheduler;
         # either way with the contents pinned then (the spec's data.sha256): else a ConfigError
         # names the file and both hashes, before any work is leased.
         job = parse_job(status.spec, Path(status.base_dir), name=status.name, check_data=False)
-        job = await local_data(job, remote.fetch_data, cache_dir())
+        job = await local_data(job, remote.fetch_data, cache_dir(), uses, job_id)
         # A trainer loads no weights (the stage servers do, and check the checkpoint against the
         # pin then): its starting checkpoint is checked here only when it is here, else the
         # pinned model.init_sha256 names it (a friend's trainer has no shared path).
@@ -253,5 +255,6 @@ async def run_remote_trainer(
             flush=True,
         )
     finally:
+        uses.close()
         await remote.close()
     return 0

@@ -61,6 +61,7 @@ from swarm.net.addresses import announced_host, host_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready, unless_stopped
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc import lan
+from swarm.rpc.cache_room import Uses
 from swarm.rpc.init_fetch import InitSource, is_local, scheduler_init
 
 # PeerIdentity and persistent_peer_id live in stage_server.peer.identity; named here for importers.
@@ -106,6 +107,7 @@ class PeerAgent:
         incarnation: str = "",
         host: str | None = None,
         init: InitSource | None = None,
+        uses: Uses | None = None,
     ) -> None:
         """`incarnation`: this process's start id, as its last-will announces it (empty: a new
         one); `metrics`: whose `swarm_peer_info` follows what this peer does (None: none);
@@ -113,7 +115,9 @@ class PeerAgent:
         `path`: how others reach it, its relay (None: not followed); `relay_address`: the relay
         it runs itself (`--relay`); `host`: the host id it announces (None: this machine's,
         `stage_server.peer.host_id`); `init`: where a job's starting checkpoint not on this
-        machine comes from (the scheduler, `--scheduler`; None: nowhere, the job is refused)."""
+        machine comes from (the scheduler, `--scheduler`; None: nowhere, the job is refused);
+        `uses`: the cached checkpoints `init` holds for each job, let go as the job is forgotten
+        (None: a set of its own)."""
         self.running, self.bus, self.peer, self.path = running, bus, peer, path
         self.relay_address = relay_address
         self.incarnation = incarnation or new_incarnation()
@@ -140,6 +144,7 @@ class PeerAgent:
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
         self.init = init
+        self.uses = uses or Uses()
 
     def announcement(self) -> cpb.PeerAnnouncement:
         msg = cpb.PeerAnnouncement(
@@ -279,6 +284,12 @@ class PeerAgent:
                 return None
         return self._jobs[announcement.job]
 
+    def _forget(self, job_id: str) -> None:
+        """`job_id`'s config, and the cached checkpoint held for it: this peer reads it no more
+        (another machine's fetch may now make room by removing it, `swarm.rpc.cache_room`)."""
+        self._jobs.pop(job_id, None)
+        self.uses.release(job_id)
+
     async def _checkpoint(self, job_id: str, config: JobConfig) -> JobConfig:
         """`config` with its starting checkpoint (`model.init_from`) on this machine: where it
         names, else fetched from the scheduler into the cache (`swarm.rpc.init_fetch`)."""
@@ -302,7 +313,7 @@ class PeerAgent:
             self._active.pop(job.job, None)
             self._refused.pop(job.job, None)
             if job.job != self.job_id:
-                self._jobs.pop(job.job, None)  # its config is needed no more
+                self._forget(job.job)  # its config (and checkpoint) is needed no more
         elif job.state in _ACTIVE:
             self._active[job.job] = job
             self.running.servicer.trust(job)  # the scheduler's key, if it serves the job
@@ -325,7 +336,7 @@ class PeerAgent:
                 log.info("%s: stopped %s job %s%s: %s", self.peer, stopped, job.job, what, why)
             log.info("%s: released %s %s: %s; free for another", self.peer, held, job.job, why)
             self.running.servicer.release()
-            self._jobs.pop(job.job, None)
+            self._forget(job.job)
             self.job_id, self.stage, self.speeds = "", None, {}
             self.state = cpb.PEER_STATE_JOINING
             await self.announce()
@@ -404,7 +415,7 @@ class PeerAgent:
         self._refused.move_to_end(job.job)
         while len(self._refused) > ENDED_REMEMBERED:
             self._refused.popitem(last=False)
-        self._jobs.pop(job.job, None)  # parsed anew next time: its spec may have changed
+        self._forget(job.job)  # parsed anew next time: its spec may have changed
         self.job_id, self.stage, self.speeds = "", None, {}
         self.state = cpb.PEER_STATE_JOINING
         await self.announce()
@@ -531,6 +542,7 @@ async def run_peer(
     _check_login(peer, at.username)
     running = await start_grpc(opts, RuntimeConfig().max_message_bytes, throttle)
     incarnation = new_incarnation()  # the same in its last-will: a reconnection is told apart
+    uses = Uses()  # the cached checkpoints its jobs read, held while it knows each job
     try:
         async with _bus(broker, peer, token, running.address, incarnation) as bus:
             await bus.wait_connected(connect_timeout_s)
@@ -548,7 +560,8 @@ async def run_peer(
                 path=path,
                 relay_address=running.relay_address,
                 incarnation=incarnation,
-                init=scheduler_init(scheduler, token) if scheduler else None,
+                init=scheduler_init(scheduler, token, uses) if scheduler else None,
+                uses=uses,
             )
             stop = asyncio.Event()
             install_signal_handlers(stop)
@@ -565,6 +578,7 @@ async def run_peer(
                 await agent.run(stop)
     finally:
         await running.stop()
+        uses.close()
         identity.release()
 
 

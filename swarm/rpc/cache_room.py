@@ -1,35 +1,200 @@
-"""A machine's cache of fetched things (starting checkpoints, data files) drops the partial
-fetches nobody went on with.
+"""A machine's cache of fetched things (starting checkpoints, data files) keeps what is in use
+and drops what nobody uses.
 
 Why: a stage server fetches each job's starting checkpoint it lacks into `<cache>/init/<pin>/`
 through `<pin>.partial/` (`swarm.rpc.init_fetch`), a trainer each data file into
-`<cache>/data/<pin>` (`client.job_data`, through `fetch_file`'s own partial). A fetch a job's end
-cut short left its partial for good (up to a whole checkpoint, ~14 GB for a 7B model in bf16),
-where only a fetch of the same pin would go on with it. So each use of the cache removes the
-other pins' partial fetches that nobody has touched for `STALE_S` and that no fetch holds now
-(its lock, `cache_lock`): a fetch a restart cut short goes on within a day; an older one is
-fetched anew if a job needs it again. Whole items are kept: a process may read one long after
-its fetch (a stage server reads its checkpoint again at each assignment), and nothing marks an
-item in use yet (left: docs/decisions.md).
+`<cache>/data/<pin>` (`client.job_data`, through `fetch_file`'s own partial). A volunteer's
+machine serves job after job: every checkpoint it ever fetched stayed (~14 GB each for a 7B
+model in bf16), and so did a fetch a job's end cut short, until the disk was full.
+
+- **Partial fetches** of other pins that nobody has touched for `STALE_S` and that no fetch holds
+  now (its lock, `cache_lock`) go at each use of the cache: a fetch a restart cut short goes on
+  within a day; an older one is fetched anew if a job needs it again.
+- **Whole items** are marked in use: a process holds a shared lock on the item's use file
+  (`<locks>/<kind>-<pin>.use`, `hold`) for as long as it may read the item (a stage server while
+  it knows the job: it reads its checkpoint again at each assignment and move; a trainer for its
+  run), taken before it looks for the item, so nothing removes it between the look and the read.
+  An item nobody holds goes once unused for `ITEM_STALE_S`, and sooner, least recently used
+  first, where a fetch needs the room (`drop_unused_items`). The remover holds the use file
+  exclusively while it removes the item and unlinks it then; a holder that waited on the old
+  file finds it gone and takes the new one (the item is fetched anew).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import logging
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-__all__ = ["PARTS", "STALE_S", "drop_stale_partials"]
+from swarm.errors import ConfigError
+
+__all__ = [
+    "HEADROOM",
+    "ITEM_STALE_S",
+    "PARTS",
+    "STALE_S",
+    "Use",
+    "Uses",
+    "drop_stale_partials",
+    "drop_unused_items",
+    "hold",
+    "holding",
+    "use_file",
+]
 
 log = logging.getLogger(__name__)
 
 STALE_S = 86400.0  # a partial fetch untouched this long is dropped (s)
 # the last suffix of what a fetch under way writes beside its item
 PARTS = ("partial", "manifest")
+ITEM_STALE_S = 7 * 86400.0  # a whole item nobody used this long is dropped (s): a week's jobs
+HEADROOM = 1 << 30  # bytes a fetch leaves free on the disk, where unused items can make room
+HOLD_WAIT_S = 600.0  # how long a hold waits for a removal under way (rmtree of a checkpoint)
+_HOLD_POLL_S = 0.05
+
+
+class Use:
+    """A shared hold on one cached item (its use file's lock): no `drop_unused_items` removes
+    the item while it is held. Released with `release`, or with the process."""
+
+    def __init__(self, fd: int, what: str) -> None:
+        self._fd: int | None = fd
+        self.what = what
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Uses:
+    """A process's holds on cached items, by holder (a job id): released together when the
+    holder no longer reads them (a stage server forgets the job, a trainer's run ends)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[Use]] = {}
+
+    def keep(self, holder: str, use: Use) -> None:
+        self._held.setdefault(holder, []).append(use)
+
+    def held(self, holder: str) -> list[str]:
+        """What `holder` holds, by item."""
+        return [use.what for use in self._held.get(holder, [])]
+
+    def release(self, holder: str) -> None:
+        for use in self._held.pop(holder, []):
+            use.release()
+
+    def close(self) -> None:
+        for holder in list(self._held):
+            self.release(holder)
+
+
+def use_file(locks: Path, kind: str, pin: str) -> Path:
+    """Item `pin` of `kind`'s use file: held shared by its users, exclusively by its removal."""
+    return locks / f"{kind}-{pin}.use"
+
+
+async def hold(locks: Path, kind: str, pin: str, wait_s: float = HOLD_WAIT_S) -> Use:
+    """A hold on item `pin` of `kind`, taken before the item is looked for, its last use now.
+    Polled without blocking (a removal under way holds the file for as long as its rmtree), so
+    a cancel ends it at once and leaves nothing held; bounded by `wait_s`."""
+    path = use_file(locks, kind, pin)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"{kind} {pin} of this machine's cache was being removed for over "
+                    f"{wait_s:.0f} s ({path} held): is another process stuck removing it?"
+                ) from None
+            await asyncio.sleep(_HOLD_POLL_S)
+            continue
+        if _same_file(fd, path):
+            os.utime(path)  # its last use: what `drop_unused_items` reads an item's age by
+            return Use(fd, f"{kind}/{pin}")
+        os.close(fd)  # the file a removal unlinked: the item went with it; take the new one
+
+
+@contextlib.asynccontextmanager
+async def holding(uses: Uses, holder: str, locks: Path, kind: str, pin: str) -> AsyncIterator[None]:
+    """Item `pin` held (`hold`) while the body looks for it and fetches it; kept by `holder` in
+    `uses` once the body is done, let go if it fails (nothing to read)."""
+    use = await hold(locks, kind, pin)
+    try:
+        yield
+    except BaseException:
+        use.release()
+        raise
+    uses.keep(holder, use)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == path.stat().st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def drop_unused_items(
+    folder: Path,
+    locks: Path,
+    kind: str,
+    using: str,
+    need: int = 0,
+    stale_s: float = ITEM_STALE_S,
+    free: Callable[[Path], int] = _free_bytes,
+) -> list[str]:
+    """Remove the whole items in `folder` of pins other than `using` that no process holds
+    (`hold`): those unused for `stale_s`, and, least recently used first, as many more as it
+    takes to leave `need` bytes and `HEADROOM` free on the disk; their names."""
+    items = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if "." in path.name or path.name == using:
+            continue  # a partial fetch (drop_stale_partials), or the item in use now
+        with contextlib.suppress(FileNotFoundError):
+            items.append((_last_use(path, use_file(locks, kind, path.name)), path))
+    removed: list[str] = []
+    now = time.time()
+    for used, path in sorted(items):
+        short = need > 0 and free(folder) < need + HEADROOM
+        if now - used < stale_s and not short:
+            break  # the rest were used later still
+        if _removed(path, use_file(locks, kind, path.name), unlink_lock=True):
+            removed.append(path.name)
+    if removed:
+        log.info(
+            "removed cached %s nobody uses (unused for %.0f s, or room for %d bytes) from %s: %s",
+            kind,
+            stale_s,
+            need,
+            folder,
+            removed,
+        )
+    return removed
+
+
+def _last_use(item: Path, use: Path) -> float:
+    """When `item` was last held (its use file's time), or fetched (one from before holds)."""
+    try:
+        return use.stat().st_mtime
+    except FileNotFoundError:
+        return item.lstat().st_mtime
 
 
 def drop_stale_partials(
@@ -55,20 +220,26 @@ def drop_stale_partials(
     return removed
 
 
-def _removed(path: Path, lock: Path) -> bool:
-    """Remove `path` unless `lock` is held (its fetch under way); whether it went."""
+def _removed(path: Path, lock: Path, unlink_lock: bool = False) -> bool:
+    """Remove `path` unless `lock` is held (its fetch under way, or a use); whether it went.
+    With `unlink_lock`, the lock file goes too, before it is let go (`hold` takes a new one)."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False  # being fetched: it stays
+            return False  # being fetched, or used: it stays
+        if unlink_lock and not _same_file(fd, lock):
+            return False  # another removal's: the file at its name now may be a holder's
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        if unlink_lock:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
         return True
     finally:
         os.close(fd)

@@ -8,7 +8,9 @@ nothing to load. The manifest comes first and is checked against the pin; it nam
 size and sha256, and each is fetched by `swarm.rpc.fetch_file` (streamed, checked, resumable). The
 files gather in `<sha256>.partial/` and the directory is renamed into place only when all are
 there: a directory under its final name is whole. A second stage server of the machine (or of a
-job on the same checkpoint) waits on the lock and fetches nothing."""
+job on the same checkpoint) waits on the lock and fetches nothing. The caller holds the directory
+(`swarm.rpc.cache_room.hold`) from before it is looked for until it lets the job go: nothing
+makes room by removing it meanwhile."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from swarm.net import dial
 from swarm.net.invite import cache_dir
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
-from swarm.rpc.cache_room import drop_stale_partials
+from swarm.rpc.cache_room import Uses, drop_stale_partials, drop_unused_items, holding
 from swarm.rpc.fetch_file import Source, cache_lock, durably_renamed, fetch_file
 from swarm.rpc.status import from_rpc_error
 from swarm.wire.chunking import grpc_options
@@ -54,9 +56,12 @@ def is_local(job: JobConfig) -> bool:
     return init is None or (Path(init) / "model.safetensors").is_file()
 
 
-async def local_init(job: JobConfig, fetch: InitFetch, cache: Path) -> JobConfig:
+async def local_init(
+    job: JobConfig, fetch: InitFetch, cache: Path, uses: Uses, holder: str
+) -> JobConfig:
     """`job` with `model.init_from` a directory on this machine: its own path when the checkpoint
-    is there, else `<cache>/init/<sha256>/`, fetched once."""
+    is there, else `<cache>/init/<sha256>/`, fetched once and held by `holder` in `uses` (until
+    `uses.release(holder)`)."""
     if is_local(job):
         return job
     pin = job.model.init_sha256
@@ -65,21 +70,24 @@ async def local_init(job: JobConfig, fetch: InitFetch, cache: Path) -> JobConfig
             f"model.init_from = {job.model.init_from} is not on this machine, and the job pins no "
             "model.init_sha256 to fetch it by (a job submitted before checkpoints were served)"
         )
-    kept = cache / "init" / pin
-    if not kept.is_dir():
-        async with cache_lock(cache / "locks" / f"init-{pin}"):
-            if not kept.is_dir():  # not fetched by the one this waited for
-                log.info(
-                    "model.init_from %s is not here: fetching it from the scheduler",
-                    job.model.init_from,
-                )
-                await _fetch_directory(fetch, kept, pin)
-    # other checkpoints' fetches a job's end cut short go (`swarm.rpc.cache_room`)
-    await asyncio.to_thread(drop_stale_partials, cache / "init", cache / "locks", "init", pin)
+    kept, locks = cache / "init" / pin, cache / "locks"
+    async with holding(uses, holder, locks, "init", pin):
+        if not kept.is_dir():
+            async with cache_lock(locks / f"init-{pin}"):
+                if not kept.is_dir():  # not fetched by the one this waited for
+                    log.info(
+                        "model.init_from %s is not here: fetching it from the scheduler",
+                        job.model.init_from,
+                    )
+                    await _fetch_directory(fetch, kept, pin, locks)
+    # other checkpoints' fetches a job's end cut short go, and those nobody used for a week
+    # (`swarm.rpc.cache_room`)
+    await asyncio.to_thread(drop_stale_partials, cache / "init", locks, "init", pin)
+    await asyncio.to_thread(drop_unused_items, cache / "init", locks, "init", pin)
     return replace(job, model=replace(job.model, init_from=kept))
 
 
-async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str) -> None:
+async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str, locks: Path) -> None:
     staging = kept.with_name(f"{kept.name}.partial")
     manifest = kept.with_name(f"{kept.name}.manifest")
     if not manifest.is_file():
@@ -92,6 +100,9 @@ async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str) -> None:
         )
     entries = parse(await asyncio.to_thread(manifest.read_bytes), pin)
     staging.mkdir(parents=True, exist_ok=True)
+    # room for what is left to fetch: checkpoints nobody holds go, least recently used first
+    need = sum(max(0, e.size - _have(staging / e.path)) for e in entries)
+    await asyncio.to_thread(drop_unused_items, kept.parent, locks, "init", pin, need)
     root = staging.resolve()
     for entry in entries:
         target = staging / entry.path
@@ -112,6 +123,14 @@ async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str) -> None:
     log.info("model.init_from fetched: %d files, kept as %s", len(entries), kept)
 
 
+def _have(path: Path) -> int:
+    """Bytes of a file fetched before a restart (what its fetch will not take again)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _source(fetch: InitFetch, path: str) -> Source:
     def source(offset: int) -> AsyncIterator[bytes]:
         return fetch(path, offset)
@@ -119,9 +138,10 @@ def _source(fetch: InitFetch, path: str) -> Source:
     return source
 
 
-def scheduler_init(address: str, token: str | None) -> InitSource:
+def scheduler_init(address: str, token: str | None, uses: Uses) -> InitSource:
     """`local_init` of a job (its id, its config) of the scheduler at `address`, dialled with
-    `token` (and the process's TLS), kept in this machine's cache (`SWARM_CACHE_DIR`)."""
+    `token` (and the process's TLS), kept in this machine's cache (`SWARM_CACHE_DIR`) and held
+    in `uses` by the job's id."""
 
     async def local(job_id: str, job: JobConfig) -> JobConfig:
         if is_local(job):
@@ -138,7 +158,7 @@ def scheduler_init(address: str, token: str | None) -> InitSource:
                 raise from_rpc_error(e) from e
 
         try:
-            return await local_init(job, fetch, cache_dir())
+            return await local_init(job, fetch, cache_dir(), uses, job_id)
         finally:
             await channel.close()
 

@@ -22,6 +22,7 @@ from swarm.model.hf import write_hf
 from swarm.model.transformer import build_model
 from swarm.net import dial
 from swarm.proto import scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc.cache_room import Uses
 from swarm.rpc.init_fetch import scheduler_init
 from tests.support.api import RunningApi, start_api
 from tests.support.jobs import BASE, render, write_job
@@ -76,7 +77,7 @@ async def test_a_member_fetches_the_checkpoint_a_stranger_is_refused(
     job_id, job = await _submit(api, tmp_path)
     assert job.model.init_sha256 == digest(manifest_of(ckpt))  # every file, config.json too
     monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "friend"))
-    got = await scheduler_init(api.address, TOKEN)(job_id, job)
+    got = await scheduler_init(api.address, TOKEN, Uses())(job_id, job)
     assert got.model.init_from == tmp_path / "friend" / "init" / job.model.init_sha256
     assert manifest_of(got.model.init_from) == manifest_of(ckpt)
     for token in (None, "a-wrong-token-of-the-same-length"):
@@ -145,7 +146,7 @@ async def test_files_over_a_message_are_fetched_in_the_schedulers_own_chunks(
         (ckpt / "big.bin").write_bytes(os.urandom(9 << 20))  # three chunks, two of them whole
         job_id, job = await _submit(running, tmp_path)
         monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "friend"))
-        kept = (await scheduler_init(running.address, TOKEN)(job_id, job)).model.init_from
+        kept = (await scheduler_init(running.address, TOKEN, Uses())(job_id, job)).model.init_from
         assert kept is not None and manifest_of(kept) == manifest_of(ckpt)
     finally:
         await running.stop()

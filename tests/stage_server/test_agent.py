@@ -20,6 +20,7 @@ from swarm.clock import FakeClock
 from swarm.device.oom import out_of_memory
 from swarm.job.config import JobConfig
 from swarm.proto import control_pb2 as cpb
+from swarm.rpc.cache_room import drop_unused_items, hold
 from tests.support.jobs import BASE, render
 from tests.support.waiting import wait_until
 
@@ -318,6 +319,34 @@ async def test_a_checkpoint_not_here_is_fetched_before_the_stages_are_measured(
         await agent.settled()  # its take-up (fetched, measured) done
         assert measured == [tmp_path / "j"] and agent.job_id == "j"
         assert agent._jobs["j"].model.init_from == tmp_path / "j"  # what an assignment builds
+    finally:
+        executor.shutdown()
+
+
+async def test_a_jobs_fetched_checkpoint_is_held_until_the_job_ends(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """While the peer knows the job it may read the checkpoint again (each assignment, each
+    move): no room-making removes it. Once the job ends it is let go."""
+    agent, _, executor = _agent(monkeypatch)
+    monkeypatch.setattr("stage_server.agent.measure_job", lambda *_: {0: 1.0, 1: 1.0})
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    (cache / "p").mkdir(parents=True)
+
+    async def fetched(job_id: str, job: JobConfig) -> JobConfig:  # as scheduler_init holds it
+        agent.uses.keep(job_id, await hold(locks, "init", "p"))
+        return replace(job, model=replace(job.model, init_from=cache / "p"))
+
+    agent.init = fetched
+    try:
+        await agent._on_job(_placing("j", _FINETUNE))
+        await agent.settled()
+        assert agent.job_id == "j"
+        assert drop_unused_items(cache, locks, "init", "", stale_s=0.0) == []
+        ended = cpb.JobAnnouncement(job="j", spec=_FINETUNE, state=cpb.JOB_STATE_CANCELLED)
+        await agent._on_job(ended)
+        assert agent.job_id == "" and agent.uses.held("j") == []
+        assert drop_unused_items(cache, locks, "init", "", stale_s=0.0) == ["p"]
     finally:
         executor.shutdown()
 

@@ -1,14 +1,29 @@
 """A machine's cache of fetched checkpoints and data files drops the partial fetches nobody went
-on with (`swarm.rpc.cache_room`): a fetch a job's end cut short stayed for good (up to a whole
-checkpoint, ~14 GB for a 7B model)."""
+on with, and the whole items nobody uses (`swarm.rpc.cache_room`): a fetch a job's end cut short
+stayed for good (up to a whole checkpoint, ~14 GB for a 7B model), and so did every checkpoint a
+volunteer's machine ever fetched."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
+import time
 from pathlib import Path
 
-from swarm.rpc.cache_room import STALE_S, drop_stale_partials
+import pytest
+
+from swarm.errors import ConfigError
+from swarm.rpc.cache_room import (
+    HEADROOM,
+    ITEM_STALE_S,
+    STALE_S,
+    Uses,
+    drop_stale_partials,
+    drop_unused_items,
+    hold,
+    use_file,
+)
 
 OLD = STALE_S + 60.0
 
@@ -51,3 +66,113 @@ def test_a_partial_being_fetched_stays(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert drop_stale_partials(cache, locks, "data", using="new") == ["old.partial"]
+
+
+# -- whole items: held while in use, dropped once nobody used them for a week or a fetch needs
+# the room (a volunteer's machine kept every checkpoint it ever fetched, ~14 GB each) ----------
+OLD_ITEM = ITEM_STALE_S + 3600.0
+
+
+def _aged(path: Path, age_s: float) -> None:
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+async def test_whole_items_nobody_used_for_a_week_go_and_held_or_recent_ones_stay(
+    tmp_path: Path,
+) -> None:
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "old", OLD_ITEM, directory=True)  # fetched for a job long over
+    _item(cache, "recent", 86400.0, directory=True)  # yesterday's
+    _item(cache, "mine", OLD_ITEM, directory=True)  # the pin being used now
+    _item(cache, "held", OLD_ITEM, directory=True)
+    _item(cache, "cut.partial", 60.0, directory=True)  # a fetch under way: not an item
+    use = await hold(locks, "init", "held")  # a stage server serving its job for weeks
+    _aged(use_file(locks, "init", "held"), OLD_ITEM)
+    try:
+        assert drop_unused_items(cache, locks, "init", using="mine") == ["old"]
+        assert sorted(p.name for p in cache.iterdir()) == ["cut.partial", "held", "mine", "recent"]
+    finally:
+        use.release()
+    # let go: it goes, and its use file with it
+    assert drop_unused_items(cache, locks, "init", using="mine") == ["held"]
+    assert not use_file(locks, "init", "held").exists()
+
+
+async def test_a_fetch_short_of_room_removes_unused_items_least_recently_used_first(
+    tmp_path: Path,
+) -> None:
+    cache, locks = tmp_path / "data", tmp_path / "locks"
+    for name, age_days in (("held", 6), ("a", 5), ("b", 4), ("c", 3)):
+        _item(cache, name, age_days * 86400.0)
+    use = await hold(locks, "data", "held")
+    _aged(use_file(locks, "data", "held"), 6 * 86400.0)  # the least recently used: but held
+
+    def free(folder: Path) -> int:  # 60 bytes more for each of a, b, c removed
+        return HEADROOM + 50 + 60 * sum(not (cache / n).exists() for n in "abc")
+
+    try:
+        # 100 bytes to fetch: a's room is enough; b and c (used later) stay
+        assert drop_unused_items(cache, locks, "data", "new", need=100, free=free) == ["a"]
+        assert drop_unused_items(cache, locks, "data", "new", need=200, free=free) == ["b", "c"]
+        # short still: nothing held goes
+        assert drop_unused_items(cache, locks, "data", "new", need=10**9, free=free) == []
+        assert (cache / "held").exists()
+    finally:
+        use.release()
+
+
+async def test_a_hold_waits_out_a_removal_and_then_holds_what_is_at_the_name(
+    tmp_path: Path,
+) -> None:
+    """A holder that opened the use file a removal then unlinked would hold nothing: it takes
+    the new file, so a later removal finds the item held."""
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "p", OLD_ITEM, directory=True)
+    locks.mkdir()
+    path = use_file(locks, "init", "p")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a removal under way
+    holding = asyncio.create_task(hold(locks, "init", "p"))
+    await asyncio.sleep(0.2)
+    assert not holding.done()  # waits for the removal
+    path.unlink()
+    os.close(fd)
+    use = await asyncio.wait_for(holding, 5)
+    try:
+        assert drop_unused_items(cache, locks, "init", "other", stale_s=0.0) == []
+    finally:
+        use.release()
+    assert drop_unused_items(cache, locks, "init", "other", stale_s=0.0) == ["p"]
+
+
+async def test_a_hold_a_removal_never_lets_go_says_so_within_its_bound(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    fd = os.open(use_file(locks, "init", "p"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(ConfigError, match="being removed for over 0 s"):
+            await hold(locks, "init", "p", wait_s=0.2)
+    finally:
+        os.close(fd)
+
+
+def test_uses_are_let_go_by_holder(tmp_path: Path) -> None:
+    async def take() -> Uses:
+        uses = Uses()
+        uses.keep("j", await hold(tmp_path, "init", "a"))
+        uses.keep("k", await hold(tmp_path, "init", "b"))
+        return uses
+
+    uses = asyncio.run(take())
+    assert uses.held("j") == ["init/a"]
+    uses.release("j")
+    assert uses.held("j") == [] and uses.held("k") == ["init/b"]
+    cache = tmp_path / "init"
+    _item(cache, "a", OLD_ITEM, directory=True)
+    _item(cache, "b", OLD_ITEM, directory=True)
+    # both used just now: only a removal that takes any unused item can tell held from not
+    assert drop_unused_items(cache, tmp_path, "init", "", stale_s=0.0) == ["a"]
+    uses.close()
+    assert drop_unused_items(cache, tmp_path, "init", "", stale_s=0.0) == ["b"]

@@ -6,8 +6,11 @@ manifest's, refused with nothing left under the final name."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
+import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.manifest import digest, encode, manifest_of
+from swarm.rpc.cache_room import ITEM_STALE_S, Uses, drop_unused_items, use_file
 from swarm.rpc.init_fetch import local_init
 from tests.support.jobs import make_job
 
@@ -61,13 +65,13 @@ async def test_a_missing_checkpoint_is_fetched_once_into_the_cache_by_its_pin(
     served = _checkpoint(tmp_path / "served")
     pin = digest(manifest_of(served))
     scheduler, cache = _Scheduler(served, breaks="model.safetensors"), tmp_path / "cache"
-    got = await local_init(_job(tmp_path, pin), scheduler.fetch, cache)
+    got = await local_init(_job(tmp_path, pin), scheduler.fetch, cache, Uses(), "j")
     kept = cache / "init" / pin
     assert got.model.init_from == kept and digest(manifest_of(kept)) == pin  # every file, whole
     assert ("model.safetensors", 1000) in scheduler.asked  # the broken stream went on
     assert sorted(p.name for p in (cache / "init").iterdir()) == [pin]  # no partial, no manifest
     asked = len(scheduler.asked)
-    again = await local_init(_job(tmp_path, pin), scheduler.fetch, cache)
+    again = await local_init(_job(tmp_path, pin), scheduler.fetch, cache, Uses(), "j")
     assert again.model.init_from == kept and len(scheduler.asked) == asked  # kept: none asked
 
 
@@ -76,7 +80,7 @@ async def test_a_checkpoint_on_this_machine_is_read_there(tmp_path: Path) -> Non
     job = _job(tmp_path, digest(manifest_of(served)))
     job = replace(job, model=replace(job.model, init_from=served))
     scheduler = _Scheduler(served)
-    assert (await local_init(job, scheduler.fetch, tmp_path / "cache")) == job
+    assert (await local_init(job, scheduler.fetch, tmp_path / "cache", Uses(), "j")) == job
     assert scheduler.asked == []
 
 
@@ -86,7 +90,7 @@ async def test_a_manifest_naming_a_path_outside_the_directory_is_refused(tmp_pat
     pin = hashlib.sha256(evil).hexdigest()  # a scheduler that pinned it too
     scheduler = _Scheduler(served, manifest=evil)
     with pytest.raises(ConfigError, match=r"'\.\./\.\./escape': refused"):
-        await local_init(_job(tmp_path, pin), scheduler.fetch, tmp_path / "cache")
+        await local_init(_job(tmp_path, pin), scheduler.fetch, tmp_path / "cache", Uses(), "j")
     assert scheduler.asked == [("", 0)]  # no file asked for
     assert not (tmp_path / "escape").exists() and not (tmp_path / "cache" / "init" / pin).exists()
 
@@ -97,7 +101,7 @@ async def test_a_file_that_is_not_its_manifests_is_refused_and_removed(tmp_path:
     scheduler = _Scheduler(served)
     (served / "config.json").write_text('{"num_hidden_layers": 4}')  # changed after the pin
     with pytest.raises(ConfigError, match=r"config\.json fetched from the scheduler has sha256"):
-        await local_init(_job(tmp_path, pin), scheduler.fetch, tmp_path / "cache")
+        await local_init(_job(tmp_path, pin), scheduler.fetch, tmp_path / "cache", Uses(), "j")
     kept = tmp_path / "cache" / "init" / pin
     assert not kept.exists()  # never whole under its name
     staging = kept.parent / f"{pin}.partial"
@@ -108,7 +112,7 @@ async def test_a_manifest_that_is_not_the_pinned_one_is_refused(tmp_path: Path) 
     served = _checkpoint(tmp_path / "served")
     scheduler = _Scheduler(served)
     with pytest.raises(ConfigError, match=r"not the .* pinned at submit"):
-        await local_init(_job(tmp_path, "2" * 64), scheduler.fetch, tmp_path / "cache")
+        await local_init(_job(tmp_path, "2" * 64), scheduler.fetch, tmp_path / "cache", Uses(), "j")
     assert scheduler.asked == [("", 0)]
 
 
@@ -117,6 +121,44 @@ async def test_two_fetchers_of_one_machine_fetch_it_once(tmp_path: Path) -> None
     job, scheduler = _job(tmp_path, digest(manifest_of(served))), _Scheduler(served)
     cache = tmp_path / "cache"
     first, second = await asyncio.gather(
-        local_init(job, scheduler.fetch, cache), local_init(job, scheduler.fetch, cache)
+        local_init(job, scheduler.fetch, cache, Uses(), "j"),
+        local_init(job, scheduler.fetch, cache, Uses(), "j"),
     )
     assert first == second and scheduler.asked.count(("", 0)) == 1  # the second waited
+
+
+async def test_a_fetched_checkpoint_is_held_until_let_go_and_unused_ones_go(
+    tmp_path: Path,
+) -> None:
+    """A volunteer's machine kept every checkpoint it ever fetched (~14 GB each for a 7B model).
+    One nobody used for a week goes at the next fetch; the one fetched now is held by its job
+    (`uses`) for as long as the stage server knows the job, and only then can go."""
+    served = _checkpoint(tmp_path / "served")
+    pin, cache = digest(manifest_of(served)), tmp_path / "cache"
+    last_month = _checkpoint(cache / "init" / ("9" * 64))  # a job's, long over
+    then = time.time() - ITEM_STALE_S - 3600
+    os.utime(last_month, (then, then))
+    uses = Uses()
+    got = await local_init(_job(tmp_path, pin), _Scheduler(served).fetch, cache, uses, "j")
+    assert not last_month.exists()
+    assert uses.held("j") == [f"init/{pin}"]
+    locks = cache / "locks"
+    # another process making room for anything: the held checkpoint stays
+    assert drop_unused_items(cache / "init", locks, "init", "other", stale_s=0.0) == []
+    uses.release("j")  # the job forgotten
+    assert drop_unused_items(cache / "init", locks, "init", "other", stale_s=0.0) == [pin]
+    assert not got.model.init_from.exists()  # type: ignore[union-attr]
+
+
+async def test_a_fetch_that_fails_holds_nothing(tmp_path: Path) -> None:
+    served = _checkpoint(tmp_path / "served")
+    uses = Uses()
+    with pytest.raises(ConfigError):  # a manifest that is not the pin's
+        await local_init(_job(tmp_path, "3" * 64), _Scheduler(served).fetch, tmp_path, uses, "j")
+    assert uses.held("j") == []
+    # nothing held it: a second fetch's room-making may take the use file exclusively
+    fd = os.open(use_file(tmp_path / "locks", "init", "3" * 64), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
