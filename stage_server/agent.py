@@ -61,7 +61,7 @@ from swarm.net.addresses import announced_host, host_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready, unless_stopped
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc import lan
-from swarm.rpc.cache_room import Uses
+from swarm.rpc.cache_room import Use, Uses
 from swarm.rpc.init_fetch import InitSource, is_local, scheduler_init
 
 # PeerIdentity and persistent_peer_id live in stage_server.peer.identity; named here for importers.
@@ -143,6 +143,8 @@ class PeerAgent:
         self._refusal: tuple[str, str] | None = None  # the last job refused, and why: said
         self._generation = -1
         self.load_period_s = 1.0  # how often a serving peer publishes its load
+        if init is not None and uses is None:
+            raise ValueError("an init source holds what it fetches in `uses`: give the agent it")
         self.init = init
         self.uses = uses or Uses()
 
@@ -286,9 +288,13 @@ class PeerAgent:
 
     def _forget(self, job_id: str) -> None:
         """`job_id`'s config, and the cached checkpoint held for it: this peer reads it no more
-        (another machine's fetch may now make room by removing it, `swarm.rpc.cache_room`)."""
+        (another process of this machine may then make room by removing it,
+        `swarm.rpc.cache_room`). Let go on the worker, after whatever it runs now: a build or
+        measurement of the job under way there goes on reading it, ended or not."""
         self._jobs.pop(job_id, None)
-        self.uses.release(job_id)
+        held = self.uses.take_out(job_id)
+        if held:
+            self.running.executor.submit(_release, held)
 
     async def _checkpoint(self, job_id: str, config: JobConfig) -> JobConfig:
         """`config` with its starting checkpoint (`model.init_from`) on this machine: where it
@@ -580,6 +586,11 @@ async def run_peer(
         await running.stop()
         uses.close()
         identity.release()
+
+
+def _release(held: list[Use]) -> None:
+    for use in held:
+        use.release()
 
 
 def _check_login(peer: str, login: str | None) -> None:

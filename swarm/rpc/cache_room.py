@@ -29,7 +29,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from swarm.errors import ConfigError
@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 STALE_S = 86400.0  # a partial fetch untouched this long is dropped (s)
 # the last suffix of what a fetch under way writes beside its item
-PARTS = ("partial", "manifest")
+REMOVING = "removing"  # the last suffix of an item's name while it is removed (`_removed_item`)
+PARTS = ("partial", "manifest", REMOVING)
 ITEM_STALE_S = 7 * 86400.0  # a whole item nobody used this long is dropped (s): a week's jobs
 HEADROOM = 1 << 30  # bytes a fetch leaves free on the disk, where unused items can make room
 HOLD_WAIT_S = 600.0  # how long a hold waits for a removal under way (rmtree of a checkpoint)
@@ -68,7 +69,11 @@ class Use:
         self.what = what
 
     def release(self) -> None:
+        """Let go, the item's last use now: a checkpoint held through a month's job is a week
+        from going when the job ends, not due at once."""
         if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self._fd)
             os.close(self._fd)
             self._fd = None
 
@@ -88,8 +93,13 @@ class Uses:
         return [use.what for use in self._held.get(holder, [])]
 
     def release(self, holder: str) -> None:
-        for use in self._held.pop(holder, []):
+        for use in self.take_out(holder):
             use.release()
+
+    def take_out(self, holder: str) -> list[Use]:
+        """`holder`'s holds, no longer kept here: for the caller to release once nothing of its
+        reads the items (a stage server's worker may still be building from one)."""
+        return self._held.pop(holder, [])
 
     def close(self) -> None:
         for holder in list(self._held):
@@ -111,20 +121,32 @@ async def hold(locks: Path, kind: str, pin: str, wait_s: float = HOLD_WAIT_S) ->
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+            held = _held_shared(fd, path)
+        except BaseException:
             os.close(fd)
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"{kind} {pin} of this machine's cache was being removed for over "
-                    f"{wait_s:.0f} s ({path} held): is another process stuck removing it?"
-                ) from None
-            await asyncio.sleep(_HOLD_POLL_S)
-            continue
-        if _same_file(fd, path):
-            os.utime(path)  # its last use: what `drop_unused_items` reads an item's age by
+            raise
+        if held:
             return Use(fd, f"{kind}/{pin}")
-        os.close(fd)  # the file a removal unlinked: the item went with it; take the new one
+        os.close(fd)  # being removed, or the file a removal unlinked: the item went with it
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"{kind} {pin} of this machine's cache was being removed for over "
+                f"{wait_s:.0f} s ({path} held): is another process stuck removing it?"
+            )
+        await asyncio.sleep(_HOLD_POLL_S)
+
+
+def _held_shared(fd: int, path: Path) -> bool:
+    """`fd` locked shared, and still the file at `path` (a removal unlinks it while it holds
+    it exclusively), its time now: the item's last use, which `drop_unused_items` reads."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    if not _same_file(fd, path):
+        return False
+    os.utime(fd)
+    return True
 
 
 @contextlib.asynccontextmanager
@@ -162,20 +184,23 @@ def drop_unused_items(
 ) -> list[str]:
     """Remove the whole items in `folder` of pins other than `using` that no process holds
     (`hold`): those unused for `stale_s`, and, least recently used first, as many more as it
-    takes to leave `need` bytes and `HEADROOM` free on the disk; their names."""
+    takes to leave `need` bytes and `HEADROOM` free on the disk; their names. The use files of
+    items no longer here go too (a fetch that failed)."""
     items = []
     for path in folder.iterdir() if folder.is_dir() else ():
         if "." in path.name or path.name == using:
             continue  # a partial fetch (drop_stale_partials), or the item in use now
         with contextlib.suppress(FileNotFoundError):
-            items.append((_last_use(path, use_file(locks, kind, path.name)), path))
+            items.append((*_last_use(path, use_file(locks, kind, path.name)), path))
     removed: list[str] = []
     now = time.time()
-    for used, path in sorted(items):
+    for used, stamped, path in sorted(items):
         short = need > 0 and free(folder) < need + HEADROOM
         if now - used < stale_s and not short:
             break  # the rest were used later still
-        if _removed(path, use_file(locks, kind, path.name), unlink_lock=True):
+        # for its age alone: not if it was held since it was listed (its file stamped later)
+        since = used if stamped and not short else None
+        if _removed_item(path, use_file(locks, kind, path.name), since):
             removed.append(path.name)
     if removed:
         log.info(
@@ -186,15 +211,73 @@ def drop_unused_items(
             folder,
             removed,
         )
+    _drop_orphan_uses(folder, locks, kind)
     return removed
 
 
-def _last_use(item: Path, use: Path) -> float:
-    """When `item` was last held (its use file's time), or fetched (one from before holds)."""
+def _last_use(item: Path, use: Path) -> tuple[float, bool]:
+    """When `item` was last held (its use file's time), or fetched (one from before holds);
+    and whether that is its use file's."""
     try:
-        return use.stat().st_mtime
+        return use.stat().st_mtime, True
     except FileNotFoundError:
-        return item.lstat().st_mtime
+        return item.lstat().st_mtime, False
+
+
+def _removed_item(item: Path, use: Path, unused_since: float | None) -> bool:
+    """Remove `item` unless it is held (`use` cannot be taken exclusively at once), or was used
+    after `unused_since`; whether it went. It is renamed out of its name first (no half-removed
+    item is ever taken for a whole one), and its use file unlinked before it is let go (a
+    holder that waited on it takes the new one; the item is fetched anew)."""
+    with _exclusively(use) as fd:
+        if fd is None:
+            return False  # held (or another removal's): it stays
+        if unused_since is not None and os.fstat(fd).st_mtime > unused_since:
+            return False  # held and let go since it was listed: used, not stale
+        going = item.with_name(f"{item.name}.{REMOVING}")
+        _remove(going)  # a removal a crash cut short, of an item fetched again since
+        try:
+            item.rename(going)
+        except FileNotFoundError:
+            return False  # gone already
+        _remove(going)
+        with contextlib.suppress(FileNotFoundError):
+            use.unlink()
+        return True
+
+
+def _drop_orphan_uses(folder: Path, locks: Path, kind: str) -> None:
+    """Unlink the use files nobody holds whose item is not here (one removed by hand, or whose
+    fetch failed): one file per item would stay for good."""
+    for use in locks.glob(f"{kind}-*.use") if locks.is_dir() else ():
+        with _exclusively(use) as fd:
+            if fd is not None and not (folder / use.name[len(kind) + 1 : -len(".use")]).exists():
+                with contextlib.suppress(FileNotFoundError):
+                    use.unlink()
+
+
+@contextlib.contextmanager
+def _exclusively(use: Path) -> Iterator[int | None]:
+    """`use` held exclusively, its descriptor; None where a holder has it, or where it is a file
+    another removal unlinked (the file at its name now may be a holder's)."""
+    with _at_once(use) as fd:
+        yield fd if fd is not None and _same_file(fd, use) else None
+
+
+@contextlib.contextmanager
+def _at_once(lock: Path) -> Iterator[int | None]:
+    """`lock` held exclusively where nobody holds it now: its descriptor; else None."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def drop_stale_partials(
@@ -220,26 +303,18 @@ def drop_stale_partials(
     return removed
 
 
-def _removed(path: Path, lock: Path, unlink_lock: bool = False) -> bool:
-    """Remove `path` unless `lock` is held (its fetch under way, or a use); whether it went.
-    With `unlink_lock`, the lock file goes too, before it is let go (`hold` takes a new one)."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # being fetched, or used: it stays
-        if unlink_lock and not _same_file(fd, lock):
-            return False  # another removal's: the file at its name now may be a holder's
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        if unlink_lock:
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
+def _removed(path: Path, lock: Path) -> bool:
+    """Remove `path` unless `lock` is held (its fetch under way); whether it went."""
+    with _at_once(lock) as fd:
+        if fd is None:
+            return False  # being fetched: it stays
+        _remove(path)
         return True
-    finally:
-        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

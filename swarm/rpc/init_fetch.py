@@ -15,6 +15,7 @@ makes room by removing it meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -124,11 +125,13 @@ async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str, locks: Path) 
 
 
 def _have(path: Path) -> int:
-    """Bytes of a file fetched before a restart (what its fetch will not take again)."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
+    """Bytes of a file fetched before a restart, whole or in part (`fetch_file` goes on from
+    its partial): what its fetch will not take again."""
+    have = 0
+    for each in (path, path.with_name(f"{path.name}.partial")):
+        with contextlib.suppress(FileNotFoundError):
+            have = max(have, each.stat().st_size)
+    return have
 
 
 def _source(fetch: InitFetch, path: str) -> Source:

@@ -77,8 +77,10 @@ async def test_a_member_fetches_the_checkpoint_a_stranger_is_refused(
     job_id, job = await _submit(api, tmp_path)
     assert job.model.init_sha256 == digest(manifest_of(ckpt))  # every file, config.json too
     monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "friend"))
-    got = await scheduler_init(api.address, TOKEN, Uses())(job_id, job)
+    uses = Uses()
+    got = await scheduler_init(api.address, TOKEN, uses)(job_id, job)
     assert got.model.init_from == tmp_path / "friend" / "init" / job.model.init_sha256
+    assert uses.held(job_id) == [f"init/{job.model.init_sha256}"]  # by the job, for the agent
     assert manifest_of(got.model.init_from) == manifest_of(ckpt)
     for token in (None, "a-wrong-token-of-the-same-length"):
         request = scheduler_pb2.SchedulerFetchInitRequest(job=job_id, path="config.json")

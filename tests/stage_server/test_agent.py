@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -343,9 +344,15 @@ async def test_a_jobs_fetched_checkpoint_is_held_until_the_job_ends(
         await agent.settled()
         assert agent.job_id == "j"
         assert drop_unused_items(cache, locks, "init", "", stale_s=0.0) == []
+        # the worker still building from it (a job ended mid-build): held until that ends
+        building = threading.Event()
+        executor.submit(building.wait, 10)
         ended = cpb.JobAnnouncement(job="j", spec=_FINETUNE, state=cpb.JOB_STATE_CANCELLED)
         await agent._on_job(ended)
         assert agent.job_id == "" and agent.uses.held("j") == []
+        assert drop_unused_items(cache, locks, "init", "", stale_s=0.0) == []
+        building.set()
+        await asyncio.wrap_future(executor.submit(lambda: None))  # the worker's queue, run
         assert drop_unused_items(cache, locks, "init", "", stale_s=0.0) == ["p"]
     finally:
         executor.shutdown()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from swarm.errors import ConfigError
+from swarm.rpc import cache_room
 from swarm.rpc.cache_room import (
     HEADROOM,
     ITEM_STALE_S,
@@ -94,9 +95,12 @@ async def test_whole_items_nobody_used_for_a_week_go_and_held_or_recent_ones_sta
         assert sorted(p.name for p in cache.iterdir()) == ["cut.partial", "held", "mine", "recent"]
     finally:
         use.release()
-    # let go: it goes, and its use file with it
-    assert drop_unused_items(cache, locks, "init", using="mine") == ["held"]
+    # let go: used until now, so a week from going (held through a month's job, it was due
+    # at once); then it goes, and its use file with it
+    assert drop_unused_items(cache, locks, "init", using="mine") == []
+    assert drop_unused_items(cache, locks, "init", "mine", stale_s=0.0) == ["recent", "held"]
     assert not use_file(locks, "init", "held").exists()
+    assert sorted(p.name for p in cache.iterdir()) == ["cut.partial", "mine"]
 
 
 async def test_a_fetch_short_of_room_removes_unused_items_least_recently_used_first(
@@ -176,3 +180,102 @@ def test_uses_are_let_go_by_holder(tmp_path: Path) -> None:
     assert drop_unused_items(cache, tmp_path, "init", "", stale_s=0.0) == ["a"]
     uses.close()
     assert drop_unused_items(cache, tmp_path, "init", "", stale_s=0.0) == ["b"]
+
+
+def _swapped_at_first_open(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """`path` replaced by a new file right after cache_room's first open of it: a removal that
+    unlinked it between a holder's open and its lock (or a second removal's)."""
+    real, calls = os.open, []
+
+    def opened(name: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+        fd = real(name, flags, mode)
+        if Path(name) == path and not calls:
+            calls.append(fd)
+            path.unlink()
+            path.touch()
+        return fd
+
+    monkeypatch.setattr(cache_room.os, "open", opened)
+
+
+async def test_a_holder_whose_use_file_was_unlinked_under_it_takes_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "p", OLD_ITEM, directory=True)
+    locks.mkdir()
+    use_file(locks, "init", "p").touch()
+    _swapped_at_first_open(monkeypatch, use_file(locks, "init", "p"))
+    use = await hold(locks, "init", "p")
+    monkeypatch.undo()
+    try:  # held on the file at the name: a removal finds it held
+        assert drop_unused_items(cache, locks, "init", "other", stale_s=0.0) == []
+    finally:
+        use.release()
+
+
+def test_a_removal_whose_use_file_was_unlinked_under_it_removes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another removal unlinked the file this one opened: the file at the name now may be a
+    holder's, so this one skips the item."""
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "p", OLD_ITEM, directory=True)
+    locks.mkdir()
+    use_file(locks, "init", "p").touch()
+    _swapped_at_first_open(monkeypatch, use_file(locks, "init", "p"))
+    assert drop_unused_items(cache, locks, "init", "other", stale_s=0.0) == []
+    assert (cache / "p").is_dir()
+
+
+def test_a_removal_cut_short_leaves_nothing_under_the_items_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal killed mid-rmtree left a part of the checkpoint under its name, which a fetch
+    takes for whole: it is renamed first, and the leftover goes with the stale partials."""
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "p", OLD_ITEM, directory=True)
+    real, calls = cache_room._remove, []
+
+    def killed(path: Path) -> None:
+        calls.append(path.name)
+        if len(calls) == 2:  # the item's own rmtree (the first clears an old leftover)
+            raise KeyboardInterrupt("killed mid-removal")
+        real(path)
+
+    monkeypatch.setattr(cache_room, "_remove", killed)
+    with pytest.raises(KeyboardInterrupt):
+        drop_unused_items(cache, locks, "init", "other", stale_s=0.0)
+    monkeypatch.undo()
+    assert sorted(p.name for p in cache.iterdir()) == ["p.removing"]  # never "p"
+    assert drop_stale_partials(cache, locks, "init", "other", stale_s=0.0) == ["p.removing"]
+
+
+def test_an_item_held_and_let_go_after_it_was_listed_is_not_removed_as_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "p", OLD_ITEM, directory=True)
+    locks.mkdir()
+    use = use_file(locks, "init", "p")
+    use.touch()  # used just now, after the listing read a month-old time
+    listed = time.time() - OLD_ITEM
+    monkeypatch.setattr(cache_room, "_last_use", lambda item, use: (listed, True))
+    assert drop_unused_items(cache, locks, "init", "other") == []
+    assert (cache / "p").is_dir()
+
+
+async def test_use_files_of_items_not_here_go_unless_held(tmp_path: Path) -> None:
+    cache, locks = tmp_path / "data", tmp_path / "locks"
+    cache.mkdir()
+    held = await hold(locks, "data", "fetching")  # a fetch under way: no item yet
+    (await hold(locks, "data", "failed")).release()  # a fetch that failed
+    (await hold(locks, "init", "other-kind")).release()
+    try:
+        drop_unused_items(cache, locks, "data", "")
+        assert sorted(p.name for p in locks.iterdir()) == [
+            "data-fetching.use",
+            "init-other-kind.use",
+        ]
+    finally:
+        held.release()
