@@ -46,7 +46,7 @@ async def local_data(
         kept = cache / "data" / digest
         async with holding(uses, holder, locks, "data", digest):
             if not kept.is_file():
-                async with cache_lock(locks / f"data-{digest}"):
+                async with cache_lock(locks / f"data-{digest}", kept):
                     if not kept.is_file():  # not fetched by the one this waited for
                         log.info(
                             "data.%s %s is not here: fetching it from the scheduler", key, path

@@ -184,7 +184,11 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 raise InvalidArgument(
                     f"base_dir must be an absolute directory, got {request.base_dir!r}"
                 )
-            job = parse_job(request.spec, base_dir, name="job", check_data=False)  # bounds, size
+            # Off the loop: a spec within its bound (1 MiB) may hold a 500,000-element array
+            # under an unknown key, seconds of parsing before its refusal.
+            job = await asyncio.to_thread(
+                parse_job, request.spec, base_dir, name="job", check_data=False
+            )
             await asyncio.to_thread(self.admission.check_size, job)  # off the loop: a partition
             spec = request.spec
             if job.data.kind in FILE_DATA:

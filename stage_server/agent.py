@@ -275,14 +275,21 @@ class PeerAgent:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.running.executor, fn, *args)
 
-    def _job(self, announcement: cpb.JobAnnouncement) -> JobConfig | None:
+    async def _job(self, announcement: cpb.JobAnnouncement) -> JobConfig | None:
+        """The announced job's config, parsed once and off the loop (a spec within its 1 MiB
+        bound can take seconds); one this peer cannot read (a key of a newer swarm) is refused
+        as a failed measurement is: said in its announcements, not parsed again for a while."""
         if announcement.job not in self._jobs:
             try:
-                self._jobs[announcement.job] = parse_job(
-                    announcement.spec, Path("/"), name=announcement.name or "job", check_data=False
+                self._jobs[announcement.job] = await asyncio.to_thread(
+                    parse_job,
+                    announcement.spec,
+                    Path("/"),
+                    name=announcement.name or "job",
+                    check_data=False,
                 )
             except ConfigError as e:
-                log.error("%s: job %s has a bad spec: %s", self.peer, announcement.job, e)
+                await self._refuse(announcement, e, "reading its spec")
                 return None
         return self._jobs[announcement.job]
 
@@ -328,7 +335,7 @@ class PeerAgent:
         if job.state in _ACTIVE and free:
             if self._still_refused(job):
                 return
-            config = self._job(job)
+            config = await self._job(job)
             if config is None:
                 return
             self.job_id = job.job  # taken up: no other job's announcement starts another

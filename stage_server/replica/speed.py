@@ -16,7 +16,6 @@ anything it asks the peer whether the job's stages fit (`stage_server.peer.fits.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from swarm.device.compute_clock import ComputeClock, clock_for
 from swarm.device.facts import DeviceFacts
 from swarm.job.config import JobConfig
 from swarm.model.transformer import boundary_width, layer_costs, partition
+from swarm.ops.file_locks import taken_now
 from swarm.wire.crossing import Crossing
 
 __all__ = ["cache_path", "device_model", "measure_job", "measure_stage"]
@@ -159,12 +159,7 @@ def _locked(fd: int, lock: Path) -> None:
     that never ends elsewhere (hung, stopped in a debugger) would hold this one for good, and a
     stop with it. Past the bound it measures without the lock (the figures only noisier)."""
     deadline, said = time.monotonic() + LOCK_WAIT_S, False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
+    while not taken_now(fd):
         if not said:
             log.warning(
                 "another stage server of this machine is measuring (%s): waiting up to %.0f s",

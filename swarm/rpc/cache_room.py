@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from swarm.errors import ConfigError
+from swarm.ops.file_locks import taken_now
 
 __all__ = [
     "HEADROOM",
@@ -139,11 +139,7 @@ async def hold(locks: Path, kind: str, pin: str, wait_s: float = HOLD_WAIT_S) ->
 def _held_shared(fd: int, path: Path) -> bool:
     """`fd` locked shared, and still the file at `path` (a removal unlinks it while it holds
     it exclusively), its time now: the item's last use, which `drop_unused_items` reads."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    if not _same_file(fd, path):
+    if not taken_now(fd, shared=True) or not _same_file(fd, path):
         return False
     os.utime(fd)
     return True
@@ -270,12 +266,7 @@ def _at_once(lock: Path) -> Iterator[int | None]:
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield None
-            return
-        yield fd
+        yield fd if taken_now(fd) else None
     finally:
         os.close(fd)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -25,10 +24,12 @@ from typing import BinaryIO
 from swarm.deadline import within
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.ops.durable import fsync_path
+from swarm.ops.file_locks import taken_now
 from swarm.policy.backoff import Backoff
 
 __all__ = [
     "FETCH_ATTEMPTS",
+    "LOCK_STALL_S",
     "STALL_S",
     "Source",
     "cache_lock",
@@ -47,6 +48,11 @@ FETCH_ATTEMPTS = 8
 #: would otherwise hold the fetch for its stream's whole deadline (an hour:
 #: `swarm.rpc.init_fetch`). The wait for the first chunk is that deadline's alone.
 STALL_S = 120.0
+#: Seconds another process's fetch of the same item may write nothing before the wait for it is
+#: given up (its own streams are given up after `STALL_S`, and asked again, up to
+#: `FETCH_ATTEMPTS` times, backing off: this is past that).
+LOCK_STALL_S = 1200.0
+_LOCK_POLL_S = 0.25
 _READ_CHUNK = 1 << 20
 
 
@@ -203,14 +209,51 @@ def _write(f: BinaryIO, chunk: bytes) -> None:
 
 
 @contextlib.asynccontextmanager
-async def cache_lock(path: Path) -> AsyncIterator[None]:
-    """Hold `path` (a lock file) exclusively: two processes of one machine (or two tasks of one)
-    fetching the same thing wait for each other, and the second finds it fetched. Released with
-    the descriptor, even if the process dies; waited for off the event loop."""
+async def cache_lock(path: Path, kept: Path, stall_s: float = LOCK_STALL_S) -> AsyncIterator[None]:
+    """Hold `path` (a lock file) exclusively while `kept` is fetched: two processes of one
+    machine (or two tasks of one) fetching the same thing wait for each other, and the second
+    finds it fetched. Released with the descriptor, even if the process dies. Polled, so a
+    cancel ends the wait with nothing left blocked; the wait is said once, and given up,
+    naming the lock, once the other's fetch (`kept`'s partial files) has written nothing for
+    `stall_s`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        await _locked(fd, path, kept, stall_s)
         yield
     finally:
         os.close(fd)
+
+
+async def _locked(fd: int, path: Path, kept: Path, stall_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    written, since = -1.0, loop.time()
+    while not taken_now(fd):
+        last = await asyncio.to_thread(_last_written, kept)
+        if written < 0:
+            log.warning(
+                "another process of this machine is fetching %s (it holds %s): waiting for it",
+                kept,
+                path,
+            )
+        if last != written:
+            written, since = last, loop.time()
+        elif loop.time() - since > stall_s:
+            raise ConfigError(
+                f"another process of this machine holds {path} fetching {kept} and has written "
+                f"nothing for {stall_s:.0f} s: is it stuck? Stop it (its fetch goes on from its "
+                "partial files at the next start)"
+            )
+        await asyncio.sleep(_LOCK_POLL_S)
+
+
+def _last_written(kept: Path) -> float:
+    """The latest time anything of `kept`'s fetch was written (its partial files, a whole
+    directory's included); 0 where nothing is there."""
+    latest = 0.0
+    for path in kept.parent.glob(f"{kept.name}.*") if kept.parent.is_dir() else ():
+        with contextlib.suppress(FileNotFoundError):
+            walked = path.rglob("*") if path.is_dir() else ()
+            for each in (path, *walked):
+                latest = max(latest, each.stat().st_mtime)
+    return latest

@@ -74,7 +74,7 @@ async def local_init(
     kept, locks = cache / "init" / pin, cache / "locks"
     async with holding(uses, holder, locks, "init", pin):
         if not kept.is_dir():
-            async with cache_lock(locks / f"init-{pin}"):
+            async with cache_lock(locks / f"init-{pin}", kept):
                 if not kept.is_dir():  # not fetched by the one this waited for
                     log.info(
                         "model.init_from %s is not here: fetching it from the scheduler",

@@ -19,7 +19,7 @@ from stage_server.agent import REFUSED_RETRY_S, PeerAgent
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
 from swarm.device.oom import out_of_memory
-from swarm.job.config import JobConfig
+from swarm.job.config import JobConfig, parse_job
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.cache_room import drop_unused_items, hold
 from tests.support.jobs import BASE, render
@@ -287,6 +287,44 @@ def test_every_announcement_of_one_process_carries_its_incarnation(
     finally:
         executor.shutdown()
         executor2.shutdown()
+
+
+async def test_a_spec_this_peer_cannot_parse_is_refused_said_and_parsed_once_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job with a key this peer's version does not know (a friend's machine on an older
+    swarm): it logged an ERROR at each announcement (every few seconds) and said nothing the
+    job's status could show, which asked for "a stage server" while this one was there. Now it
+    is refused as a failed measurement is, named in the peer's announcement, and not parsed
+    again for REFUSED_RETRY_S; the parse runs off the event loop (a 1 MiB spec takes seconds)."""
+    agent, _, executor = _agent(monkeypatch)
+    published: list[cpb.PeerAnnouncement] = []
+
+    async def publish(topic: str, message: Any, retain: bool = False) -> None:
+        published.append(message)
+
+    threads: list[threading.Thread] = []
+
+    def parse(*args: Any, **kwargs: Any) -> JobConfig:
+        threads.append(threading.current_thread())
+        return parse_job(*args, **kwargs)
+
+    monkeypatch.setattr(agent.bus, "publish", publish)
+    monkeypatch.setattr("stage_server.agent.parse_job", parse)
+    newer = render({**BASE, "training": {**BASE["training"], "a_newer_key": 1}})
+    try:
+        for _ in range(3):  # announced again and again while the job places
+            await agent._consume(_Messages(_placing("new", newer)))
+            await agent.settled()
+        assert agent.job_id == ""
+        said = published[-1]
+        assert said.refused_job == "new" and "a_newer_key" in said.refused, said.refused
+        assert said.refused.startswith("reading its spec failed"), said.refused
+        assert len(threads) == 1 and threading.main_thread() not in threads, threads
+        errors = [r for r in caplog.records if "a_newer_key" in r.getMessage()]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+    finally:
+        executor.shutdown()
 
 
 # -- issue 68 item 9: a starting checkpoint not on this machine ----------------------------------
