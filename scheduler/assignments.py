@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from scheduler.no_shows import NoShows
 from scheduler.registry import PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
 from scheduler.stalls import Health
@@ -71,6 +72,7 @@ class Assignments:
         # peer -> (job, stage, clock time) of its last assignment, until it serves there
         self._sent: dict[str, tuple[str, int, float]] = {}
         self._held_back: set[str] = set()  # peers not placed for their host's seats, said
+        self.no_shows = NoShows(serve_timeout_s)  # peers given stages they did not serve
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
 
     def reached(self, report: cpb.ReachabilityReport) -> None:
@@ -124,7 +126,7 @@ class Assignments:
                     )
                     await self._change(min(5.0, max(self.lost_stage_grace_s - held, 0.1)))
                     continue
-                available = self.registry.available(job_id, stages)
+                available = self.available(job_id, stages)
                 if len(available) < len(missing):
                     more = len(missing) - len(available)
                     await self.say(
@@ -134,12 +136,13 @@ class Assignments:
                         f"per stage ({stages - len(missing)} served, {len(available)} more "
                         f"peer(s) measured): {REMEDY} ({more} more)"
                         + self._unreachable(job_id)
-                        + self._refused(job_id),
+                        + self._refused(job_id)
+                        + self.no_shows.words(job_id, self._incarnations()),
                     )
                     await self._change(5.0)
                     continue
                 await self._settle(job_id, stages)  # let late peers finish measuring
-                available = self.registry.available(job_id, stages)
+                available = self.available(job_id, stages)
                 if len(available) < len(missing):
                     continue  # some left during the grace period
                 await self._assign_available(job_id, available, assigned, min_replicas)
@@ -155,9 +158,9 @@ class Assignments:
         Runs until cancelled."""
         while True:
             await self._change(5.0)
-            if self.registry.available(job_id, stages):
+            if self.available(job_id, stages):
                 await self._settle(job_id, stages)
-                available = self.registry.available(job_id, stages)
+                available = self.available(job_id, stages)
                 if available:
                     await self._assign_available(job_id, available, assigned, min_replicas)
 
@@ -184,15 +187,35 @@ class Assignments:
             arrived = there is not None and (there.state, there.job) == (serving, job)
             if there is None or (arrived and there.stage == stage) or now - at > timeout:
                 del self._sent[peer]  # arrived, gone, or given up on
+                if there is not None and arrived and there.stage == stage:
+                    self.no_shows.served(job, peer)
+                elif there is not None and not arrived:  # dropped it without a word
+                    self.no_shows.missed(job, peer, stage, there.incarnation)
             elif job == job_id and stage < stages:
                 result[stage].append(peer)
         return result
+
+    def available(self, job_id: str, stages: int) -> dict[str, list[float]]:
+        """`registry.available`, but for the peers left out after assignments of the job they
+        did not serve (`scheduler.no_shows`), counted first."""
+        self.on_the_way(job_id, stages)
+        self.no_shows.keep(set(self.registry.peers))
+        incarnations = self._incarnations()
+        return {
+            peer: speeds
+            for peer, speeds in self.registry.available(job_id, stages).items()
+            if not self.no_shows.left_out(job_id, peer, incarnations[peer])
+        }
+
+    def _incarnations(self) -> dict[str, str]:
+        return {peer: a.incarnation for peer, a in self.registry.peers.items()}
 
     async def withdraw(self, job_id: str, peers: set[str]) -> None:
         """Clear the assignments of an ended job (its announcement frees the peers)."""
         for peer in sorted(peers):
             await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
         self.registry.withdrawn(job_id)
+        self.no_shows.forget(job_id)
 
     async def _assign_available(
         self,

@@ -184,7 +184,7 @@ class Mover:
 
     async def _send_idle(self, todo: list[int], now: float) -> None:
         """Idle peers measured for the job take the empty stages, the fastest at each."""
-        idle = self.assignments.registry.available(self.job_id, self.stages)
+        idle = self.assignments.available(self.job_id, self.stages)
         for k in todo:
             able = [p for p, row in idle.items() if row[k] > 0.0]
             if not able:

@@ -87,6 +87,29 @@ async def test_an_assignment_from_the_far_future_does_not_shut_out_the_real_ones
         executor.shutdown()
 
 
+async def test_an_assignment_older_than_one_taken_is_ignored_and_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted scheduler whose clock went back stamps its assignments before one this peer
+    took: ignored (as a repeat is), but said; a repeat of the same stamp stays silent."""
+    agent, servicer, executor = _agent(monkeypatch)
+    try:
+        await agent._on_job(cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_PLACING))
+        await agent.settled()
+        taken = cpb.Assignment(job="j", peer="p", stage=0, generation=_now_us())
+        await agent._on_assignment(taken)
+        await agent._on_assignment(taken)  # retained, again on a reconnect
+        assert not [r for r in caplog.records if "ignored an assignment" in r.getMessage()]
+        older = cpb.Assignment(job="j", peer="p", stage=1, generation=taken.generation - 60_000_000)
+        await agent._on_assignment(older)
+        said = [r for r in caplog.records if "ignored an assignment" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING
+        assert "stamped 60 s before one this peer took" in said[0].getMessage()
+        assert servicer.served == [("j", 0)]
+    finally:
+        executor.shutdown()
+
+
 async def test_an_active_announcement_undoes_a_forged_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
