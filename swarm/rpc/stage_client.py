@@ -23,6 +23,7 @@ from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
 from swarm.rpc import client_stream, epoch, late_audit
+from swarm.rpc.control_replies import SplitStub, check_commit, check_info, control_reply_bytes
 from swarm.rpc.push_call import PushCall
 from swarm.rpc.reply_checks import crossing_shape, needed
 from swarm.rpc.state_streams import ExpectedState, ReplicaStreams, StateSink, Update
@@ -136,12 +137,29 @@ class StageClient:
         self.channel = dial.channel(
             address, token=token, options=grpc_options(rt.max_message_bytes), direct=direct
         )
-        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        # The coordinator's unary calls go on a channel taking answers of their size only
+        # (`swarm.rpc.control_replies`), opened at the first (a trainer makes none).
+        self._token = token
+        self._control_channel: grpc.aio.Channel | None = None
+        self._control_stub: Any = None
+        self.stub: Any = SplitStub(stage_pb2_grpc.StageServiceStub(self.channel), self._control)
         self.last_queued_s = 0.0
         self._streams = ReplicaStreams(stage, address, self._timeout, self._max)
 
     async def close(self) -> None:
         await self.channel.close()
+        if self._control_channel is not None:
+            await self._control_channel.close()
+
+    def _control(self) -> Any:
+        """The stub of the channel for Commit, Discard, Join and Info."""
+        if self._control_stub is None:
+            options = grpc_options(control_reply_bytes(self.job))
+            self._control_channel = dial.channel(
+                self.address, token=self._token, options=options, direct=self.direct
+            )
+            self._control_stub = stage_pb2_grpc.StageServiceStub(self._control_channel)
+        return self._control_stub
 
     def _tensor(self, t: TensorLike, name: str, with_codec: int) -> tensor_pb2.Tensor:
         if isinstance(t, tensor_pb2.Tensor):
@@ -419,6 +437,7 @@ class StageClient:
         apply = phase == pb.COMMIT_PHASE_APPLY
         timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
         response: pb.StageCommitResponse = await self.stub.Commit(request, timeout=timeout)
+        check_commit(response, request)
         return response
 
     @_swarm_errors
@@ -470,6 +489,7 @@ class StageClient:
         response: pb.StageInfoResponse = await self.stub.Info(
             pb.StageInfoRequest(), timeout=self._timeout
         )
+        check_info(response, self.job)
         return response
 
     @_swarm_errors
