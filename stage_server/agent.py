@@ -433,20 +433,25 @@ class PeerAgent:
         self.state = cpb.PEER_STATE_JOINING
         await self.announce()
 
+    def _stale(self, assignment: cpb.Assignment) -> bool:
+        """Whether `assignment` is one this peer took already (retained messages come again on
+        a reconnect: silent) or older (the scheduler's clock gone back at a restart: said)."""
+        if assignment.generation > self._generation:
+            return False
+        if assignment.generation < self._generation:
+            log.warning(
+                "%s: ignored an assignment to stage %d of job %s stamped %.0f s before one "
+                "this peer took: the scheduler's clock went back? It is placed again once it "
+                "passes the stamp, or this peer restarts",
+                self.peer,
+                assignment.stage,
+                assignment.job,
+                (self._generation - assignment.generation) / 1e6,
+            )
+        return True
+
     async def _on_assignment(self, assignment: cpb.Assignment) -> None:
-        if assignment.generation <= self._generation:
-            # a repeated assignment (retained messages come again on reconnect): silent; an
-            # older one than this peer took is the scheduler's clock gone back (a restart)
-            if assignment.generation < self._generation:
-                log.warning(
-                    "%s: ignored an assignment to stage %d of job %s stamped %.0f s before one "
-                    "this peer took: the scheduler's clock went back? It is placed again once "
-                    "it passes the stamp, or this peer restarts",
-                    self.peer,
-                    assignment.stage,
-                    assignment.job,
-                    (self._generation - assignment.generation) / 1e6,
-                )
+        if self._stale(assignment):
             return
         ahead_s = (assignment.generation - time.time_ns() // 1000) / 1e6
         if ahead_s > MAX_CLOCK_SKEW_S:
