@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from scheduler.failure_domains import domains_of
+from scheduler.own_link import OwnLink
 from swarm.clock import Clock
 from swarm.net import paths
 from swarm.net.bandwidth import plausible_rates
@@ -78,10 +79,13 @@ class PeerRegistry:
         load_silence_s: float,
         serve_timeout_s: float,
         require_reachable: bool = False,
+        link: Callable[[], bool] = lambda: True,
     ) -> None:
         """`serve_timeout_s`: a peer assigned a stage that still says JOINING after this long is
         available to be placed again; `require_reachable`: only peers a dial-back reached are
-        placed (`reached`)."""
+        placed (`reached`); `link()`: whether this process's own broker link is up (silences
+        are not judged while it is down: `scheduler.own_link`)."""
+        self.link = OwnLink(clock, link)
         self.require_reachable = require_reachable
         self._reach: dict[str, cpb.ReachabilityReport] = {}  # peer -> its last dial-back
         self.clock = clock
@@ -415,7 +419,8 @@ class PeerRegistry:
 
     def quiet(self, job_id: str, peer: str) -> float:
         """Seconds since `peer`'s last load report for this job, or, before its first, since it
-        was first seen serving the job (0: neither)."""
+        was first seen serving the job (0: neither), or since this process's own broker link
+        last came up, whichever was last."""
         load = self._loads.get(peer)
         if load is not None and load.job == job_id:
             at = load.at
@@ -424,7 +429,8 @@ class PeerRegistry:
             if since is None or since[0] != job_id:
                 return 0.0
             at = since[1]  # no report for the job yet
-        return self.clock.now() - at
+        up = self.link.since()  # nobody is heard while this process's own link is down
+        return 0.0 if up is None else self.clock.now() - max(at, up)
 
     def _silent(self, job_id: str, peer: str) -> bool:
         """Whether `peer` has been quiet for longer than `load_silence_s` (`quiet`)."""

@@ -83,6 +83,8 @@ class Scheduler:
             load_silence_s=opts.load_silence_s,
             serve_timeout_s=opts.serve_timeout_s,
             require_reachable=True,
+            # peers' silences not judged while its own link is down (a fake bus: always up)
+            link=lambda: bool(getattr(bus, "connected", True)),
         )
         self.peer_room = PeerRoom(self.peer_registry)  # at most MAX_PEERS of them kept
         # Each unfinished job's waiting and warnings (placement's and the running job's watch).
