@@ -8,20 +8,9 @@ from __future__ import annotations
 
 from scheduler.registry import PeerRegistry
 from swarm.clock import FakeClock
-from swarm.proto import control_pb2 as cpb
+from tests.support.announcements import serving
 
 SILENCE_S = 10.0
-
-
-def _serving(peer: str, stage: int) -> cpb.PeerAnnouncement:
-    return cpb.PeerAnnouncement(
-        peer=peer,
-        address=f"{peer}:1",
-        job="j",
-        stage=stage,
-        state=cpb.PEER_STATE_SERVING,
-        samples_per_second={0: 5.0, 1: 5.0},
-    )
 
 
 def _members(registry: PeerRegistry) -> list[list[str]]:
@@ -34,7 +23,7 @@ def test_silences_are_not_judged_while_the_schedulers_own_link_is_down() -> None
         clock, load_silence_s=SILENCE_S, serve_timeout_s=60.0, link=lambda: up[0]
     )
     for peer, stage in (("a", 0), ("b", 1)):
-        registry.announce(_serving(peer, stage))
+        registry.announce(serving(peer, stage, speeds=[5.0, 5.0]))
     assert _members(registry) == [["a"], ["b"]]
     up[0] = False  # the broker restarted: no report reaches the scheduler
     _members(registry)
@@ -51,6 +40,6 @@ def test_silences_are_not_judged_while_the_schedulers_own_link_is_down() -> None
 def test_a_peer_silent_while_the_link_is_up_is_left_out_as_before() -> None:
     clock = FakeClock()
     registry = PeerRegistry(clock, load_silence_s=SILENCE_S, serve_timeout_s=60.0)
-    registry.announce(_serving("a", 0))
+    registry.announce(serving("a", 0, speeds=[5.0, 5.0]))
     clock.advance(SILENCE_S + 1)
     assert _members(registry) == [[], []]

@@ -14,18 +14,8 @@ from scheduler.registry import PeerRegistry
 from swarm.clock import MonotonicClock
 from swarm.job.config import RebalanceConfig
 from swarm.proto import control_pb2 as cpb
+from tests.support.announcements import serving
 from tests.support.fakes import SilentBus
-
-
-def _serving(peer: str, stage: int, speeds: list[float]) -> cpb.PeerAnnouncement:
-    return cpb.PeerAnnouncement(
-        peer=peer,
-        address=f"{peer}:1",
-        job="j",
-        stage=stage,
-        state=cpb.PEER_STATE_SERVING,
-        samples_per_second=dict(enumerate(speeds)),
-    )
 
 
 def _joining(peer: str, speeds: list[float]) -> cpb.PeerAnnouncement:
@@ -37,7 +27,7 @@ def _joining(peer: str, speeds: list[float]) -> cpb.PeerAnnouncement:
 def _stage_1_lost(registry: PeerRegistry) -> None:
     """Stage 1 of three has lost its last replica; stage 2 has two, stage 0 one."""
     for peer, stage in (("a", 0), ("b", 2), ("c", 2)):
-        registry.announce(_serving(peer, stage, [5.0, 5.0, 5.0]))
+        registry.announce(serving(peer, stage, speeds=[5.0, 5.0, 5.0]))
 
 
 def _scheduler(
@@ -59,9 +49,9 @@ def _scheduler(
 def test_a_spare_replica_is_moved_at_once_and_once() -> None:
     registry, assignments, mover, moves = _scheduler()
     for a in (
-        _serving("a", 0, [5.0, 5.0, 5.0]),
-        _serving("b", 2, [4.0, 2.0, 4.0]),
-        _serving("c", 2, [4.0, 3.0, 4.0]),
+        serving("a", 0, speeds=[5.0, 5.0, 5.0]),
+        serving("b", 2, speeds=[4.0, 2.0, 4.0]),
+        serving("c", 2, speeds=[4.0, 3.0, 4.0]),
     ):
         registry.announce(a)  # stage 1 has lost its last replica
 
@@ -72,7 +62,7 @@ def test_a_spare_replica_is_moved_at_once_and_once() -> None:
     assert first == again == {1: "moving c from stage 2 (a spare replica)"}
     assert moves.labels(job="j")._value.get() == 1.0  # one move, not one a look
     assert assignments.on_the_way("j", 3) == [[], ["c"], []]
-    registry.announce(_serving("c", 1, [4.0, 3.0, 4.0]))  # it serves there now
+    registry.announce(serving("c", 1, speeds=[4.0, 3.0, 4.0]))  # it serves there now
     assert assignments.on_the_way("j", 3) == [[], [], []]
     assert asyncio.run(mover.refill([])) == {}
 
@@ -120,11 +110,11 @@ def test_joining_peers_fill_the_short_stage_once_counting_those_on_their_way() -
     # 0 is the bottleneck); the second, joining before the first serves, goes by throughput.
     registry, assignments, _, _ = _scheduler(min_replicas=2)
     for a in (
-        _serving("a", 0, [1.0, 1.0, 1.0]),
-        _serving("b", 0, [1.0, 1.0, 1.0]),
-        _serving("c", 1, [5.0, 5.0, 5.0]),
-        _serving("d", 2, [5.0, 5.0, 5.0]),
-        _serving("e", 2, [5.0, 5.0, 5.0]),
+        serving("a", 0, speeds=[1.0, 1.0, 1.0]),
+        serving("b", 0, speeds=[1.0, 1.0, 1.0]),
+        serving("c", 1, speeds=[5.0, 5.0, 5.0]),
+        serving("d", 2, speeds=[5.0, 5.0, 5.0]),
+        serving("e", 2, speeds=[5.0, 5.0, 5.0]),
     ):
         registry.announce(a)
 

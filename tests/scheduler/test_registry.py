@@ -25,6 +25,7 @@ from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Replica
+from tests.support.announcements import serving
 
 SILENCE_S = 10.0
 SERVE_TIMEOUT_S = 300.0
@@ -32,19 +33,6 @@ SERVE_TIMEOUT_S = 300.0
 
 def registry(clock: FakeClock) -> PeerRegistry:
     return PeerRegistry(clock, load_silence_s=SILENCE_S, serve_timeout_s=SERVE_TIMEOUT_S)
-
-
-def serving(
-    peer: str, stage: int, job: str = "j", speeds: tuple[float, ...] = (2.0, 3.0)
-) -> cpb.PeerAnnouncement:
-    return cpb.PeerAnnouncement(
-        peer=peer,
-        address=f"{peer}:1",
-        job=job,
-        stage=stage,
-        state=cpb.PEER_STATE_SERVING,
-        samples_per_second=dict(enumerate(speeds)),
-    )
 
 
 def joining(
