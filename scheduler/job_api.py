@@ -18,8 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from scheduler import data_root as roots
 from scheduler.admission import Admission
 from scheduler.callers import Callers
@@ -56,7 +54,6 @@ from swarm.rpc.lease import (
 from swarm.rpc.reader_idle import READER_IDLE_S
 from swarm.rpc.servicing import Servicing
 from swarm.wire import chunking as wire
-from swarm.wire import codec
 
 __all__ = [
     "LIST_PAGE_BYTES",
@@ -368,9 +365,11 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 if not state:
                     raise FailedPrecondition(f"job {request.job!r} has no parameters to export")
                 for name, tensor in state.items():
-                    # Off the event loop: a large tensor's copy would stall every other call.
-                    msg = await asyncio.to_thread(_message, name, tensor, step)
-                    for part in wire.split(msg, self.chunk_bytes):
+                    # Each chunk cut from the tensor's memory on a thread: a tensor encoded
+                    # whole, or split, on the loop (an embedding's GB) stalls every other call.
+                    header = scheduler_pb2.SchedulerExportModelResponse(step=step)
+                    parts = wire.split_tensor(header, name, tensor, self.chunk_bytes)
+                    while (part := await asyncio.to_thread(next, parts, None)) is not None:
                         yield part
             finally:
                 self._exports -= 1
@@ -433,11 +432,3 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         record = self._job(job_id)
         spec, base = record.spec, Path(record.base_dir)
         return await asyncio.to_thread(parse_job, spec, base, record.name, check_data=False)
-
-
-def _message(
-    name: str, tensor: torch.Tensor, step: int
-) -> scheduler_pb2.SchedulerExportModelResponse:
-    return scheduler_pb2.SchedulerExportModelResponse(
-        tensors=[codec.encode(tensor, name)], step=step
-    )
