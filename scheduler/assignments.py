@@ -200,6 +200,9 @@ class Assignments:
         did not serve (`scheduler.no_shows`), counted first."""
         self.on_the_way(job_id, stages)
         self.no_shows.keep(set(self.registry.peers))
+        for peer, there in self.registry.peers.items():  # serving it: no miss in a row now
+            if (there.state, there.job) == (cpb.PEER_STATE_SERVING, job_id):
+                self.no_shows.served(job_id, peer)
         incarnations = self._incarnations()
         return {
             peer: speeds
@@ -216,6 +219,8 @@ class Assignments:
             await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
         self.registry.withdrawn(job_id)
         self.no_shows.forget(job_id)
+        for peer in [p for p, sent in self._sent.items() if sent[0] == job_id]:
+            del self._sent[peer]  # its assignments are void: none is a miss
 
     async def _assign_available(
         self,

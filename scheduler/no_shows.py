@@ -9,7 +9,7 @@ offered it the same stage again: every five minutes, for ever, while the job's s
 "starting 1 stage server(s): X on stage k". Now each miss is logged at WARNING with the peer and
 its stage, the job's waiting message names the peers left out and why, and a peer that missed
 `NO_SHOWS` assignments of a job in a row is not given it again until it restarts (a new
-incarnation: its clock or version fixed) or serves another stage of it."""
+incarnation: its clock or version fixed). A peer seen serving the job has no misses in a row."""
 
 from __future__ import annotations
 

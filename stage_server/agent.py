@@ -275,13 +275,12 @@ class PeerAgent:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.running.executor, fn, *args)
 
-    async def _job(self, announcement: cpb.JobAnnouncement) -> JobConfig | None:
+    async def _job(self, announcement: cpb.JobAnnouncement) -> JobConfig | ConfigError:
         """The announced job's config, parsed once and off the loop (a spec within its 1 MiB
-        bound can take seconds); one this peer cannot read (a key of a newer swarm) is refused
-        as a failed measurement is: said in its announcements, not parsed again for a while."""
+        bound can take seconds); or why this peer cannot read it (a key of a newer swarm)."""
         if announcement.job not in self._jobs:
             try:
-                self._jobs[announcement.job] = await asyncio.to_thread(
+                config = await asyncio.to_thread(
                     parse_job,
                     announcement.spec,
                     Path("/"),
@@ -289,9 +288,17 @@ class PeerAgent:
                     check_data=False,
                 )
             except ConfigError as e:
-                await self._refuse(announcement, e, "reading its spec")
-                return None
+                return e
+            if announcement.job in self._ended:
+                return config  # ended during the parse: nothing to keep it for
+            self._jobs[announcement.job] = config
         return self._jobs[announcement.job]
+
+    def _free_for(self, job: cpb.JobAnnouncement) -> bool:
+        """Whether this peer may take up `job` now: idle (or measured for no other), and the job
+        still running (announcements are read while a spec is parsed)."""
+        idle = self.job_id in ("", job.job) and not self.speeds and not self._taking.busy
+        return idle and job.job in self._active and job.job not in self._ended
 
     def _forget(self, job_id: str) -> None:
         """`job_id`'s config, and the cached checkpoint held for it: this peer reads it no more
@@ -336,7 +343,10 @@ class PeerAgent:
             if self._still_refused(job):
                 return
             config = await self._job(job)
-            if config is None:
+            if not self._free_for(job):
+                return  # taken up by another announcement meanwhile, or the job ended
+            if isinstance(config, ConfigError):  # refused as a failed measurement is: said
+                await self._refuse(job, config, "reading its spec")
                 return
             self.job_id = job.job  # taken up: no other job's announcement starts another
             self._taking.start(job.job, self._take_up(job, config), self._next_waiting)
@@ -435,14 +445,17 @@ class PeerAgent:
 
     def _stale(self, assignment: cpb.Assignment) -> bool:
         """Whether `assignment` is one this peer took already (retained messages come again on
-        a reconnect: silent) or older (the scheduler's clock gone back at a restart: said)."""
+        a reconnect: silent) or older (of its job: the scheduler's clock gone back at a
+        restart, said)."""
         if assignment.generation > self._generation:
             return False
-        if assignment.generation < self._generation:
+        # older, of the job this peer is measured for or serves (another job's retained one is
+        # an old assignment it moved on from, said again at each reconnect)
+        if assignment.generation < self._generation and assignment.job == self.job_id:
             log.warning(
                 "%s: ignored an assignment to stage %d of job %s stamped %.0f s before one "
-                "this peer took: the scheduler's clock went back? It is placed again once it "
-                "passes the stamp, or this peer restarts",
+                "this peer took: the scheduler's clock went back? Once it is right, restart "
+                "this peer",
                 self.peer,
                 assignment.stage,
                 assignment.job,

@@ -9,9 +9,9 @@ asked for its Info; one answering 64 MiB of receipts, or a PREPARE with millions
 checks, held the loop for seconds and filled the memory with small objects. An honest answer
 is kilobytes: its receipts at most the step's microbatches, its layers the job's, a sum check
 per part of the round and per audit seed, each listing at most the round's contributors. So the
-calls go on a channel of their own that takes at most `control_reply_bytes` (from the job's
-size, lazily opened: a trainer makes none of these calls), and an answer past its counts is the
-replica's `BadReply`, before any of it is used."""
+calls go on a channel of their own that takes at most `control_reply_bytes` (a quarter of the
+data channel's by default, lazily opened: a trainer makes none of these calls), and an answer
+past its counts is the replica's `BadReply`, before any of it is used."""
 
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ from swarm.proto import stage_pb2 as pb
 
 __all__ = ["CONTROL_CALLS", "SplitStub", "check_commit", "check_info", "control_reply_bytes"]
 
-BASE_BYTES = 1 << 20  # the fixed fields and the round's sum checks, with room
+# The fixed fields and a round's sum checks: an audited round of G replicas answers G x (G - 1)
+# checks of about 80 bytes (1.25 MB at G = 128); 16 MiB holds G of about 450. Nothing caps the
+# replicas of a stage, so past that a round's answers are refused (the counts still bound the
+# work after the parse: the channel's bound is the parse's).
+BASE_BYTES = 16 << 20
 PER_INDEX_BYTES = 16  # a receipt (an int64 varint and its tag) or a layer, with room
 
 
@@ -44,9 +48,10 @@ class SplitStub:
 
 
 def control_reply_bytes(job: JobConfig) -> int:
-    """The largest unary answer a replica of `job` may send the coordinator."""
+    """The largest unary answer a replica of `job` may send the coordinator: never more than the
+    job's own message bound."""
     indices = 2 * job.training.microbatches_per_step + job.model.n_layers
-    return BASE_BYTES + PER_INDEX_BYTES * indices
+    return min(BASE_BYTES + PER_INDEX_BYTES * indices, job.runtime.max_message_bytes)
 
 
 def check_info(response: pb.StageInfoResponse, job: JobConfig) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +49,13 @@ FETCH_ATTEMPTS = 8
 #: would otherwise hold the fetch for its stream's whole deadline (an hour:
 #: `swarm.rpc.init_fetch`). The wait for the first chunk is that deadline's alone.
 STALL_S = 120.0
-#: Seconds another process's fetch of the same item may write nothing before the wait for it is
-#: given up (its own streams are given up after `STALL_S`, and asked again, up to
-#: `FETCH_ATTEMPTS` times, backing off: this is past that).
-LOCK_STALL_S = 1200.0
+#: Seconds between a fetch lock's heartbeats: its holder stamps the lock file while it holds it,
+#: however slowly its fetch goes (the scheduler may hash a whole checkpoint, for up to an hour,
+#: before a stream's first byte).
+LOCK_BEAT_S = 30.0
+#: Seconds a held fetch lock may go without a heartbeat before a process waiting for it gives up:
+#: its holder is stopped or hung (a live one, however slow, stamps it every `LOCK_BEAT_S`).
+LOCK_STALL_S = 300.0
 _LOCK_POLL_S = 0.25
 _READ_CHUNK = 1 << 20
 
@@ -213,47 +217,47 @@ async def cache_lock(path: Path, kept: Path, stall_s: float = LOCK_STALL_S) -> A
     """Hold `path` (a lock file) exclusively while `kept` is fetched: two processes of one
     machine (or two tasks of one) fetching the same thing wait for each other, and the second
     finds it fetched. Released with the descriptor, even if the process dies. Polled, so a
-    cancel ends the wait with nothing left blocked; the wait is said once, and given up,
-    naming the lock, once the other's fetch (`kept`'s partial files) has written nothing for
-    `stall_s`."""
+    cancel ends the wait with nothing left blocked; the wait is said once, and given up, naming
+    the lock, once its holder's heartbeat (the lock file's time, stamped every `LOCK_BEAT_S`
+    while held) is `stall_s` old: the holder is stopped or hung, not slow."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         await _locked(fd, path, kept, stall_s)
-        yield
+        os.utime(fd)  # its first heartbeat, before any waiter could read an old time
+        beating = asyncio.create_task(_beat(fd), name=f"heartbeat of {path.name}")
+        try:
+            yield
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
     finally:
         os.close(fd)
 
 
 async def _locked(fd: int, path: Path, kept: Path, stall_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    written, since = -1.0, loop.time()
+    said = False
     while not taken_now(fd):
-        last = await asyncio.to_thread(_last_written, kept)
-        if written < 0:
+        if not said:
             log.warning(
                 "another process of this machine is fetching %s (it holds %s): waiting for it",
                 kept,
                 path,
             )
-        if last != written:
-            written, since = last, loop.time()
-        elif loop.time() - since > stall_s:
+            said = True
+        beat = time.time() - os.fstat(fd).st_mtime
+        if beat > stall_s:
             raise ConfigError(
-                f"another process of this machine holds {path} fetching {kept} and has written "
-                f"nothing for {stall_s:.0f} s: is it stuck? Stop it (its fetch goes on from its "
-                "partial files at the next start)"
+                f"another process of this machine holds {path} fetching {kept}, and its "
+                f"heartbeat stopped {beat:.0f} s ago: is it stopped or hung? Stop it (its fetch "
+                "goes on from its partial files at the next start)"
             )
         await asyncio.sleep(_LOCK_POLL_S)
 
 
-def _last_written(kept: Path) -> float:
-    """The latest time anything of `kept`'s fetch was written (its partial files, a whole
-    directory's included); 0 where nothing is there."""
-    latest = 0.0
-    for path in kept.parent.glob(f"{kept.name}.*") if kept.parent.is_dir() else ():
-        with contextlib.suppress(FileNotFoundError):
-            walked = path.rglob("*") if path.is_dir() else ()
-            for each in (path, *walked):
-                latest = max(latest, each.stat().st_mtime)
-    return latest
+async def _beat(fd: int) -> None:
+    """Stamp the held lock file every `LOCK_BEAT_S`: the waiters' sign of life."""
+    while True:
+        await asyncio.sleep(LOCK_BEAT_S)
+        os.utime(fd)

@@ -142,17 +142,21 @@ class StageClient:
         self._token = token
         self._control_channel: grpc.aio.Channel | None = None
         self._control_stub: Any = None
+        self._closed = False
         self.stub: Any = SplitStub(stage_pb2_grpc.StageServiceStub(self.channel), self._control)
         self.last_queued_s = 0.0
         self._streams = ReplicaStreams(stage, address, self._timeout, self._max)
 
     async def close(self) -> None:
+        self._closed = True  # no control channel is opened after: nothing would close it
         await self.channel.close()
         if self._control_channel is not None:
             await self._control_channel.close()
 
     def _control(self) -> Any:
         """The stub of the channel for Commit, Discard, Join and Info."""
+        if self._closed:
+            raise PeerUnavailable("the connection was closed before the call")
         if self._control_stub is None:
             options = grpc_options(control_reply_bytes(self.job))
             self._control_channel = dial.channel(

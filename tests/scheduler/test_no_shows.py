@@ -31,6 +31,17 @@ def _joining(peer: str, incarnation: str = "1") -> cpb.PeerAnnouncement:
     )
 
 
+def _placement(clock: FakeClock) -> tuple[PeerRegistry, Assignments]:
+    registry = PeerRegistry(clock, load_silence_s=1e9, serve_timeout_s=TIMEOUT_S)
+
+    async def say(job: str, text: str) -> None:
+        pass
+
+    return registry, Assignments(
+        registry, SilentBus(), say, grace_s=0.0, serve_timeout_s=TIMEOUT_S, lost_stage_grace_s=0.0
+    )
+
+
 async def test_a_peer_that_never_serves_its_stage_is_said_and_left_out_after_three(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -73,14 +84,7 @@ async def test_a_peer_that_never_serves_its_stage_is_said_and_left_out_after_thr
 
 async def test_an_ended_jobs_misses_and_gone_peers_are_forgotten() -> None:
     clock = FakeClock()
-    registry = PeerRegistry(clock, load_silence_s=1e9, serve_timeout_s=TIMEOUT_S)
-
-    async def say(job: str, text: str) -> None:
-        pass
-
-    assignments = Assignments(
-        registry, SilentBus(), say, grace_s=0.0, serve_timeout_s=TIMEOUT_S, lost_stage_grace_s=0.0
-    )
+    registry, assignments = _placement(clock)
     for peer in ("x", "z"):
         assignments.no_shows.missed("j", peer, 0, "1")
     registry.announce(_joining("x"))
@@ -88,3 +92,26 @@ async def test_an_ended_jobs_misses_and_gone_peers_are_forgotten() -> None:
     assert set(k[1] for k in assignments.no_shows._missed) == {"x"}
     await assignments.withdraw("j", {"x"})
     assert assignments.no_shows._missed == {}
+
+
+async def test_a_peer_serving_the_job_has_no_misses_in_a_row_and_a_withdrawn_job_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    registry, assignments = _placement(clock)
+    for _ in range(NO_SHOWS - 1):  # a slow build past the timeout, twice
+        assignments.no_shows.missed("j", "x", 0, "1")
+    registry.announce(
+        cpb.PeerAnnouncement(
+            peer="x", address="x:1", job="j", stage=0, state=cpb.PEER_STATE_SERVING, incarnation="1"
+        )
+    )
+    assignments.available("j", 1)  # it serves now: days later one more miss is not its third
+    assert assignments.no_shows._missed == {}
+    # a job withdrawn while its peer built: that assignment is void, never a miss
+    registry.announce(_joining("y"))
+    await assignments._assign_available("k", {"y": [5.0]}, [], 1)
+    await assignments.withdraw("k", {"y"})
+    clock.advance(TIMEOUT_S + 1)
+    assignments.available("j", 1)
+    assert not [r for r in caplog.records if "y was given" in r.getMessage()]

@@ -100,6 +100,10 @@ async def test_an_assignment_older_than_one_taken_is_ignored_and_said(
         await agent._on_assignment(taken)
         await agent._on_assignment(taken)  # retained, again on a reconnect
         assert not [r for r in caplog.records if "ignored an assignment" in r.getMessage()]
+        # another job's, retained from before (refused, or moved on from): silent too
+        other = cpb.Assignment(job="k", peer="p", stage=1, generation=taken.generation - 1)
+        await agent._on_assignment(other)
+        assert not [r for r in caplog.records if "ignored an assignment" in r.getMessage()]
         older = cpb.Assignment(job="j", peer="p", stage=1, generation=taken.generation - 60_000_000)
         await agent._on_assignment(older)
         said = [r for r in caplog.records if "ignored an assignment" in r.getMessage()]
@@ -347,6 +351,33 @@ async def test_a_spec_this_peer_cannot_parse_is_refused_said_and_parsed_once_off
         errors = [r for r in caplog.records if "a_newer_key" in r.getMessage()]
         assert len(errors) == 1, [r.getMessage() for r in errors]
     finally:
+        executor.shutdown()
+
+
+async def test_a_job_that_ends_while_its_spec_is_parsed_is_not_taken_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The parse is off the loop: the job's end read meanwhile. Taken up after it, the peer sat
+    measured for a dead job, never free again (until a reconnect brought the end once more)."""
+    agent, _, executor = _agent(monkeypatch)
+    gate = threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> JobConfig:
+        gate.wait(5)
+        return parse_job(*args, **kwargs)
+
+    monkeypatch.setattr("stage_server.agent.parse_job", slow)
+    try:
+        taking = asyncio.create_task(agent._on_job(_placing("j")))
+        await asyncio.sleep(0.1)  # parsing
+        ended = cpb.JobAnnouncement(job="j", spec=SPEC, state=cpb.JOB_STATE_CANCELLED)
+        await agent._on_job(ended)
+        gate.set()
+        await asyncio.wait_for(taking, 5)
+        await agent.settled()
+        assert agent.job_id == "" and agent.speeds == {} and "j" not in agent._jobs
+    finally:
+        gate.set()
         executor.shutdown()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm.errors import BadReply, SwarmError
+from swarm.errors import BadReply, PeerUnavailable, SwarmError
 from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
@@ -83,9 +83,27 @@ async def test_an_honest_answer_passes_and_counts_past_the_job_are_the_replicas_
             await client.close()
 
 
+async def test_an_audited_round_of_many_replicas_answers_within_the_bound(tmp_path: Path) -> None:
+    """160 replicas, every other one audited by each: 160 x 159 audit checks, 1.25 MB (past the
+    1 MiB the control channel first took)."""
+    job, group = _job(tmp_path), 160
+    check = pb.SumCheck(part=1, dot=1.5, magnitude=2.5, sum_dot=3.5, unit=2**-53, norm=4.5)
+    answer = pb.StageCommitResponse(
+        sum_checks=[check] * group, audit_checks=[check] * (group * (group - 1))
+    )
+    assert answer.ByteSize() > 1_200_000
+    async with serving(_Answers(pb.StageInfoResponse(), answer)) as address:
+        client = StageClient(address, job, "j", 0)
+        try:
+            got = await _prepare(client, group, seeds=group - 1)
+            assert len(got.audit_checks) == group * (group - 1)
+        finally:
+            await client.close()
+
+
 async def test_an_answer_past_the_control_channels_size_is_never_parsed(tmp_path: Path) -> None:
     job = _job(tmp_path)
-    huge = pb.StageInfoResponse(peer="x" * (8 << 20))  # 8 MiB: within the data channel's 64
+    huge = pb.StageInfoResponse(peer="x" * (24 << 20))  # 24 MiB: within the data channel's 64
     assert huge.ByteSize() > control_reply_bytes(job)
     async with serving(_Answers(huge, pb.StageCommitResponse())) as address:
         client = StageClient(address, job, "j", 0)
@@ -94,3 +112,11 @@ async def test_an_answer_past_the_control_channels_size_is_never_parsed(tmp_path
                 await client.info()
         finally:
             await client.close()
+
+
+async def test_a_closed_client_opens_no_control_channel(tmp_path: Path) -> None:
+    client = StageClient("127.0.0.1:9", _job(tmp_path), "j", 0)
+    await client.close()
+    with pytest.raises(PeerUnavailable, match="closed before the call"):
+        await client.info()
+    assert client._control_channel is None  # none opened that nothing would close
