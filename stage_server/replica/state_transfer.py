@@ -376,7 +376,7 @@ class StateTransfer:
                 except wire.EndOfStream:
                     break
                 step = received.header.step
-                tensors = wire.decode_named(
+                tensors = await wire.decode_named_async(  # lossy values widened off the loop
                     received, max_bytes=limit, reserve=held.reserve, owned=True
                 )
                 budget -= sum(t.nbytes for t in tensors.values())
