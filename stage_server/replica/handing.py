@@ -35,9 +35,11 @@ from swarm.ops import faults, timeline
 from swarm.proto import tensor_pb2
 from swarm.wire import codec, hadamard
 
-__all__ = ["Handing", "Outgoing", "Outgoings", "reply_header"]
+__all__ = ["KEPT_PEERS", "Handing", "Outgoing", "Outgoings", "reply_header"]
 
 log = logging.getLogger(__name__)
+
+KEPT_PEERS = 1024  # next replicas whose site (or refusal) a served stage keeps, the latest
 
 
 class Handing:
@@ -55,7 +57,7 @@ class Handing:
         self.handover: Handover | None = None
         self._device: torch.device | None = None
         self._sites: dict[str, str] = {}  # a replica pushed to -> the site its answer named
-        self._refused: set[str] = set()  # replicas that refused a handover: the wire for good
+        self._refused: dict[str, None] = {}  # replicas that refused a handover: the wire
         self._offers = True  # False once an offer failed here: nothing handed over then
 
     def serve(self, device: torch.device) -> None:
@@ -70,8 +72,13 @@ class Handing:
         self.handover = self._make(device) if self.site else None
 
     def learned(self, peer: str, its_site: str) -> None:
-        """`peer`'s answer named `its_site`."""
-        self._sites[peer] = its_site
+        """`peer`'s answer named `its_site`. The latest `KEPT_PEERS` are kept: each push whose
+        route names a fresh peer (a hostile caller's, answered at the address it names) added
+        one for as long as the stage was served."""
+        self._sites.pop(peer, None)
+        self._sites[peer] = its_site  # the latest last
+        while len(self._sites) > KEPT_PEERS:
+            del self._sites[next(iter(self._sites))]
 
     def near(self, peer: str) -> bool:
         """Whether a push to `peer` is handed over."""
@@ -87,7 +94,9 @@ class Handing:
         later push to it goes on the wire (its answers naming our site again change nothing:
         a wrong guess costs one try, not one try every other push)."""
         first = peer not in self._refused  # others in flight then may be refused too
-        self._refused.add(peer)
+        self._refused[peer] = None  # the latest last; an old one forgotten tries once more
+        while len(self._refused) > KEPT_PEERS:
+            del self._refused[next(iter(self._refused))]
         self._sites.pop(peer, None)
         self.metrics.handed("refused")
         level = logging.WARNING if first else logging.INFO

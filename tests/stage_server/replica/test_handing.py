@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stage_server.peer.metrics import StageMetrics
-from stage_server.replica.handing import Handing, Outgoing
+from stage_server.replica.handing import KEPT_PEERS, Handing, Outgoing
 from stage_server.replica.messages import Limits, Messages
 from stage_server.replica.next_hop import NextHop, Onward, Pushed
 from swarm.device.handover import Offer
@@ -146,6 +146,21 @@ def test_outputs_are_offered_once_for_every_try_and_released_once() -> None:
     out.release()
     out.release()
     assert fake.store == {}
+
+
+def test_the_sites_learned_and_refusals_keep_the_latest_peers_only() -> None:
+    """A push whose route names a fresh peer (a hostile caller's) added one entry for as long
+    as the stage was served: the latest `KEPT_PEERS` are kept, the one used again among them."""
+    h = handing(FakeHandover())
+    h.learned("first", SITE)
+    for i in range(3 * KEPT_PEERS):
+        h.learned(f"made-up-{i}", SITE)
+        if i % 100 == 0:
+            h.learned("first", SITE)  # answering again: still near
+        h.refused(f"made-up-{i}", HandoverRefused("a made-up peer"))
+    assert len(h._sites) <= KEPT_PEERS and len(h._refused) <= KEPT_PEERS
+    assert h.near("first")
+    assert f"made-up-{3 * KEPT_PEERS - 1}" in h._refused
 
 
 def test_a_replica_without_a_site_hands_nothing_over() -> None:
@@ -302,7 +317,7 @@ def test_a_refusal_and_the_sites_learned_hold_for_the_stage_served_only() -> Non
     handing.serve(torch.device("cpu"))
     handing.learned("next", "site")
     handing.refused("next", HandoverRefused("no room"))
-    assert (handing._sites, handing._refused) == ({}, {"next"})
+    assert (handing._sites, handing._refused) == ({}, {"next": None})
     handing.learned("other", "site")
     handing.serve(torch.device("cpu"))  # the next job's stage (or a move)
-    assert (handing._sites, handing._refused) == ({}, set())
+    assert (handing._sites, handing._refused) == ({}, {})
