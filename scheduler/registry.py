@@ -430,7 +430,7 @@ class PeerRegistry:
                 return 0.0
             at = since[1]  # no report for the job yet
         up = self.link.since()  # nobody is heard while this process's own link is down
-        return 0.0 if up is None else self.clock.now() - max(at, up)
+        return 0.0 if up is None else max(0.0, self.clock.now() - max(at, up))
 
     def _silent(self, job_id: str, peer: str) -> bool:
         """Whether `peer` has been quiet for longer than `load_silence_s` (`quiet`)."""

@@ -94,6 +94,7 @@ class Handing:
         later push to it goes on the wire (its answers naming our site again change nothing:
         a wrong guess costs one try, not one try every other push)."""
         first = peer not in self._refused  # others in flight then may be refused too
+        self._refused.pop(peer, None)
         self._refused[peer] = None  # the latest last; an old one forgotten tries once more
         while len(self._refused) > KEPT_PEERS:
             del self._refused[next(iter(self._refused))]

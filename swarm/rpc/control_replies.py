@@ -25,9 +25,9 @@ from swarm.proto import stage_pb2 as pb
 __all__ = ["CONTROL_CALLS", "SplitStub", "check_commit", "check_info", "control_reply_bytes"]
 
 # The fixed fields and a round's sum checks: an audited round of G replicas answers G x (G - 1)
-# checks of about 80 bytes (1.25 MB at G = 128); 16 MiB holds G of about 450. Nothing caps the
-# replicas of a stage, so past that a round's answers are refused (the counts still bound the
-# work after the parse: the channel's bound is the parse's).
+# checks of about 80 bytes and its own part's lists (1.25 MB at G = 128); 16 MiB holds G of
+# about 380. Nothing caps the replicas of a stage, so past that a round's answers are refused
+# (the counts still bound the work after the parse: the channel's bound is the parse's).
 BASE_BYTES = 16 << 20
 PER_INDEX_BYTES = 16  # a receipt (an int64 varint and its tag) or a layer, with room
 

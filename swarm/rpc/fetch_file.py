@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +218,7 @@ async def cache_lock(path: Path, kept: Path, stall_s: float = LOCK_STALL_S) -> A
     finds it fetched. Released with the descriptor, even if the process dies. Polled, so a
     cancel ends the wait with nothing left blocked; the wait is said once, and given up, naming
     the lock, once its holder's heartbeat (the lock file's time, stamped every `LOCK_BEAT_S`
-    while held) is `stall_s` old: the holder is stopped or hung, not slow."""
+    while held) has not moved for `stall_s`: the holder is stopped or hung, not slow."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -230,34 +229,44 @@ async def cache_lock(path: Path, kept: Path, stall_s: float = LOCK_STALL_S) -> A
             yield
         finally:
             beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+            await asyncio.wait({beating})  # a cancel of this task itself is not swallowed
     finally:
         os.close(fd)
 
 
 async def _locked(fd: int, path: Path, kept: Path, stall_s: float) -> None:
-    said = False
+    """Take the lock on `fd`, waiting while its holder's heartbeat moves. The heartbeat is read
+    as it changes on this process's own clock, never against the wall clock: a lock file's time
+    is a day old under a removal of a stale partial (which beats not), or just before a new
+    holder's first stamp, and a laptop's sleep moves the wall clock past any stamp."""
+    loop = asyncio.get_running_loop()
+    stamp, since = -1, loop.time()
     while not taken_now(fd):
-        if not said:
+        if stamp < 0:
             log.warning(
                 "another process of this machine is fetching %s (it holds %s): waiting for it",
                 kept,
                 path,
             )
-            said = True
-        beat = time.time() - os.fstat(fd).st_mtime
-        if beat > stall_s:
+        now_stamp = os.fstat(fd).st_mtime_ns
+        if now_stamp != stamp:
+            stamp, since = now_stamp, loop.time()
+        elif loop.time() - since > stall_s:
             raise ConfigError(
                 f"another process of this machine holds {path} fetching {kept}, and its "
-                f"heartbeat stopped {beat:.0f} s ago: is it stopped or hung? Stop it (its fetch "
-                "goes on from its partial files at the next start)"
+                f"heartbeat has not come for {stall_s:.0f} s: is it stopped or hung? Stop it "
+                "(its fetch goes on from its partial files at the next start)"
             )
         await asyncio.sleep(_LOCK_POLL_S)
 
 
 async def _beat(fd: int) -> None:
-    """Stamp the held lock file every `LOCK_BEAT_S`: the waiters' sign of life."""
+    """Stamp the held lock file every `LOCK_BEAT_S`: the waiters' sign of life. A stamp that
+    fails (a file system gone read-only) is said and ends the heartbeat, not the fetch."""
     while True:
         await asyncio.sleep(LOCK_BEAT_S)
-        os.utime(fd)
+        try:
+            os.utime(fd)
+        except OSError as e:
+            log.warning("the fetch lock's heartbeat stopped (%s): waiters may give up", e)
+            return

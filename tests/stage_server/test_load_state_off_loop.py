@@ -1,6 +1,7 @@
 """A LoadState's tensors are decoded as every other received state is (`decode_named_async`):
 lossy ones widened on a thread, not on the stage server's event loop (a standalone server's
-caller may send them, up to `max_tensor_bytes` a message). A live stage server, a real call."""
+caller may send them, up to `max_tensor_bytes` a message). A live stage server, a real call;
+what that decode puts on a thread is its own tests' (tests/swarm/wire)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.support.middle_stage import MIDDLE
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_a_load_states_tensors_are_decoded_as_off_the_loop(
+async def test_a_load_states_tensors_go_through_the_decode_for_an_event_loop(
     server: RunningStageServer, job: JobConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     decoded: list[int] = []

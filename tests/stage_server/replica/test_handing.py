@@ -150,17 +150,20 @@ def test_outputs_are_offered_once_for_every_try_and_released_once() -> None:
 
 def test_the_sites_learned_and_refusals_keep_the_latest_peers_only() -> None:
     """A push whose route names a fresh peer (a hostile caller's) added one entry for as long
-    as the stage was served: the latest `KEPT_PEERS` are kept, the one used again among them."""
+    as the stage was served: the latest `KEPT_PEERS` are kept, one used again among them."""
     h = handing(FakeHandover())
     h.learned("first", SITE)
+    h.refused("refuser", HandoverRefused("no room"))
     for i in range(3 * KEPT_PEERS):
         h.learned(f"made-up-{i}", SITE)
+        h.refused(f"refused-{i}", HandoverRefused("a made-up peer"))
         if i % 100 == 0:
             h.learned("first", SITE)  # answering again: still near
-        h.refused(f"made-up-{i}", HandoverRefused("a made-up peer"))
-    assert len(h._sites) <= KEPT_PEERS and len(h._refused) <= KEPT_PEERS
-    assert h.near("first")
-    assert f"made-up-{3 * KEPT_PEERS - 1}" in h._refused
+            h.refused("refuser", HandoverRefused("no room"))  # refusing again: still refused
+    assert len(h._sites) == KEPT_PEERS and len(h._refused) == KEPT_PEERS
+    assert h.near("first") and f"made-up-{3 * KEPT_PEERS - 1}" in h._sites
+    assert "refuser" in h._refused and f"refused-{3 * KEPT_PEERS - 1}" in h._refused
+    assert "made-up-0" not in h._sites and "refused-0" not in h._refused
 
 
 def test_a_replica_without_a_site_hands_nothing_over() -> None:

@@ -47,12 +47,31 @@ async def test_a_holder_whose_heartbeat_stopped_is_given_up_on_and_named(
     lock, kept = tmp_path / "locks" / "data-x", tmp_path / "data" / "x"
     with _other_fetch(lock, age_s=600.0), caplog.at_level(logging.INFO):  # stopped 10 min ago
         async with asyncio.timeout(10):  # the old wait: for ever
-            with pytest.raises(ConfigError, match=r"its heartbeat stopped 60\d s ago") as e:
-                async with cache_lock(lock, kept):
+            with pytest.raises(ConfigError, match="heartbeat has not come for 1 s") as e:
+                async with cache_lock(lock, kept, stall_s=1.0):
                     pass
     assert str(lock) in str(e.value)
     waits = [r for r in caplog.records if "another process of this machine" in r.getMessage()]
     assert len(waits) == 1 and waits[0].levelno == logging.WARNING
+
+
+async def test_a_lock_file_with_an_old_time_is_waited_for_its_bound_from_the_waiters_arrival(
+    tmp_path: Path,
+) -> None:
+    """A removal of a stale partial holds the fetch lock without a heartbeat, its file a day
+    old (and a new holder's first stamp comes just after its lock): read against the wall
+    clock, the waiter gave up at its first look and refused the job."""
+    lock, kept = tmp_path / "locks" / "data-x", tmp_path / "data" / "x"
+    with _other_fetch(lock, age_s=86400.0):
+        waiting = asyncio.create_task(_take(lock, kept, stall_s=5.0))
+        await asyncio.sleep(1.0)  # the removal's rmtree
+        assert not waiting.done()
+    assert await asyncio.wait_for(waiting, 5)
+
+
+async def _take(lock: Path, kept: Path, stall_s: float) -> bool:
+    async with cache_lock(lock, kept, stall_s=stall_s):
+        return True
 
 
 async def test_a_live_holder_however_slow_is_waited_for_and_the_lock_then_taken(
