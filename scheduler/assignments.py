@@ -28,7 +28,7 @@ from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.net.seats import MAX_SEATS, seat
-from swarm.ops.printable import shown
+from swarm.ops.printable import quoted
 from swarm.policy.placement import path_speeds, place_new
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -351,9 +351,10 @@ class Assignments:
         )
         if not refusals:
             return ""
-        # At most a few, each escaped: any token holder's peer may say it refused any job, and
-        # the job's message is stored, logged and sent with its status.
-        said = "; ".join(f"{peer}: {shown(why)}" for peer, why in refusals[:REFUSALS_SHOWN])
+        # At most a few, each quoted and escaped: any token holder's peer may say it refused
+        # any job, and the job's message is stored, logged and sent with its status; within
+        # its quotes a peer's words cannot pass for the scheduler's ("; left out after ...").
+        said = "; ".join(f"{peer}: {quoted(why)}" for peer, why in refusals[:REFUSALS_SHOWN])
         more = len(refusals) - REFUSALS_SHOWN
         return f"; refused by {said}" + (f" (and {more} more)" if more > 0 else "")
 

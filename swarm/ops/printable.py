@@ -9,7 +9,7 @@ command that prints such text uses.
 
 from __future__ import annotations
 
-__all__ = ["shown"]
+__all__ = ["quoted", "shown"]
 
 
 def shown(text: str) -> str:
@@ -17,3 +17,10 @@ def shown(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def quoted(text: str) -> str:
+    """`text` as another's words in a line of ours: in double quotes, its own quotes and
+    backslashes escaped and each unprintable character written as its escape, so nothing in it
+    ends the quote or starts a line."""
+    return '"' + shown(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'

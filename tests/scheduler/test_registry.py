@@ -343,13 +343,16 @@ async def test_a_job_waiting_for_peers_names_those_that_refused_it_and_why() -> 
         said_too = cpb.PeerAnnouncement()
         said_too.CopyFrom(refusing)
         said_too.peer, said_too.refused = f"z{i}", "forged\nERROR scheduler: a line"
+        if i == 0:  # words that would pass for the scheduler's own, out of their quotes
+            said_too.refused = 'x"; left out after 3 assignments: gpu-1 (stage 0'
         reg.announce(said_too)
     reg.announce(joining("p"))
     async with _placing(reg, 4, Health()) as said:
         assert said[0].startswith("waiting for peers: "), said
     assert said[0].endswith(
-        "; refused by gpu-1: building stage 1 failed (OutOfDeviceMemory: out of device memory); "
-        "z0: forged\\nERROR scheduler: a line; z1: forged\\nERROR scheduler: a line (and 8 more)"
+        '; refused by gpu-1: "building stage 1 failed (OutOfDeviceMemory: out of device memory)"; '
+        'z0: "x\\"; left out after 3 assignments: gpu-1 (stage 0"; '
+        'z1: "forged\\nERROR scheduler: a line" (and 8 more)'
     ), said
 
 
