@@ -147,7 +147,10 @@ class Attachment:
     def _set(self, relay: str | None) -> None:
         if relay != self._relay:
             self._relay = relay
-            self._on_change(relay)
+            try:
+                self._on_change(relay)
+            except Exception:  # what is told of it fails, not the attachment: it serves on
+                log.exception("%s: telling of relay %s failed", self.peer, relay)
 
     def _next(self, tried: set[str], first: list[str]) -> str | None:
         """The relay to try next this round: the first not tried yet of those listed at its

@@ -170,6 +170,34 @@ async def test_a_killed_relay_is_replaced_and_calls_resume() -> None:
         assert changes[-1] is None and attachment.relay is None
 
 
+async def test_an_attachment_whose_listener_fails_stays_attached_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What is told of a change (the peer's announcement, its reachability) raising ended the
+    attachment's task: unsaid (collected only at its stop), the peer unreachable until it
+    restarted. Now the failure is logged at ERROR and the attachment serves on."""
+    async with echo_server(TOKEN) as port:
+        relay = RelayServer(TOKEN)
+        a = f"127.0.0.1:{await relay.start('127.0.0.1', 0)}"
+
+        def told(change: str | None) -> None:
+            raise RuntimeError(f"announcing {change} failed")
+
+        attachment = Attachment(
+            "home-gpu", TOKEN, f"127.0.0.1:{port}", lambda: [a], told, address=f"{NAT_HOST}:{port}"
+        )
+        await attachment.start()
+        try:
+            await wait_until(lambda: attachment.relay == a)
+            via_a = paths.relayed_address("home-gpu", f"{NAT_HOST}:{port}", a)
+            assert await echo_bytes(via_a, TOKEN, [b"still"]) == [b"still"]
+        finally:
+            await attachment.stop()
+            await relay.stop()
+    said = [r for r in caplog.records if "announcing" in r.getMessage() or r.exc_info]
+    assert said and said[0].levelno == logging.ERROR, [r.getMessage() for r in caplog.records]
+
+
 class _LongPauses:
     """Pauses between rounds of relays long enough that a test times out waiting for one."""
 
