@@ -18,7 +18,7 @@ from pathlib import Path
 
 from swarm.job.config import JobConfig, verify_data
 from swarm.job.schema import FILE_DATA
-from swarm.rpc.cache_room import Uses, drop_stale_partials, drop_unused_items, holding
+from swarm.rpc.cache_room import Uses, holding, tidy
 from swarm.rpc.fetch_file import Source, cache_lock, fetch_file
 
 __all__ = ["Fetch", "local_data"]
@@ -55,8 +55,7 @@ async def local_data(
                         await fetch_file(source, kept, sha256=digest, what=f"data.{key}")
         # other files' fetches a job's end cut short go, and those nobody used for a week
         # (`swarm.rpc.cache_room`)
-        await asyncio.to_thread(drop_stale_partials, cache / "data", locks, "data", digest)
-        await asyncio.to_thread(drop_unused_items, cache / "data", locks, "data", digest)
+        await asyncio.to_thread(tidy, cache, "data", digest)
         data = replace(data, val_path=kept) if key == "val_path" else replace(data, path=kept)
     job = replace(job, data=data)
     return await asyncio.to_thread(verify_data, job)  # reads the file: off the event loop

@@ -45,14 +45,15 @@ __all__ = [
     "drop_unused_items",
     "hold",
     "holding",
+    "tidy",
     "use_file",
 ]
 
 log = logging.getLogger(__name__)
 
 STALE_S = 86400.0  # a partial fetch untouched this long is dropped (s)
-# the last suffix of what a fetch under way writes beside its item
 REMOVING = "removing"  # the last suffix of an item's name while it is removed (`_removed_item`)
+# the last suffix of what a fetch under way, or a removal, writes beside its item
 PARTS = ("partial", "manifest", REMOVING)
 ITEM_STALE_S = 7 * 86400.0  # a whole item nobody used this long is dropped (s): a week's jobs
 HEADROOM = 1 << 30  # bytes a fetch leaves free on the disk, where unused items can make room
@@ -167,6 +168,15 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def _free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
+
+
+def tidy(cache: Path, kind: str, using: str) -> None:
+    """At a use of item `using` of `kind` in `cache`: the other pins' stale partial fetches go,
+    and the items nobody used for `ITEM_STALE_S` (blocking: a caller on a loop runs it on a
+    thread)."""
+    folder, locks = cache / kind, cache / "locks"
+    drop_stale_partials(folder, locks, kind, using)
+    drop_unused_items(folder, locks, kind, using)
 
 
 def drop_unused_items(

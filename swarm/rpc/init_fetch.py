@@ -30,7 +30,7 @@ from swarm.net import dial
 from swarm.net.invite import cache_dir
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
-from swarm.rpc.cache_room import Uses, drop_stale_partials, drop_unused_items, holding
+from swarm.rpc.cache_room import Uses, drop_unused_items, holding, tidy
 from swarm.rpc.fetch_file import Source, cache_lock, durably_renamed, fetch_file
 from swarm.rpc.status import from_rpc_error
 from swarm.wire.chunking import grpc_options
@@ -83,8 +83,7 @@ async def local_init(
                     await _fetch_directory(fetch, kept, pin, locks)
     # other checkpoints' fetches a job's end cut short go, and those nobody used for a week
     # (`swarm.rpc.cache_room`)
-    await asyncio.to_thread(drop_stale_partials, cache / "init", locks, "init", pin)
-    await asyncio.to_thread(drop_unused_items, cache / "init", locks, "init", pin)
+    await asyncio.to_thread(tidy, cache, "init", pin)
     return replace(job, model=replace(job.model, init_from=kept))
 
 
