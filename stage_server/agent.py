@@ -338,8 +338,7 @@ class PeerAgent:
             self._active[job.job] = job
             self.running.servicer.trust(job)  # the scheduler's key, if it serves the job
             self._ended.pop(job.job, None)  # the scheduler says it runs: an earlier end is void
-        free = self.job_id in ("", job.job) and not self.speeds and not self._taking.busy
-        if job.state in _ACTIVE and free:
+        if job.state in _ACTIVE and self._free_for(job):
             if self._still_refused(job):
                 return
             config = await self._job(job)
