@@ -135,6 +135,12 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "Only a round's members reduce"
     "round-members": "any token holder reduces as any member of any round: plants what an owner "
     "sums and reports, aborts a round naming its members, holds every open round on made-up ids",
+    # docs/decisions.md, "Only a lease's holder accumulates"
+    "lease-ticket": "a token holder accumulates into any replica's microbatch: a finite gradient "
+    "replaces the honest one in the step, a NaN fails another submitter's job",
+    # docs/decisions.md, "A push record is made once a run"
+    "push-record": "a member of a push's path pushes the same run again with other inputs to an "
+    "honest replica it went through: the record audited is not what that replica accumulated",
 }
 
 

@@ -327,8 +327,9 @@ class PipelineTrainer:
 
     # -- one microbatch -------------------------------------------------------------------------
     async def _microbatch(self, task: Task) -> MicrobatchResult:
-        # Its stage calls carry its epoch: a rollback since retires them (`swarm.rpc.epoch`).
-        epoch.leased_in(task.epoch)
+        # Its stage calls carry its epoch (a rollback since retires them: `swarm.rpc.epoch`), and
+        # its accumulating ones its tickets (a replica the scheduler placed asks for them).
+        epoch.leased_in(task.epoch, task.tickets)
         if task.evaluate:
             ids, labels = self.val_data.microbatch(
                 VAL_STEP, task.index - self.job.training.microbatches_per_step

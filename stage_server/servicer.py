@@ -43,6 +43,7 @@ from swarm.device.compute_clock import clock_for
 from swarm.device.host_copies import HostCopies
 from swarm.errors import Busy, NotFound, SwarmError
 from swarm.net.commit_auth import STATE_DIGEST_KEY, CommitRefused, CommitVerifier
+from swarm.net.lease_tickets import LeaseTickets
 from swarm.net.refused_streams import RefusedStreams
 from swarm.net.told_ahead import refuse
 from swarm.ops.faults import Point, maybe_die
@@ -100,6 +101,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # it): the commit protocol's calls are then taken only signed with it. None: a server
         # whose owner coordinates it (`swarm trainer --stage-servers`): the token alone.
         self.commit_auth: CommitVerifier | None = None
+        # of the same key: whose lease tickets an accumulation needs (`swarm.net.lease_tickets`)
+        self.lease_tickets: LeaseTickets | None = None
         self._refusals = RatedLog(log)
         # A refused LoadState is read to its client's half-close before the refusal is sent.
         self._refused_streams = RefusedStreams(
@@ -144,7 +147,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # a hostile replica's lies that audits must catch, for tests (`replica.lying`)
         self._lies = lies_of(Poison.armed() if poison is None else poison)
         self._answering = Answering(
-            peer=peer, worker=self.worker, messages=self._messages, runtime=lambda: self.runtime
+            peer=peer,
+            worker=self.worker,
+            messages=self._messages,
+            runtime=lambda: self.runtime,
+            tickets=lambda: self.lease_tickets,
         )
         self._push = PushPlane(
             peer=peer,
@@ -212,6 +219,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         key = announced.scheduler_key
         if self.commit_auth is None or self.commit_auth.public != key:
             self.commit_auth = CommitVerifier(key, self.peer) if key else None
+            self.lease_tickets = LeaseTickets(key, self.peer) if key else None
 
     def release(self) -> None:
         """Stop serving: later calls are NOT_FOUND until the next `serve`."""

@@ -27,6 +27,7 @@ from scheduler.coordinator.commit import NonFiniteStep, TwoPhaseCommit
 from scheduler.coordinator.failures import CommitStalled
 from scheduler.coordinator.groups import Groups
 from scheduler.coordinator.late_receipts import LateReceipts
+from scheduler.coordinator.lease_signer import LeaseSigner
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.live_steps import Live, window_of
 from scheduler.coordinator.long_poll import LongPoll
@@ -107,6 +108,10 @@ class LocalCoordinator:
         self.on_step, self.on_rollback, self.on_status = on_step, on_rollback, on_status
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock or MonotonicClock()
+        # Each task's lease ticket, signed with the key the replicas' calls are signed with:
+        # the replicas of a job the scheduler placed ask for it (`swarm.net.lease_tickets`).
+        signing = connect.signing if isinstance(connect, GrpcReplicas) else None
+        self._tickets = LeaseSigner(job_id, signing)
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self._rated = RatedLog(log, clock=self.clock.now)  # what a trainer's call may repeat
         self._records = StepRecords(self.metrics, job.model.seq_len)
@@ -307,7 +312,8 @@ class LocalCoordinator:
                 self._receipts.check(ledger, returned)
             exclude = set(returned)
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
-            tasks = self._rollback.stamped(ledger.lease(trainer, share, exclude=exclude))
+            leased = self._rollback.stamped(ledger.lease(trainer, share, exclude=exclude))
+            tasks = self._tickets.signed(leased)
             if tasks:
                 self.bans.saw(members, ledger.step)  # where a ban would roll back to
                 self._open_next_early()

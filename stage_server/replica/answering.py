@@ -19,6 +19,8 @@ from stage_server.replica.messages import Messages
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.tensor_checks import Given
 from stage_server.replica.worker import Worker
+from swarm.errors import PermissionDenied
+from swarm.net.lease_tickets import LeaseTickets
 from swarm.ops.faults import Point, maybe_die
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
@@ -61,9 +63,12 @@ class Answering:
         worker: Worker,
         messages: Messages,
         runtime: Callable[[], StageRuntime],
+        tickets: Callable[[], LeaseTickets | None] = lambda: None,
     ) -> None:
+        """`tickets()`: what an accumulation's lease ticket is checked against (None: no
+        scheduler placed this replica, and the token is enough: `swarm.net.lease_tickets`)."""
         self.peer, self.worker, self.messages = peer, worker, messages
-        self._runtime = runtime
+        self._runtime, self._tickets = runtime, tickets
 
     def run(self, h: Any) -> Callable[..., Awaitable[tuple[Any, float]]]:
         """How the call of header `h` takes the worker: ahead of the calls queued in turn where
@@ -102,6 +107,25 @@ class Answering:
 
         return redoing
 
+    def _leased(self, tickets: LeaseTickets, h: Any) -> None:
+        """PermissionDenied unless the accumulating call of header `h` carries the scheduler's
+        lease ticket of its microbatch at this stage (`swarm.net.lease_tickets`). On the push
+        plane a stage accumulates only in the push that did its forward here: an accumulating
+        Backward or ForwardBackward there is no honest trainer's, whatever it carries."""
+        rt, mb = self._runtime(), h.microbatch
+        if isinstance(h, pb.StagePushRequest):
+            ticket = h.tickets[rt.stage] if rt.stage < len(h.tickets) else b""
+        elif rt.job.runtime.data_plane == "push":
+            raise PermissionDenied(
+                f"{self.peer}: microbatch ({mb.step}, {mb.index}): on the push plane a stage "
+                "accumulates only in the push that did its forward; an accumulating "
+                f"{'Backward' if isinstance(h, pb.StageBackwardRequest) else 'ForwardBackward'}"
+                " is refused (an audit's re-execution does not accumulate)"
+            )
+        else:
+            ticket = mb.ticket
+        tickets.check(h.job, mb.step, mb.index, mb.epoch, rt.stage, ticket)
+
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
 
@@ -128,6 +152,9 @@ class Answering:
         the calls queued where it is an audit's re-execution (`run`). `holder`: whose Forward's
         activations it may use (`stage_server.replica.activation_cache`)."""
         step, index = h.microbatch.step, h.microbatch.index
+        tickets = self._tickets()
+        if accumulate and tickets is not None:  # before it takes the worker
+            self._leased(tickets, h)
 
         def on_host(
             result: tuple[Any, ...],

@@ -124,7 +124,8 @@ class PushPlane:
         came = came or {}
         rt = self._runtime()
         check_route(call.route, rt.job.training.stages - rt.stage - 1)  # before it is followed
-        epoch.leased_in(h.microbatch.epoch)  # its push on carries the task's (`swarm.rpc.epoch`)
+        # its push on carries the task's epoch and tickets (`swarm.rpc.epoch`)
+        epoch.leased_in(h.microbatch.epoch, h.tickets)
         if rt.is_first:  # the token ids go on beside the outputs where the boundary needs them
             ids = call.crossing.hidden
             call = replace(call, crossing=Crossing(ids, rt.checks.boundary.tokens(ids)))
@@ -142,8 +143,13 @@ class PushPlane:
                     answer = await self._last_stage(here, call, record, came)
                 else:
                     answer = await self._through(here, call, time_remaining, record)
-            finally:
-                await record.settled()  # its digests read what came and went: before it goes
+            except BaseException:
+                try:
+                    await record.settled()  # its digests read what came and went: before it goes
+                finally:
+                    self.records.drop(record)  # the run's retry here makes its own
+                raise
+            await record.settled()
         answer.site = self.messages.handing.site
         return answer
 

@@ -41,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-from swarm.errors import ActivationsNotCached
+from swarm.errors import ActivationsNotCached, Busy
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
 from swarm.wire import codec
@@ -156,6 +156,12 @@ class PushRecord:
     _pending: dict[str, Future[bytes]] = field(default_factory=dict)
 
     @property
+    def key(self) -> tuple[int, int, int]:
+        """The run it records: (step, index, run)."""
+        c = self._commitment
+        return c.microbatch.step, c.microbatch.index, c.run
+
+    @property
     def commitment(self) -> pb.Commitment:
         """The commitment, its digests all in (waiting for any still being taken: a push
         `settled` its own before it answered, so `Record` finds them done)."""
@@ -238,9 +244,19 @@ class PushRecords:
         self._records: OrderedDict[tuple[int, int, int], PushRecord] = OrderedDict()
 
     def begin(self, stage: int, step: int, index: int, run: int) -> PushRecord:
-        """A new record for run `run` of microbatch `(step, index)` at `stage`."""
+        """A new record for run `run` of microbatch `(step, index)` at `stage`; Busy where this
+        replica has one of that run already (a run's push is taken once here: `drop` lets a
+        failed one go)."""
         key = (step, index, run)
-        self._records.pop(key, None)
+        if key in self._records:
+            # A member of the run's path knows its id: a second push of it here, with other
+            # inputs, would put in place of what this replica accumulated a record the
+            # trainer then audits it by. An honest retry whose try failed here left none
+            # (`drop`); one whose try succeeded and was lost goes on to another replica.
+            raise Busy(
+                f"{self.peer}: a push of run {run} of microbatch ({step}, {index}) came here "
+                "already; a run is taken once a replica: try another"
+            )
         mb = pb.MicrobatchId(step=step, index=index)
         commitment = pb.Commitment(peer=self.peer, stage=stage, microbatch=mb, run=run)
         record = PushRecord(commitment, digester=self.digester)
@@ -248,6 +264,14 @@ class PushRecords:
         while len(self._records) > max(1, self.limit()):
             self._records.popitem(last=False)
         return record
+
+    def drop(self, record: Recording) -> None:
+        """`record`'s push failed: it goes (the run's retry here makes its own). A record of
+        the same run begun since is another's, and stays."""
+        if not isinstance(record, PushRecord):
+            return  # NO_RECORD: nothing was kept
+        if self._records.get(record.key) is record:
+            del self._records[record.key]
 
     def get(self, step: int, index: int, run: int) -> PushRecord:
         record = self._records.get((step, index, run))

@@ -38,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from google.protobuf.message import Message
 
 from swarm.net.follow_tickets import issue_ticket
+from swarm.net.lease_tickets import issue_lease_ticket
 from swarm.net.round_tickets import issue_round_ticket
 from swarm.proto import stage_pb2 as pb
 
@@ -187,6 +188,12 @@ class SchedulerKey:
         """The ticket naming `follower` a follower of `source` (peer ids) in `stage` of `job`,
         which the coordinator's `Join` gives the joiner (`swarm.net.follow_tickets`)."""
         return issue_ticket(self._key, job, stage, follower, source, time.time())
+
+    def lease_ticket(self, job: str, step: int, index: int, epoch: int, stage: int) -> bytes:
+        """The ticket of microbatch `(step, index)` of `job` leased in rollback epoch `epoch`,
+        at `stage`, which its lessee's accumulating call there carries
+        (`swarm.net.lease_tickets`)."""
+        return issue_lease_ticket(self._key, job, step, index, epoch, stage)
 
 
 class SignedStub:

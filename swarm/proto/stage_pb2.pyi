@@ -31,14 +31,16 @@ EAGER_LAST: EagerOp
 EAGER_MEAN: EagerOp
 
 class MicrobatchId(_message.Message):
-    __slots__ = ("step", "index", "epoch")
+    __slots__ = ("step", "index", "epoch", "ticket")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     epoch: int
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., epoch: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class Receipt(_message.Message):
     __slots__ = ("peer", "stage", "microbatch", "samples", "duplicate")
@@ -175,7 +177,7 @@ class Route(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., throughput: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StagePushRequest(_message.Message):
-    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate", "run", "reply")
+    __slots__ = ("job", "stage", "microbatch", "tensors", "chunk", "accumulate", "route", "need_grad_inputs", "evaluate", "run", "reply", "tickets")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class StagePushRequest(_message.Message):
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    TICKETS_FIELD_NUMBER: _ClassVar[int]
     job: str
     stage: int
     microbatch: MicrobatchId
@@ -198,7 +201,8 @@ class StagePushRequest(_message.Message):
     evaluate: bool
     run: int
     reply: _tensor_pb2.Handover
-    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., run: _Optional[int] = ..., reply: _Optional[_Union[_tensor_pb2.Handover, _Mapping]] = ...) -> None: ...
+    tickets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, job: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., accumulate: _Optional[_Iterable[int]] = ..., route: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., need_grad_inputs: _Optional[bool] = ..., evaluate: _Optional[bool] = ..., run: _Optional[int] = ..., reply: _Optional[_Union[_tensor_pb2.Handover, _Mapping]] = ..., tickets: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StagePushResponse(_message.Message):
     __slots__ = ("tensors", "chunk", "receipts", "uncertain", "loss_sum", "queued_seconds", "path", "site")

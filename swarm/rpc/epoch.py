@@ -1,5 +1,5 @@
-"""The rollback epoch a stage call is made in: the coordinator's, as it was when the task the
-call serves was leased (`Task.epoch`).
+"""The lease a stage call serves: the rollback epoch it was leased in and its tickets, as the
+coordinator gave them with the task (`Task.epoch`, `Task.tickets`).
 
 A rollback loads one state on every replica and reopens the step it rolls back to; a trainer
 may still run a task leased before it. Were that task's calls to land after the load, they
@@ -10,24 +10,48 @@ microbatch's id carries the epoch (`MicrobatchId.epoch`), a rollback's LoadState
 (and the coordinator's Join too: a replica that joins after a rollback loaded none of its
 state), and a replica refuses work of an older epoch than it has seen (`Sums.admit`).
 
-The trainer sets it once per task (`leased_in`); the stage client reads it for each call,
-rather than every hop, audit and replay passing it along. Each task runs in its own asyncio
-task, whose context is its own: one task's epoch does not leak into another's."""
+An accumulating call carries its stage's lease ticket too (`MicrobatchId.ticket`; a push all of
+them, `StagePushRequest.tickets`): a replica the scheduler placed accumulates a microbatch only
+with it (`swarm.net.lease_tickets`). No other call carries one: a replica that forwards a
+microbatch, or redoes it for an audit, does not learn what would let it accumulate it elsewhere.
+
+The trainer sets them once per task (`leased_in`); the stage client reads them for each call,
+rather than every hop, audit and replay passing them along. Each task runs in its own asyncio
+task, whose context is its own: one task's lease does not leak into another's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextvars import ContextVar
 
-__all__ = ["current", "leased_in"]
+from swarm.proto import stage_pb2 as pb
 
-_EPOCH: ContextVar[int] = ContextVar("rollback_epoch", default=0)
+__all__ = ["current", "leased_in", "microbatch_id", "tickets"]
+
+_LEASE: ContextVar[tuple[int, tuple[bytes, ...]]] = ContextVar("lease", default=(0, ()))
 
 
-def leased_in(epoch: int) -> None:
-    """The calls the current asyncio task makes from now on serve work leased in `epoch`."""
-    _EPOCH.set(epoch)
+def leased_in(epoch: int, tickets: Sequence[bytes] = ()) -> None:
+    """The calls the current asyncio task makes from now on serve work leased in `epoch`, under
+    the scheduler's lease `tickets` (indexed by stage; b"" or none: no scheduler leased it)."""
+    _LEASE.set((epoch, tuple(tickets)))
 
 
 def current() -> int:
     """The epoch of the work the current asyncio task's calls serve (0: before any rollback)."""
-    return _EPOCH.get()
+    return _LEASE.get()[0]
+
+
+def tickets() -> tuple[bytes, ...]:
+    """The lease tickets of the work the current asyncio task's calls serve, by stage."""
+    return _LEASE.get()[1]
+
+
+def microbatch_id(step: int, index: int, accumulating_at: int | None = None) -> pb.MicrobatchId:
+    """The id a call of the current task names microbatch `(step, index)` by: its epoch, and,
+    for a call that accumulates at stage `accumulating_at`, that stage's ticket alone."""
+    ticket = b""
+    if accumulating_at is not None:
+        held = tickets()
+        ticket = held[accumulating_at] if accumulating_at < len(held) else b""
+    return pb.MicrobatchId(step=step, index=index, epoch=current(), ticket=ticket)

@@ -47,6 +47,10 @@ class Task:
     # replica that loaded a rollback's state since refuses them (`swarm.rpc.epoch`); when the
     # task was leased, not what it is: tasks compare without it
     epoch: int = field(default=0, compare=False)
+    # the scheduler's lease ticket of the microbatch at each stage in `stages`, indexed by stage
+    # (b"" elsewhere; none where no scheduler leased it): the task's accumulating call at a
+    # stage carries that stage's (`swarm.net.lease_tickets`). Compared without, as epoch.
+    tickets: tuple[bytes, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,7 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
                     spb.ContributionAudit(stage=a.stage, peer=a.peer, seed=a.seed) for a in t.audits
                 ],
                 epoch=t.epoch,
+                tickets=t.tickets,
             )
             for t in lease.tasks
         ],
@@ -236,6 +241,7 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
                 t.evaluate,
                 tuple(ContributionAudit(a.stage, a.peer, a.seed) for a in t.audits),
                 t.epoch,
+                tuple(t.tickets),
             )
             for t in msg.tasks
         ],

@@ -232,8 +232,10 @@ class StageClient:
             return None
         return needed(received, "grad_inputs", call, crossing_shape(like))
 
-    def _id(self, step: int, index: int) -> pb.MicrobatchId:
-        return pb.MicrobatchId(step=step, index=index, epoch=epoch.current())
+    def _id(self, step: int, index: int, accumulate: bool = False) -> pb.MicrobatchId:
+        """Microbatch `(step, index)` as the current task's calls name it: with this stage's
+        lease ticket only where the call accumulates (`swarm.rpc.epoch`)."""
+        return epoch.microbatch_id(step, index, self.stage if accumulate else None)
 
     @_swarm_errors
     async def forward(
@@ -282,7 +284,7 @@ class StageClient:
         request = pb.StageBackwardRequest(
             job=self.job_id,
             stage=self.stage,
-            microbatch=self._id(step, index),
+            microbatch=self._id(step, index, accumulate),
             tensors=tensors,
             reply_codec=self._backward,
             accumulate=accumulate,
@@ -314,7 +316,7 @@ class StageClient:
         request = pb.StageForwardBackwardRequest(
             job=self.job_id,
             stage=self.stage,
-            microbatch=self._id(step, index),
+            microbatch=self._id(step, index, accumulate),
             tensors=self._inputs_and_targets(crossing, targets),
             reply_codec=self._backward,
             accumulate=accumulate,
@@ -365,6 +367,8 @@ class StageClient:
             microbatch=self._id(call.step, call.index),
             tensors=self._inputs_and_targets(call.crossing, call.targets),
             accumulate=sorted(call.accumulate),
+            # each stage's lease ticket where it accumulates (`swarm.rpc.epoch`)
+            tickets=epoch.tickets() if call.accumulate else (),
             route=list(call.route),
             need_grad_inputs=call.need_grad_inputs,
             evaluate=call.evaluate,

@@ -55,7 +55,9 @@ MB = 3  # the microbatch of the step (its last: 4 a step) whose call comes acros
 
 @pytest.fixture
 def job(tmp_path: Path) -> JobConfig:
-    return make_job(tmp_path, training={"stages": 3})
+    # The carry plane: the trainer's own Backward accumulates (on the push plane a replica the
+    # scheduler placed accumulates only in a push: `swarm.net.lease_tickets`).
+    return make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "relay"})
 
 
 @pytest.fixture
@@ -145,7 +147,8 @@ async def test_a_replica_that_joins_after_a_rollback_refuses_work_leased_before_
         job_id,
         swarm.members,
         on_rollback=rolled.put_nowait,
-        connect=grpc_replicas(job, job_id, signing=key),  # the Join is signed, its epoch too
+        # the Join is signed, its epoch too, and each task's lease ticket
+        connect=grpc_replicas(job, job_id, signing=key),
     )
     client: StageClient | None = None
     try:
@@ -165,11 +168,11 @@ async def test_a_replica_that_joins_after_a_rollback_refuses_work_leased_before_
 
         client = StageClient(joiner.address, job, job_id, 1)
         x = torch.randn(4, 16, 32, dtype=torch.float64)
-        epoch.leased_in(stale.epoch)
+        epoch.leased_in(stale.epoch, stale.tickets)  # its lease's own: refused all the same
         with pytest.raises(FailedPrecondition, match="leased before a rollback"):
             await client.backward(stale.step, stale.index, Crossing(x), torch.ones_like(x))
         assert joiner.runtime.receipts(0) == {}  # before: {0: 4}, the stale work in the step
-        epoch.leased_in(fresh.epoch)
+        epoch.leased_in(fresh.epoch, fresh.tickets)
         await client.backward(fresh.step, fresh.index, Crossing(x), torch.ones_like(x))
         assert joiner.runtime.receipts(0) == {fresh.index: 4}
     finally:
@@ -184,15 +187,15 @@ async def test_only_the_schedulers_join_moves_a_replicas_epoch(
 ) -> None:
     """A token holder's Join naming a far-off epoch (it would have the replica refuse all honest
     work) is refused before anything is done: only the scheduler signs Joins."""
-    job_id = fingerprint(job)
-    _placed(server, job_id, SchedulerKey.generate())
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    _placed(server, job_id, key)
     client = StageClient(server.address, job, job_id, 1)
     x = torch.randn(4, 16, 32, dtype=torch.float64)
     try:
         with pytest.raises(RemoteError, match="UNAUTHENTICATED"):
             await client.join("127.0.0.1:1", 0, rollback_epoch=2**62)
         assert server.runtime.sums.epoch == 0
-        epoch.leased_in(BEFORE)  # the job's own, no rollback since
+        epoch.leased_in(BEFORE, (b"", key.lease_ticket(job_id, 0, 1, BEFORE, 1)))  # its lease
         await client.backward(0, 1, Crossing(x), torch.ones_like(x))
         assert server.runtime.receipts(0) == {1: 4}
     finally:

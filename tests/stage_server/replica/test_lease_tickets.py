@@ -1,0 +1,234 @@
+"""Only a lease's holder accumulates: a replica the scheduler placed adds a microbatch's gradient
+to its step's sums only from a call that carries the scheduler's lease ticket for that microbatch
+at its stage (`swarm.net.lease_tickets`).
+
+Before, any holder of the swarm token could send a `Backward` (or, at the last stage, a
+`ForwardBackward`) with `accumulate` for any `(step, index)` and any epoch it liked. The replica
+took the first accumulation of a microbatch and answered the honest one after it as a duplicate,
+which no trainer reads: a finite gradient of the caller's replaced the honest microbatch's in the
+step, and a NaN one failed another submitter's job (`NonFiniteStep`). Real stage servers on real
+ports, driven as an outsider and as the lessee drive them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler.coordinator import LocalCoordinator, gather_state
+from scheduler.coordinator.lease_signer import LeaseSigner
+from scheduler.coordinator.replicas import grpc_replicas
+from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.errors import RemoteError
+from swarm.job.config import JobConfig
+from swarm.job.fingerprint import fingerprint
+from swarm.net.commit_auth import SchedulerKey
+from swarm.proto import control_pb2 as cpb
+from swarm.rpc import epoch
+from swarm.rpc.lease import Lease, Task, lease_from_proto, lease_to_proto
+from swarm.rpc.stage_client import StageClient
+from swarm.wire.crossing import Crossing
+from tests.support.equality import assert_equal_to_local
+from tests.support.inprocess import Swarm
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.timeout(60)
+
+EPOCH = 7  # the coordinator's, when the microbatch was leased
+STEP, INDEX = 0, 1
+REFUSED = r"PERMISSION_DENIED.*lease ticket"
+
+
+def _job(tmp_path: Path, plane: str) -> JobConfig:
+    return make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": plane})
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> JobConfig:
+    """The carry plane's: the trainer sends each stage's Backward itself."""
+    return _job(tmp_path, "relay")
+
+
+async def _server(job: JobConfig, stage: int) -> RunningStageServer:
+    return await start_stage_server(job, StageServerOptions(stage=stage, metrics_port=0))
+
+
+@pytest.fixture
+async def middle(relay: JobConfig) -> AsyncIterator[RunningStageServer]:
+    running = await _server(relay, 1)
+    yield running
+    await running.stop()
+
+
+def _placed(server: RunningStageServer, job_id: str, key: SchedulerKey) -> None:
+    """`server` as the scheduler placed it: it knows the scheduler's key."""
+    server.servicer.trust(cpb.JobAnnouncement(job=job_id, scheduler_key=key.public))
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 16, 32, dtype=torch.float64)
+
+
+def _lease(*tickets: bytes) -> None:
+    """The current task's lease: its epoch, and its tickets by stage."""
+    epoch.leased_in(EPOCH, tickets)
+
+
+@pytest.mark.attack("lease-ticket")
+async def test_a_placed_replica_accumulates_only_with_its_stages_ticket(
+    relay: JobConfig, middle: RunningStageServer
+) -> None:
+    job_id, key = fingerprint(relay), SchedulerKey.generate()
+    _placed(middle, job_id, key)
+    x = _x()
+    poison = torch.full_like(x, float("nan"))
+    own = key.lease_ticket(job_id, STEP, INDEX, EPOCH, 1)
+    client = StageClient(middle.address, relay, job_id, 1)
+    try:
+        wrong = {
+            "no ticket (an outsider's)": b"",
+            "another stage's": key.lease_ticket(job_id, STEP, INDEX, EPOCH, 2),
+            "another microbatch's": key.lease_ticket(job_id, STEP, INDEX + 1, EPOCH, 1),
+            "another step's": key.lease_ticket(job_id, STEP + 1, INDEX, EPOCH, 1),
+            "another epoch's": key.lease_ticket(job_id, STEP, INDEX, EPOCH + 1, 1),
+            "another job's": key.lease_ticket("other-job", STEP, INDEX, EPOCH, 1),
+            "another key's": SchedulerKey.generate().lease_ticket(job_id, STEP, INDEX, EPOCH, 1),
+            "a malformed one": own[:-1],
+        }
+        for what, ticket in wrong.items():
+            _lease(b"", ticket)
+            with pytest.raises(RemoteError, match=REFUSED):
+                await client.backward(STEP, INDEX, Crossing(x), poison)
+            assert middle.runtime.receipts(STEP) == {}, what
+        # Stage 2's ticket sent as stage 1's (a stage after this one learns only its own).
+        _lease(b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 2))
+        with pytest.raises(RemoteError, match=REFUSED):
+            await client.backward(STEP, INDEX, Crossing(x), poison)
+        # An audit's re-execution adds nothing to the sums: it needs no ticket.
+        _lease()
+        await client.backward(STEP, INDEX, Crossing(x), torch.ones_like(x), accumulate=False)
+        assert middle.runtime.receipts(STEP) == {}
+
+        _lease(b"", own)  # the lessee's
+        done = await client.backward(STEP, INDEX, Crossing(x), torch.ones_like(x))
+        assert not done.receipt.duplicate
+        assert middle.runtime.receipts(STEP) == {INDEX: 4}
+    finally:
+        await client.close()
+
+
+def test_only_an_accumulating_call_carries_its_stages_ticket() -> None:
+    """A Forward, or an audit's re-execution, tells its replica nothing that would let it
+    accumulate the microbatch at another stage, nor at its own elsewhere."""
+    epoch.leased_in(EPOCH, (b"a" * 64, b"b" * 64, b""))
+    assert epoch.microbatch_id(STEP, INDEX).ticket == b""  # not accumulating
+    assert epoch.microbatch_id(STEP, INDEX, 1).ticket == b"b" * 64
+    assert epoch.microbatch_id(STEP, INDEX, 2).ticket == b""  # none for that stage
+    assert epoch.microbatch_id(STEP, INDEX, 5).ticket == b""  # past the task's stages
+    assert epoch.microbatch_id(STEP, INDEX, 1).epoch == EPOCH
+
+
+@pytest.mark.attack("lease-ticket")
+async def test_the_last_stage_takes_a_forward_backward_only_with_its_ticket(
+    relay: JobConfig,
+) -> None:
+    job_id, key = fingerprint(relay), SchedulerKey.generate()
+    last = await _server(relay, 2)
+    _placed(last, job_id, key)
+    targets = torch.randint(0, relay.model.vocab_size, (4, 16))
+    client = StageClient(last.address, relay, job_id, 2)
+    try:
+        _lease()
+        with pytest.raises(RemoteError, match=REFUSED):
+            await client.forward_backward(STEP, INDEX, Crossing(_x()), targets)
+        assert last.runtime.receipts(STEP) == {}
+        _lease(b"", b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 2))
+        await client.forward_backward(STEP, INDEX, Crossing(_x()), targets)
+        assert last.runtime.receipts(STEP) == {INDEX: 4}
+    finally:
+        await client.close()
+        await last.stop()
+
+
+@pytest.mark.attack("lease-ticket")
+async def test_on_the_push_plane_only_a_push_accumulates(tmp_path: Path) -> None:
+    """A push-plane stage accumulates in the push that did its forward: a Backward with its
+    ticket (a replica earlier on the push's route has seen it) is refused all the same."""
+    job = _job(tmp_path, "push")
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    server = await _server(job, 1)
+    _placed(server, job_id, key)
+    x = _x()
+    client = StageClient(server.address, job, job_id, 1)
+    try:
+        _lease(b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 1))
+        with pytest.raises(RemoteError, match=r"PERMISSION_DENIED.*only in the push"):
+            await client.backward(STEP, INDEX, Crossing(x), torch.ones_like(x))
+        assert server.runtime.receipts(STEP) == {}
+        await client.backward(STEP, INDEX, Crossing(x), torch.ones_like(x), accumulate=False)
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_a_replica_no_scheduler_placed_takes_the_token_alone(
+    relay: JobConfig, middle: RunningStageServer
+) -> None:
+    """`swarm trainer --stage-servers`: its owner coordinates, and no scheduler signs leases."""
+    x = _x()
+    client = StageClient(middle.address, relay, fingerprint(relay), 1)
+    try:
+        _lease()
+        await client.backward(STEP, INDEX, Crossing(x), torch.ones_like(x))
+        assert middle.runtime.receipts(STEP) == {INDEX: 4}
+    finally:
+        await client.close()
+
+
+def test_a_tasks_tickets_travel_with_its_lease() -> None:
+    """A remote trainer's calls carry the tickets its lease gave (tasks compare without them)."""
+    tickets = (b"", b"t" * 64)
+    task = Task(3, 1, frozenset({1}), epoch=EPOCH, tickets=tickets)
+    (back,) = lease_from_proto(lease_to_proto(Lease(3, [task], []))).tasks
+    assert back == task and back.tickets == tickets
+
+
+def test_each_stage_a_task_accumulates_at_gets_its_ticket_and_no_other() -> None:
+    key = SchedulerKey.generate()
+    replay = Task(STEP, INDEX, frozenset({0, 2}), epoch=EPOCH)  # a replay of two stages
+    (unsigned,) = LeaseSigner("job", None).signed([replay])
+    assert unsigned.tickets == ()  # no scheduler: nothing to sign with
+    evaluation = Task(STEP, 9, frozenset(), evaluate=True, epoch=EPOCH)
+    signed, checked = LeaseSigner("job", key).signed([replay, evaluation])
+    assert signed.tickets == (
+        key.lease_ticket("job", STEP, INDEX, EPOCH, 0),
+        b"",
+        key.lease_ticket("job", STEP, INDEX, EPOCH, 2),
+    )
+    assert checked.tickets == ()  # a validation microbatch accumulates nothing
+
+
+@pytest.mark.parametrize("plane", ["push", "relay"])
+async def test_a_swarm_the_scheduler_placed_trains_exactly_on_its_leases(
+    tmp_path: Path, make_swarm: list[Swarm], plane: str
+) -> None:
+    """Every accumulation of a real training run carries its ticket: the coordinator signs each
+    task, the trainer sends each stage its own, a push passes them on along its route."""
+    job = make_job(tmp_path, training={"stages": 3, "steps": 3}, runtime={"data_plane": plane})
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(2)
+    for stage in swarm.servers:
+        for server in stage:
+            _placed(server, job_id, key)
+    coordinator = LocalCoordinator(
+        job, job_id, swarm.members, connect=grpc_replicas(job, job_id, signing=key)
+    )
+    try:
+        await swarm.train(coordinator)
+        assert_equal_to_local(job, await gather_state(coordinator), tol=1e-9)
+    finally:
+        await coordinator.close()
