@@ -268,7 +268,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self,
         requests: AsyncIterator[Any],
         held: Held,
-        admit: Callable[[], None] | None = None,
+        admit: Callable[[Any], None] | None = None,
         handed: bool = False,  # a Push: its tensors may be handed over (`replica.handing`)
     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Arrived]]:
         # A caller with no deadline must not hold its body's share of the budget forever.

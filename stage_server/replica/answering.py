@@ -107,11 +107,15 @@ class Answering:
 
         return redoing
 
-    def _leased(self, tickets: LeaseTickets, h: Any) -> None:
-        """PermissionDenied unless the accumulating call of header `h` carries the scheduler's
-        lease ticket of its microbatch at this stage (`swarm.net.lease_tickets`). On the push
-        plane a stage accumulates only in the push that did its forward here: an accumulating
-        Backward or ForwardBackward there is no honest trainer's, whatever it carries."""
+    def check_lease(self, h: Any) -> None:
+        """PermissionDenied unless the call of header `h`, which accumulates here, carries the
+        scheduler's lease ticket of its microbatch at this stage (`swarm.net.lease_tickets`),
+        where this replica knows the scheduler's key. On the push plane a stage accumulates
+        only in the push that did its forward here: an accumulating Backward or
+        ForwardBackward there is no honest trainer's, whatever it carries."""
+        tickets = self._tickets()
+        if tickets is None:  # no scheduler placed it: the token is enough
+            return
         rt, mb = self._runtime(), h.microbatch
         if isinstance(h, pb.StagePushRequest):
             ticket = h.tickets[rt.stage] if rt.stage < len(h.tickets) else b""
@@ -152,9 +156,8 @@ class Answering:
         the calls queued where it is an audit's re-execution (`run`). `holder`: whose Forward's
         activations it may use (`stage_server.replica.activation_cache`)."""
         step, index = h.microbatch.step, h.microbatch.index
-        tickets = self._tickets()
-        if accumulate and tickets is not None:  # before it takes the worker
-            self._leased(tickets, h)
+        if accumulate:  # before it takes the worker
+            self.check_lease(h)
 
         def on_host(
             result: tuple[Any, ...],

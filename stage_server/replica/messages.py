@@ -201,15 +201,15 @@ class Messages:
         max_request_bytes: int,
         route: Route,
         held: Held,
-        admit: Callable[[], None] | None = None,
+        admit: Callable[[Any], None] | None = None,
         handed: bool = False,
     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Arrived]]:
         """A data-plane request's header, its tensors decoded, and the same as they came
         (`Arrived`: what a push record keeps, `stage_server.replica.push_records`). `handed`:
         some may be handed over by a co-located replica (`Handing.take`); else such a request
         is refused. From the
-        header, before a byte of the body is allocated: routed by `route`, then `admit()` (a
-        full replica raises Busy), its size at most `max_request_bytes` (one microbatch's
+        header, before a byte of the body is allocated: routed by `route`, then `admit(header)`
+        (a full replica raises Busy), its size at most `max_request_bytes` (one microbatch's
         tensors) and the tensor limit, and its size within what is free of `held`'s budget; its
         bytes are held there as they come (the call holds them until it ends)."""
         limit = min(self.limits.max_bytes, max_request_bytes)
@@ -222,7 +222,7 @@ class Messages:
         def check(header: Any) -> None:
             route(header.job, header.stage)
             if admit is not None:
-                admit()
+                admit(header)
 
         # The body's bytes are held as they come (`Held.arriving`): headers that declare a
         # body and send none hold nothing (issue 44, N6).

@@ -105,11 +105,20 @@ class PushPlane:
         assert self._served is not None  # a push reaches here only while a stage is served
         return self._served
 
-    def room(self) -> None:
-        """Busy when `max_queue` pushed microbatches wait here already."""
+    def room(self, h: pb.StagePushRequest) -> None:
+        """From the header `h` of a push, before its body is read: Busy when `max_queue` pushed
+        microbatches wait here already, or where this replica took a push of its run already
+        (`PushRecords.check`); refused where it accumulates here without its lease's ticket
+        (`Answering.check_lease`), before any of its path's compute."""
         waiting = self.worker.waiting
         if waiting >= self.limits.max_queue:
             raise Busy(f"{self.peer}: {waiting} microbatches queued; try another replica")
+        if h.evaluate:
+            return
+        if h.run:
+            self.records.check(h.microbatch.step, h.microbatch.index, h.run)
+        if self._runtime().stage in h.accumulate:
+            self.answering.check_lease(h)
 
     async def push(
         self,
@@ -158,7 +167,7 @@ class PushPlane:
     ) -> pb.StagePushResponse:
         """The last stage: its forward_backward here, the loss and the input gradient back."""
         done = await self._backward_here(
-            here, self._compute().forward_backward, call.crossing, call.targets
+            here, self._compute().forward_backward, call.crossing, call.targets, record
         )
         record.received("grad_outputs", call.targets, came.get("targets"))
         record.sent("outputs", lambda: torch.tensor(done.loss, dtype=torch.float64))
@@ -216,7 +225,7 @@ class PushPlane:
             self.messages.took(msg, grad_outputs)
         record.received("grad_outputs", grad_outputs, msg)  # kept as it came
         done = await self._backward_here(
-            here, self._compute().backward, call.crossing, grad_outputs
+            here, self._compute().backward, call.crossing, grad_outputs, record
         )
         record.sent("grad_inputs", lambda: _sent(done))
         return done
@@ -227,10 +236,13 @@ class PushPlane:
         fn: Callable[..., tuple[Any, ...]],
         given: Given,
         other: torch.Tensor,
+        record: Recording,
     ) -> Answered:
         """`fn` (the backward, or the last stage's forward_backward) of `inputs` and `other`
         (the gradient of the outputs, or the targets), answered as every accumulating call is
-        (`Answering`): accumulated, with a receipt, where this stage accumulates."""
+        (`Answering`): accumulated, with a receipt, where this stage accumulates. From here on
+        `record` stays whatever follows (`PushRecords.drop`)."""
+        record.backward_begins()
         return await self.answering.backward_here(
             fn,
             here.h,

@@ -47,7 +47,19 @@ from swarm.proto import tensor_pb2
 from swarm.wire import codec
 from swarm.wire.digest import digest
 
-__all__ = ["NO_RECORD", "Arrived", "NoRecord", "PushRecord", "PushRecords", "Recording"]
+__all__ = [
+    "NO_RECORD",
+    "TAKEN_KEPT",
+    "Arrived",
+    "NoRecord",
+    "PushRecord",
+    "PushRecords",
+    "Recording",
+]
+
+#: The runs a replica remembers taking a push of (about 100 bytes each): past its records'
+#: count, so that pushes of runs of one's own do not make it forget an honest run's.
+TAKEN_KEPT = 1 << 16
 
 
 Payload = bytes | memoryview | torch.Tensor  # as `swarm.wire.chunking.Received` holds one
@@ -120,6 +132,11 @@ class Recording(Protocol):
         """Every digest taken (the tensors they read may go once it returns)."""
         ...
 
+    def backward_begins(self) -> None:
+        """Its push's backward goes to the worker now: whatever happens after, it may
+        accumulate, and the record stays (`PushRecords.drop`)."""
+        ...
+
 
 class NoRecord:
     """The null `Recording`: a run nobody audits (`run` 0, or a job that audits nothing)."""
@@ -140,6 +157,9 @@ class NoRecord:
     async def settled(self) -> None:
         pass
 
+    def backward_begins(self) -> None:
+        pass
+
 
 NO_RECORD = NoRecord()
 
@@ -152,8 +172,12 @@ class PushRecord:
     _commitment: pb.Commitment
     tensors: dict[str, Kept] = field(default_factory=dict)
     kept = True
+    backward_began = False  # its push's backward was given the worker (`PushRecords.drop`)
     digester: Executor | None = None
     _pending: dict[str, Future[bytes]] = field(default_factory=dict)
+
+    def backward_begins(self) -> None:
+        self.backward_began = True
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -234,7 +258,8 @@ def sent_digest(msg: tensor_pb2.Tensor | None) -> bytes:
 
 
 class PushRecords:
-    """The records of the last `limit()` microbatches this replica pushed on."""
+    """The records of the last `limit()` microbatches this replica pushed on, and the runs it
+    took a push of (the last `TAKEN_KEPT`): a run is taken once here."""
 
     def __init__(
         self, peer: str, limit: Callable[[], int], digester: Executor | None = None
@@ -242,21 +267,31 @@ class PushRecords:
         """`digester`: where the records' digests are taken (None: at once, by their caller)."""
         self.peer, self.limit, self.digester = peer, limit, digester
         self._records: OrderedDict[tuple[int, int, int], PushRecord] = OrderedDict()
+        # Kept past its record: an evicted record's run pushed again (any token holder can
+        # push runs of its own until the honest record goes) is still turned away.
+        self._taken: OrderedDict[tuple[int, int, int], None] = OrderedDict()
 
-    def begin(self, stage: int, step: int, index: int, run: int) -> PushRecord:
-        """A new record for run `run` of microbatch `(step, index)` at `stage`; Busy where this
-        replica has one of that run already (a run's push is taken once here: `drop` lets a
-        failed one go)."""
-        key = (step, index, run)
-        if key in self._records:
-            # A member of the run's path knows its id: a second push of it here, with other
-            # inputs, would put in place of what this replica accumulated a record the
-            # trainer then audits it by. An honest retry whose try failed here left none
-            # (`drop`); one whose try succeeded and was lost goes on to another replica.
+    def check(self, step: int, index: int, run: int) -> None:
+        """Busy where this replica took a push of run `run` of microbatch `(step, index)`
+        already. A member of the run's path knows its id: a second push of it here, with other
+        inputs, would put in place of what this replica accumulated a record the trainer then
+        audits it by. Asked from a push's header, before its body is read (a co-located
+        sender's handover then stays its own), and again as its record begins. An honest retry
+        whose try failed here before its backward left nothing (`drop`); one whose try got
+        further goes on to another replica."""
+        if (step, index, run) in self._taken:
             raise Busy(
                 f"{self.peer}: a push of run {run} of microbatch ({step}, {index}) came here "
                 "already; a run is taken once a replica: try another"
             )
+
+    def begin(self, stage: int, step: int, index: int, run: int) -> PushRecord:
+        """A new record for run `run` of microbatch `(step, index)` at `stage` (`check`ed)."""
+        self.check(step, index, run)
+        key = (step, index, run)
+        self._taken[key] = None
+        while len(self._taken) > TAKEN_KEPT:
+            self._taken.popitem(last=False)
         mb = pb.MicrobatchId(step=step, index=index)
         commitment = pb.Commitment(peer=self.peer, stage=stage, microbatch=mb, run=run)
         record = PushRecord(commitment, digester=self.digester)
@@ -266,12 +301,15 @@ class PushRecords:
         return record
 
     def drop(self, record: Recording) -> None:
-        """`record`'s push failed: it goes (the run's retry here makes its own). A record of
-        the same run begun since is another's, and stays."""
-        if not isinstance(record, PushRecord):
+        """`record`'s push failed: it goes, and its run may come again (its retry here makes
+        its own), unless its backward began here: what the backward added to the step is the
+        record's, and stays with it (a caller that hung up then does not end the backward on
+        the worker). A record of the same run begun since is another's, and stays."""
+        if not isinstance(record, PushRecord) or record.backward_began:
             return  # NO_RECORD: nothing was kept
         if self._records.get(record.key) is record:
             del self._records[record.key]
+            self._taken.pop(record.key, None)
 
     def get(self, step: int, index: int, run: int) -> PushRecord:
         record = self._records.get((step, index, run))

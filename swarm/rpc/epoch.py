@@ -21,12 +21,12 @@ task, whose context is its own: one task's lease does not leak into another's.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextvars import ContextVar
 
 from swarm.proto import stage_pb2 as pb
 
-__all__ = ["current", "leased_in", "microbatch_id", "tickets"]
+__all__ = ["current", "leased_in", "microbatch_id", "push_tickets", "tickets"]
 
 _LEASE: ContextVar[tuple[int, tuple[bytes, ...]]] = ContextVar("lease", default=(0, ()))
 
@@ -45,6 +45,16 @@ def current() -> int:
 def tickets() -> tuple[bytes, ...]:
     """The lease tickets of the work the current asyncio task's calls serve, by stage."""
     return _LEASE.get()[1]
+
+
+def push_tickets(accumulate: Collection[int]) -> list[bytes]:
+    """What a push carries on (`StagePushRequest.tickets`): the tickets of the stages in its
+    `accumulate`, by stage, and none of another (b""): a replica it goes through learns no
+    earlier stage's, nor one of a stage it does not accumulate at. Empty where it accumulates
+    nowhere."""
+    held = tickets()
+    top = min(len(held), max(accumulate, default=-1) + 1)
+    return [held[k] if k in accumulate else b"" for k in range(top)]
 
 
 def microbatch_id(step: int, index: int, accumulating_at: int | None = None) -> pb.MicrobatchId:

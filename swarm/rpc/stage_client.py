@@ -367,8 +367,8 @@ class StageClient:
             microbatch=self._id(call.step, call.index),
             tensors=self._inputs_and_targets(call.crossing, call.targets),
             accumulate=sorted(call.accumulate),
-            # each stage's lease ticket where it accumulates (`swarm.rpc.epoch`)
-            tickets=epoch.tickets() if call.accumulate else (),
+            # the tickets of the stages it accumulates at, none other (`swarm.rpc.epoch`)
+            tickets=epoch.push_tickets(call.accumulate),
             route=list(call.route),
             need_grad_inputs=call.need_grad_inputs,
             evaluate=call.evaluate,

@@ -21,14 +21,16 @@ from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.lease_signer import LeaseSigner
 from scheduler.coordinator.replicas import grpc_replicas
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import RemoteError
+from swarm.errors import PeerUnavailable, RemoteError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.commit_auth import SchedulerKey
 from swarm.proto import control_pb2 as cpb
+from swarm.proto import stage_pb2 as pb
 from swarm.rpc import epoch
 from swarm.rpc.lease import Lease, Task, lease_from_proto, lease_to_proto
-from swarm.rpc.stage_client import StageClient
+from swarm.rpc.push_call import PushCall
+from swarm.rpc.stage_client import StageClient, WirePush
 from swarm.wire.crossing import Crossing
 from tests.support.equality import assert_equal_to_local
 from tests.support.inprocess import Swarm
@@ -232,3 +234,48 @@ async def test_a_swarm_the_scheduler_placed_trains_exactly_on_its_leases(
         assert_equal_to_local(job, await gather_state(coordinator), tol=1e-9)
     finally:
         await coordinator.close()
+
+
+def test_a_push_carries_on_only_the_tickets_of_the_stages_it_accumulates_at() -> None:
+    """An onward push accumulates at the later stages only: no replica it goes through learns
+    an earlier stage's ticket (with it, a hostile stage 2 could accumulate ahead of the honest
+    stage 0's backward, which waits for stage 2's answer)."""
+    t0, t1, t2 = b"0" * 64, b"1" * 64, b"2" * 64
+    epoch.leased_in(EPOCH, (t0, t1, t2))
+    assert epoch.push_tickets((0, 1, 2)) == [t0, t1, t2]  # the trainer's, to stage 0
+    assert epoch.push_tickets((1, 2)) == [b"", t1, t2]  # stage 0's push on to stage 1
+    assert epoch.push_tickets((2,)) == [b"", b"", t2]
+    assert epoch.push_tickets(()) == []  # a try that may have landed accumulates nowhere
+    epoch.leased_in(EPOCH, (b"", t1))  # a replay of stage 1 alone
+    assert epoch.push_tickets((1, 2)) == [b"", t1]
+
+
+@pytest.mark.attack("lease-ticket")
+async def test_a_push_that_accumulates_without_its_ticket_is_refused_on_arrival(
+    tmp_path: Path,
+) -> None:
+    """Before any of its path's compute: not at its backward, after the forward here and the
+    push on (its next stage here is gone: a refusal after the forward would say so)."""
+    job = _job(tmp_path, "push")
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    server = await _server(job, 1)
+    _placed(server, job_id, key)
+    x = _x()
+    targets = torch.zeros(4, 16, dtype=torch.long)
+    route = (pb.Route(peers=["gone"], addresses=["127.0.0.1:1"]),)
+    call: WirePush = PushCall(STEP, INDEX, Crossing(x), targets, accumulate=(1, 2), route=route)
+    client = StageClient(server.address, job, job_id, 1)
+    try:
+        _lease()
+        with pytest.raises(RemoteError, match=REFUSED):
+            await client.push(call, timeout=30)
+        _lease(b"", b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 2))  # stage 2's only
+        with pytest.raises(RemoteError, match=REFUSED):
+            await client.push(call, timeout=30)
+        # With its own ticket it is taken, and fails where it goes on: its next stage is gone.
+        _lease(b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 1))
+        with pytest.raises(PeerUnavailable):
+            await client.push(call, timeout=30)
+    finally:
+        await client.close()
+        await server.stop()

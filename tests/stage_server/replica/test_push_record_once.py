@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from stage_server.replica.push_records import PushRecords
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import Busy, PeerUnavailable
+from swarm.errors import ActivationsNotCached, Busy, PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.proto import stage_pb2 as pb
@@ -97,3 +98,32 @@ async def test_a_push_that_failed_leaves_no_record_and_its_retry_makes_one(
     finally:
         await client.close()
     assert kept.inputs == digest(x)
+
+
+def test_a_record_whose_backward_began_stays_when_its_push_fails() -> None:
+    """A caller that hangs up once this replica's backward began does not end the backward (it
+    runs on the worker): what it adds to the step is the record's. Dropped, the run could be
+    pushed again with other inputs, and the record audited would not be what was added."""
+    records = PushRecords("p", lambda: 8)
+    failed = records.begin(1, 0, 0, RUN)
+    records.drop(failed)  # failed before its backward: the retry makes its own
+    records.check(0, 0, RUN)
+    late = records.begin(1, 0, 0, RUN)
+    late.backward_begins()
+    records.drop(late)
+    with pytest.raises(Busy):
+        records.check(0, 0, RUN)
+    assert records.get(0, 0, RUN) is late
+
+
+def test_a_run_is_remembered_past_its_records_eviction() -> None:
+    """Any token holder may push runs of its own until an honest run's record is evicted; the
+    honest run pushed again is turned away all the same."""
+    records = PushRecords("p", lambda: 2)
+    records.begin(1, 0, 0, RUN)
+    for run in range(100, 110):  # the records of ten runs of another's
+        records.begin(1, 0, 0, run)
+    with pytest.raises(ActivationsNotCached):
+        records.get(0, 0, RUN)  # evicted: its audit finds no record (as before)
+    with pytest.raises(Busy):
+        records.check(0, 0, RUN)
