@@ -141,6 +141,9 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A push record is made once a run"
     "push-record": "a member of a push's path pushes the same run again with other inputs to an "
     "honest replica it went through: the record audited is not what that replica accumulated",
+    # docs/decisions.md, "A NaN contribution is left out, not the job failed"
+    "nan-contribution": "one replica of a pool contributes a NaN: every member's average is NaN "
+    "and another submitter's job fails",
 }
 
 

@@ -13,6 +13,9 @@ checks refuse, in processes of their own. Nothing here runs unless such a fault 
 - `poison-bent@S`: likewise, its gradient sums with element i times 1 + cos i: honest forward
   and backward answers, a contribution at most twice its honest norm (within the norm bound,
   and neither a scaling nor a shift), what only re-executing its microbatches can tell;
+- `poison-nan@S`: likewise, one element of its gradient sums NaN: what one faulty device, or
+  one hostile volunteer, would have every member's average be (the norm bound refuses it
+  beside finite contributions);
 - `lie-report@S`: likewise, it sends honest values but reports r·x (and q·x, an audit's) of
   what it sent to every other owner's part off by `LIE` of its magnitude: its word about what
   it sent against its owners' about what they received.
@@ -63,6 +66,9 @@ def poison(flat: torch.Tensor, averager: Averager, step: int) -> None:
         log.warning("fault injected: %s@%d; contributing bent sums", Point.POISON_BENT, step)
         bend = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).cos_().add_(1)
         flat.mul_(bend.to(flat.dtype))
+    if poisoning(Point.POISON_NAN, step):
+        log.warning("fault injected: %s@%d; contributing a NaN", Point.POISON_NAN, step)
+        flat[flat.numel() // 2] = float("nan")
     honest = getattr(averager.summer, "honest", None)
     lying = [p for p in (Point.POISON_SUM, Point.POISON_FORGE) if poisoning(p, step)]
     if lying and honest is None:

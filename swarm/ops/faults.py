@@ -7,7 +7,8 @@ where the fault says. The raising points (`forward-oom`, `backward-oom`, `averag
 out-of-memory error inside that computation instead (`due`, once each), and the process lives on:
 a device failure in a real process, for tests and benchmarks. The hostile points make the process
 lie from that step on (`poisoning`), or one step in PERIOD from it (`point@step/PERIOD`): in its
-pool's averaging (`poison-sum`, `poison-forge`, `poison-grad`, `poison-bent`, `lie-report`;
+pool's averaging (`poison-sum`, `poison-forge`, `poison-grad`, `poison-bent`, `poison-nan`,
+`lie-report`;
 `stage_server.averaging.hostile`) or in its stage compute (`poison-outputs`,
 `poison-grad-inputs`: finite wrong numbers sent on; `poison-digest`: an audit's gradient digest;
 `swarm.ops.poison`), and the process serves on: what the audits and the pool's checks must catch
@@ -69,6 +70,7 @@ class Point(enum.StrEnum):
     POISON_GRAD = "poison-grad"  # a replica contributes its gradient sums times 1e4
     # ... its gradient sums bent within the norm bound (element i times 1 + cos i)
     POISON_BENT = "poison-bent"
+    POISON_NAN = "poison-nan"  # ... its gradient sums with a NaN in them
     POISON_OUTPUTS = "poison-outputs"  # a Forward's outputs sent wrong (`swarm.ops.poison`)
     POISON_GRAD_INPUTS = "poison-grad-inputs"  # a Backward's input gradient sent wrong
     # the push plane's outputs sent on wrong, while it commits to the honest ones' digest
@@ -92,6 +94,7 @@ HOSTILE = frozenset(
         Point.POISON_FORGE,
         Point.POISON_GRAD,
         Point.POISON_BENT,
+        Point.POISON_NAN,
         Point.POISON_OUTPUTS,
         Point.POISON_GRAD_INPUTS,
         Point.POISON_SENT_OUTPUTS,

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(400)
 # speed, and a liar measured slow at step 0 could be routed nothing at steps 1-3 (its scaled
 # sum empty, nothing to leave out: docs/decisions.md, "A lie needs work to lie about"). The
 # other points lie as owners and reporters, whatever they were routed.
-OWN_WORK = frozenset({Point.POISON_GRAD})
+OWN_WORK = frozenset({Point.POISON_GRAD, Point.POISON_NAN})
 
 
 def _poisoned_pool(
@@ -52,6 +52,7 @@ def _poisoned_pool(
     [
         pytest.param(Point.POISON_SUM, marks=pytest.mark.attack("55-owner")),
         pytest.param(Point.POISON_GRAD, marks=pytest.mark.attack("55-norm")),
+        pytest.param(Point.POISON_NAN, marks=pytest.mark.attack("nan-contribution")),
     ],
 )
 def test_a_hostile_replica_process_cannot_poison_its_pool(
@@ -59,7 +60,9 @@ def test_a_hostile_replica_process_cannot_poison_its_pool(
 ) -> None:
     """`poison-sum`: it answers its own part's sums plus 1e4 (the checksum names it, its sum's
     norm convicts it: banned); `poison-grad`: it contributes its gradient times 1e4 (the norm
-    bound refuses it: left out)."""
+    bound refuses it: left out); `poison-nan`: a NaN in its contribution (before: every
+    member's average was NaN, and the job failed; now the norm bound refuses it beside the
+    finite others: left out)."""
     registry, said = _poisoned_pool(tmp_path, caplog, point, steps=4)
     assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
     banned = [m for m in said if "banned s0r2" in m]
@@ -75,6 +78,8 @@ def test_a_hostile_replica_process_cannot_poison_its_pool(
     else:  # refused by a bound an honest gradient may pass: left out, never banned
         assert counted(registry, "swarm_coordinator_bans_total") == 0, banned
         assert any("leaving s0r2 out" in m and "norm bound" in m for m in said), said
+        if point == Point.POISON_NAN:
+            assert any("leaving s0r2 out" in m and "not finite" in m for m in said), said
 
 
 @pytest.mark.parametrize(

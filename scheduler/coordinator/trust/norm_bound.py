@@ -23,6 +23,13 @@ A replica owning a part that reports nothing it summed there, while the others s
 refused as well: its own contribution would go unseen. What the bound cannot see is a hostile
 gradient no larger than an honest one (a sign flipped, a bias within `bound`): that is the
 audit's, by re-execution.
+
+A NaN or infinite contribution beside finite ones is refused too, whatever the bound: before,
+one replica's NaN made every member's average NaN and the commit failed the job
+(`NonFiniteStep`), so one hostile volunteer or one faulty device ended another submitter's job.
+Every contribution of a stage NaN is the model's or the data's, and stays the commit's to
+refuse. A hostile owner can report an honest sender's part NaN, as it can report it large: the
+sender is left out and replayed, never banned, on that word.
 """
 
 from __future__ import annotations
@@ -79,12 +86,23 @@ def outliers(
     squares, silent = _squares(m, of)
     found = {k: "it owned a part and reported nothing of what it summed there" for k in silent}
     per_sample = [math.sqrt(s) / max(samples.get(j, 0), 1) for j, s in enumerate(squares)]
+    finite = [j for j in range(m) if math.isfinite(per_sample[j]) and j not in found]
+    for j in range(m):
+        if not math.isfinite(per_sample[j]) and finite and j not in found:
+            # Beside finite ones, one replica's (a hostile volunteer's, a faulty device's):
+            # the members' average would be NaN and the commit would fail the job. Every one
+            # NaN is the model's or the data's: the commit's to refuse (`NonFiniteStep`).
+            found[j] = (
+                f"its contribution is not finite ({per_sample[j]}) while the others' are: "
+                "no honest gradient of the same parameters would be, nor would one of a "
+                "replica that took no microbatch"
+            )
     took = [j for j in range(m) if samples.get(j, 0) > 0 and j not in found]
     for j, norm in enumerate(per_sample):
         others = [per_sample[i] for i in took if i != j]
         median = statistics.median(others) if others else before
         if median is None or not math.isfinite(norm):
-            continue  # nothing to compare with; a NaN or infinity is the commit's to refuse
+            continue  # nothing to compare with; every one NaN is the commit's to refuse
         # A step apart is a looser yardstick than a peer of the same step (a loss spike moves
         # every gradient at once): held to the bound squared.
         allowed = bound * median if others else bound * bound * median

@@ -4,6 +4,8 @@ real rounds are tests/stage_server/averaging/test_hostile_owner.py's."""
 
 from __future__ import annotations
 
+import math
+
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.round_failure import LeftOut, RoundFailure
 from scheduler.coordinator.trust.norm_bound import outliers
@@ -73,3 +75,26 @@ def test_a_replica_owner_named_by_most_goes_alone_by_few_with_its_accusers() -> 
     assert replicas_to_leave_out(one, contributors) == {0: {0: {2}, 2: {0}}}
     aggregator = {0: {0: {3}, 1: {3}, 2: {3}}}  # part 3 is an aggregator's: `Groups.blame`'s
     assert replicas_to_leave_out(aggregator, contributors) == {}
+
+
+def test_a_nan_or_infinite_contribution_beside_finite_ones_is_refused() -> None:
+    """One replica's NaN or infinite contribution made every member's average NaN, and the
+    commit failed the job (`NonFiniteStep`): one hostile replica (or one faulty device) ended
+    another submitter's job. Beside finite ones it is the round's to refuse: that replica is
+    left out, its microbatches replayed by the others."""
+    for bad in (float("nan"), float("inf")):
+        found, median = outliers(GROUP, _checks([1.0, bad, 1.3]), {0: 2, 1: 2, 2: 2}, 8.0)
+        assert list(found) == [1], found
+        assert "not finite" in found[1] and "the others' are" in found[1], found
+        assert median is not None and math.isfinite(median)
+    # One that took no microbatch sends zeros: a NaN from it is no honest gradient's either.
+    found, _ = outliers(GROUP, _checks([1.0, 1.0, float("nan")]), {0: 1, 1: 1, 2: 0}, 8.0)
+    assert list(found) == [2], found
+
+
+def test_every_contribution_nan_is_left_to_the_commit() -> None:
+    """The model diverged (or the data): every contributor's is NaN, no one is to blame, and
+    the commit fails the job with its cause (`NonFiniteStep`), as before."""
+    nan = float("nan")
+    found, _ = outliers(GROUP, _checks([nan, nan, nan]), {0: 1, 1: 1, 2: 1}, 8.0)
+    assert found == {}
