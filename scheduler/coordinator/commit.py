@@ -20,9 +20,11 @@
    PREPARE answers with the squared norm of its pool's averaged gradient; with
    `training.grad_clip` the coordinator sums them in stage order into the whole model's norm,
    and every APPLY carries the one clipping coefficient.
-   A NaN or infinite norm from any member (clipping or not) sends no APPLY at all: the job fails
-   (`NonFiniteStep`), every replica stays at the step, and checkpoints stay finite. So does a
-   replica that refuses its APPLY as non-finite (`NonFiniteGradient`).
+   A NaN or infinite norm from every member of a stage (clipping or not) sends no APPLY at all:
+   the job fails (`NonFiniteStep`), every replica stays at the step, and checkpoints stay
+   finite. So does a stage every replica of which refuses its APPLY as non-finite
+   (`NonFiniteGradient`). From some members only, beside finite ones, it is their own word:
+   they are left out (PREPARE) or dropped (APPLY), and the step goes on (`nonfinite`).
 An attempt is a context: once it returns that the step applied, its caller (the coordinator)
 ends the round that ends with the step, if any, before the attempt is over, so a straggler's
 duplicate stays held through the round's end as through PREPARE and APPLY.
@@ -41,6 +43,7 @@ from scheduler.coordinator.failures import Failed, NonFiniteStep, failed_its_par
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.listed import while_listed
+from scheduler.coordinator.nonfinite import NonFinite
 from scheduler.coordinator.replicas import GONE, StageReplica
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
@@ -49,7 +52,7 @@ from scheduler.coordinator.trust.bans import Bans
 from scheduler.coordinator.trust.round_checks import RoundAnswers, RoundChecks
 from scheduler.coordinator.trust.sum_checks import Checksums, checked, new_seed
 from scheduler.coordinator.voids import Voids
-from swarm.errors import NonFiniteGradient, SwarmError
+from swarm.errors import SwarmError
 from swarm.model.optim import clip_scale
 from swarm.ops import timeline
 from swarm.rpc.lease import Replica
@@ -73,6 +76,8 @@ class TwoPhaseCommit:
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
         self.voids, self.void, self.bans = voids, voids.void, bans
         self.checks = RoundChecks(context, bans, self._leave_out)  # of each PREPARE's answers
+        # whose NaN or infinite answer fails the job, and whose leaves its replica out
+        self.nonfinite = NonFinite(self.metrics, self.membership, self._leave_out)
         self._tried: StepLedger | None = None  # the ledger of the last attempt
         # (step, peer) -> what each replica voided at the last look was voided for: the
         # receipts the ledger did not hold (None: its Info failed); `_receipts_match`
@@ -136,7 +141,9 @@ class TwoPhaseCommit:
         timeline.span("prepare", start, timeline.now(), step=ledger.step)  # the benches'
         if reported is None:
             return False
-        self._refuse_nonfinite(ledger.step, reported)
+        self.failure = await self.nonfinite.prepared(ledger, reported, where)
+        if self.failure is not None:
+            return False  # a member's NaN beside its pool's finite norms: left out, retried
         firsts: dict[int, float] = {}  # each stage's first member's: a pool averages to one sum
         for stage, _, sq_norm in reported:
             firsts.setdefault(stage, sq_norm)
@@ -162,50 +169,15 @@ class TwoPhaseCommit:
             self.apply_again,
         )
         timeline.span("apply", start, timeline.now(), step=ledger.step)
-        refused = [
-            (stage, r.peer, result)
-            for (stage, r), result in zip(where, applied, strict=True)
-            if isinstance(result, NonFiniteGradient)
-        ]
-        if refused:  # its sums are not what its norm said: the stage cannot move on exactly
-            for stage in sorted({stage for stage, _, _ in refused}):
-                self.metrics.nonfinite(stage)
-            raise NonFiniteStep(
-                f"step {ledger.step}: APPLY refused as NaN or infinite by "
-                + "; ".join(f"stage {k} {peer}: {e}" for k, peer, e in refused)
-                + "; the replicas that applied it are a step ahead of these"
-            )
+        refused = self.nonfinite.applied(ledger.step, where, applied)
         for (stage, r), result in zip(where, applied, strict=True):
             # Dead or hung after averaging: the next commit's check finds it a step behind and
             # leaves it out; it rejoins by copying a replica that applied.
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException) and (stage, r.peer) not in refused:
                 log.warning(
                     "step %d: apply on %s (stage %d) failed: %s", ledger.step, r.peer, stage, result
                 )
         return True
-
-    def _refuse_nonfinite(self, step: int, reported: list[tuple[int, str, float]]) -> None:
-        """Raise `NonFiniteStep`, with nothing applied, when any member's norm is NaN or
-        infinite. Every member's counts, not only the first's: a hostile member can send its
-        pool's members different parts, so that their averages differ."""
-        bad: dict[int, list[str]] = {}
-        for stage, peer, sq_norm in reported:
-            if not math.isfinite(sq_norm):
-                bad.setdefault(stage, []).append(f"{peer}: {sq_norm}")
-        if not bad:
-            return
-        for stage in bad:
-            self.metrics.nonfinite(stage)
-        raise NonFiniteStep(
-            f"step {step}: the averaged gradient of "
-            + "; ".join(
-                f"stage {stage} is NaN or infinite (squared norm from {', '.join(peers)})"
-                for stage, peers in bad.items()
-            )
-            + ". Nothing of the step was applied, and the job fails: its microbatches on the same "
-            "parameters give the same gradient again (a lower optimizer.lr, or the data, may "
-            "be at fault)"
-        )
 
     async def _receipts_match(self, ledger: StepLedger, members: list[list[Replica]]) -> bool:
         """Receipts a replica holds beyond what the ledger accepted (a straggling trainer's, or a

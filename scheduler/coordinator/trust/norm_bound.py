@@ -58,12 +58,21 @@ def _squares(m: int, of: Mapping[int, Checksums]) -> tuple[list[float], list[int
             silent.append(k)
             continue
         for j, square in enumerate(own.received):
-            squares[j] += square
+            # A negative square is no honest owner's: counted as none (its sqrt raised, and
+            # one report failed the job as a bug). A NaN stays NaN (`outliers`).
+            squares[j] += 0.0 if square < 0 else square
     for j in range(m):
         for c in of[j].reports:
             if c.part >= m:  # an aggregator's part: the contributor's own report
-                squares[j] += c.norm**2
+                squares[j] += c.norm * c.norm  # inf past 1.3e154, where ** raised
     return squares, silent
+
+
+def _says_itself(checks: Checksums) -> bool:
+    """Whether a contributor's own reports say what it sent is not finite (its norm of some
+    part): an owner's word alone that it sent a NaN would let a hostile owner leave every
+    other contributor out in one round."""
+    return any(not math.isfinite(c.norm) for c in checks.reports)
 
 
 def outliers(
@@ -86,12 +95,18 @@ def outliers(
     squares, silent = _squares(m, of)
     found = {k: "it owned a part and reported nothing of what it summed there" for k in silent}
     per_sample = [math.sqrt(s) / max(samples.get(j, 0), 1) for j, s in enumerate(squares)]
-    finite = [j for j in range(m) if math.isfinite(per_sample[j]) and j not in found]
+    # Those that took microbatches and whose gradient is finite: zeros (a replica that took
+    # none) say nothing of the model.
+    finite = [
+        j
+        for j in range(m)
+        if math.isfinite(per_sample[j]) and samples.get(j, 0) > 0 and j not in found
+    ]
     for j in range(m):
-        if not math.isfinite(per_sample[j]) and finite and j not in found:
-            # Beside finite ones, one replica's (a hostile volunteer's, a faulty device's):
-            # the members' average would be NaN and the commit would fail the job. Every one
-            # NaN is the model's or the data's: the commit's to refuse (`NonFiniteStep`).
+        if not math.isfinite(per_sample[j]) and finite and j not in found and _says_itself(of[j]):
+            # Beside finite ones, one replica's (a faulty device's, or a volunteer's that says
+            # so): the members' average would be NaN and the commit would fail the job. Every
+            # one NaN is the model's or the data's: the commit's to refuse (`NonFiniteStep`).
             found[j] = (
                 f"its contribution is not finite ({per_sample[j]}) while the others' are: "
                 "no honest gradient of the same parameters would be, nor would one of a "
@@ -101,8 +116,8 @@ def outliers(
     for j, norm in enumerate(per_sample):
         others = [per_sample[i] for i in took if i != j]
         median = statistics.median(others) if others else before
-        if median is None or not math.isfinite(norm):
-            continue  # nothing to compare with; every one NaN is the commit's to refuse
+        if median is None or math.isnan(norm):
+            continue  # nothing to compare with; a NaN not its own word is the commit's
         # A step apart is a looser yardstick than a peer of the same step (a loss spike moves
         # every gradient at once): held to the bound squared.
         allowed = bound * median if others else bound * bound * median

@@ -1,6 +1,8 @@
 """A step whose averaged gradient is NaN or infinite at some stage is never applied: the
 coordinator sends no APPLY, the job fails naming the step and the stage, the metric counts it,
-and the last checkpoint (finite) stays the one to roll back to."""
+and the last checkpoint (finite) stays the one to roll back to. Where only some members of a
+stage say so, beside finite ones, it is their own word (`scheduler.coordinator.nonfinite`):
+they are left out, and the job goes on."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetric
 from swarm.errors import NonFiniteGradient, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
-from tests.support.coordinator import MakeHarness, job_of, until
-from tests.support.replicas import FakeSwarm
+from tests.support.coordinator import Harness, MakeHarness, job_of, until
+from tests.support.replicas import FakeReplica, FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +31,7 @@ _COUNTER = "swarm_coordinator_nonfinite_gradients_total"
     [
         ("c", 1, math.nan, 1.0),  # before: APPLY went out everywhere with scale 1.0
         ("c", 1, math.inf, 1.0),  # before: APPLY with scale 0.0 (refused: the step stalled)
-        ("b", 0, math.nan, 0.0),  # a pool's second member; no clipping: the norm still counts
+        ("c", 1, math.nan, 0.0),  # no clipping: the norm still counts
     ],
 )
 async def test_a_non_finite_norm_applies_nothing_and_fails_the_job(
@@ -96,3 +98,51 @@ async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_j
     assert "step 0" in str(error) and "stage 1" in str(error) and "c:" in str(error)
     assert h.steps.empty()
     assert registry.get_sample_value(_COUNTER, {"job": swarm.job_id, "stage": "1"}) == 1.0
+
+
+async def _pool_of_two(
+    tmp_path: Path, make_harness: MakeHarness, **training: float
+) -> tuple[Harness, tuple[FakeReplica, FakeReplica, FakeReplica]]:
+    """A started coordinator over stage 0's pool of two (a, b) and stage 1's one replica (c)."""
+    job = job_of(tmp_path, **training)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    replicas = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    await h.coordinator.start()
+    return h, replicas
+
+
+@pytest.mark.attack("nan-contribution")
+async def test_one_members_nan_norm_beside_its_pools_finite_ones_leaves_it_out(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A pool averages one sum: a member alone answering its norm NaN (a faulty device, or a
+    hostile volunteer's PREPARE) is left out and its microbatches replayed by the others.
+    Before, the job failed (`NonFiniteStep`): one replica ended another submitter's job."""
+    h, (a, b, c) = await _pool_of_two(tmp_path, make_harness, grad_clip=1.0)
+    b.sq_norm = math.nan
+    tasks = await h.lease()
+    await h.run(tasks[0], {0: "a"})
+    await h.run(tasks[1], {0: "b"})
+    record = await h.replayed({0: "a"})  # b's microbatch, replayed on a
+    assert record.step == 0
+    assert a.called("apply") == [0] and c.called("apply") == [0] and b.called("apply") == []
+    assert b.called("discard") == [0]  # its gradients voided, replayed on a
+
+
+@pytest.mark.attack("nan-contribution")
+async def test_one_member_refusing_its_apply_beside_its_pools_others_is_dropped(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its pool's others applied the step: it is dropped (a step behind, it rejoins by copying
+    one of them), and the job goes on. Before, the job failed."""
+    h, (a, b, c) = await _pool_of_two(tmp_path, make_harness)
+    b.fail("apply", NonFiniteGradient("stage 0 step 0: the prepared gradient is NaN"))
+    tasks = await h.lease()
+    await h.run(tasks[0], {0: "a"})
+    await h.run(tasks[1], {0: "b"})
+    await until(lambda: not h.steps.empty() or h.coordinator.error is not None)
+    assert h.coordinator.error is None, h.coordinator.error
+    assert a.called("apply") == [0] and c.called("apply") == [0]
+    said = "b refused its APPLY as NaN or infinite"
+    assert any(said in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.coordinator.groups import RoundGroup
+from scheduler.coordinator.groups import Aggregator, RoundGroup
 from scheduler.coordinator.round_failure import LeftOut, RoundFailure
 from scheduler.coordinator.trust.norm_bound import outliers
 from scheduler.coordinator.trust.round_checks import NORM_BOUND
@@ -16,15 +16,20 @@ from swarm.proto import stage_pb2 as pb
 GROUP = RoundGroup(("a", "b", "c"))
 
 
-def _checks(norms: list[float], silent: int | None = None) -> dict[int, Checksums]:
+def _checks(
+    norms: list[float], silent: int | None = None, said: list[float] | None = None
+) -> dict[int, Checksums]:
     """Three replicas owning a part each; contributor j's squared norm in every part is
-    `norms[j]`² / 3 (so its whole norm is `norms[j]`), as each owner reports it received."""
+    `norms[j]`² / 3 (so its whole norm is `norms[j]`), as each owner reports it received, and
+    as j says it sent (`said[j]` in place of `norms[j]` where given: its own word)."""
     m = len(norms)
+    own = norms if said is None else said
     out = {}
     for k in range(m):
-        reports = [pb.SumCheck(part=p) for p in range(m) if p != k]
+        norm = own[k] / math.sqrt(m)  # of what k sent each part
+        reports = [pb.SumCheck(part=p, norm=norm) for p in range(m) if p != k]
         received = [] if k == silent else [n * n / m for n in norms]
-        reports.append(pb.SumCheck(part=k, received=received))
+        reports.append(pb.SumCheck(part=k, norm=norm, received=received))
         out[k] = Checksums(1, reports)
     return out
 
@@ -90,6 +95,38 @@ def test_a_nan_or_infinite_contribution_beside_finite_ones_is_refused() -> None:
     # One that took no microbatch sends zeros: a NaN from it is no honest gradient's either.
     found, _ = outliers(GROUP, _checks([1.0, 1.0, float("nan")]), {0: 1, 1: 1, 2: 0}, 8.0)
     assert list(found) == [2], found
+
+
+def test_an_owners_word_alone_that_others_sent_nan_leaves_no_one_out() -> None:
+    """A hostile owner reporting NaN for every other sender would leave the whole pool out in
+    one round (a review found it): a contribution is refused as not finite only where its
+    sender's own word says so too."""
+    nan = float("nan")
+    pool = RoundGroup(("a", "b", "c", "d"))
+    checks = _checks([1.0, nan, nan, nan], said=[1.0, 1.1, 0.9, 1.2])
+    found, _ = outliers(pool, checks, {0: 1, 1: 1, 2: 1, 3: 1}, 8.0)
+    assert found == {}, found  # left to the commit, as before
+
+
+def test_zeros_of_one_that_took_nothing_do_not_make_a_diverged_model_a_replicas_fault() -> None:
+    """Every replica that took microbatches sent NaN: the model's, whatever the idle one's
+    zeros say."""
+    nan = float("nan")
+    found, _ = outliers(GROUP, _checks([nan, nan, 0.0]), {0: 2, 1: 2, 2: 0}, 8.0)
+    assert found == {}, found
+
+
+def test_a_hostile_owners_negative_or_huge_report_fails_nothing() -> None:
+    """A negative square raised in `math.sqrt`, a norm past 1.3e154 in `**`: one report failed
+    the job as a bug. A negative square counts as none; a huge one is past the bound."""
+    checks = _checks([1.0, 1.0, 1.0])
+    checks[0].reports[-1].received[1] = -5.0
+    assert outliers(GROUP, checks, {0: 1, 1: 1, 2: 1}, 8.0)[0] == {}
+    aggregated = RoundGroup(("a", "b", "agg"), aggregators=(Aggregator("agg", "agg"),))
+    checks = _checks([1.0, 1.0])
+    checks[1].reports.append(pb.SumCheck(part=2, norm=1e200))  # its own word about it
+    found, _ = outliers(aggregated, checks, {0: 1, 1: 1}, 8.0)
+    assert list(found) == [1], found
 
 
 def test_every_contribution_nan_is_left_to_the_commit() -> None:

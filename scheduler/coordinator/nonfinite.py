@@ -1,0 +1,127 @@
+"""Whose NaN or infinite answer fails the job, and whose leaves only its replica out.
+
+The members of a pool average one sum, so their averages are the same, bit for bit (a hostile
+owner that sends members different sums fails the round's sum checks first, named). A NaN or
+infinite norm from every member of a stage is the model's or the data's: no step is applied,
+and the job fails with its cause (`NonFiniteStep`), as it always did. From some members while
+the others of the same stage answer a finite one, it is those members' own word: a faulty
+device, or a hostile volunteer that answers PREPARE with a NaN (or refuses its APPLY as NaN)
+to end another submitter's job. Before, either ended the job. Now those members are left out,
+their microbatches replayed (PREPARE), or dropped a step behind to rejoin by copying a member
+that applied (APPLY); the job goes on."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+from scheduler.coordinator.failures import NonFiniteStep
+from scheduler.coordinator.ledger import StepLedger
+from scheduler.coordinator.membership import Membership
+from scheduler.coordinator.metrics import CoordinatorMetrics
+from scheduler.coordinator.round_failure import LeftOut, RoundFailure
+from swarm.errors import NonFiniteGradient
+from swarm.rpc.lease import Replica
+
+__all__ = ["NonFinite", "split"]
+
+log = logging.getLogger(__name__)
+
+# `TwoPhaseCommit._leave_out`: void a replica's gradients of the step, leave it out of the pool
+LeaveOut = Callable[[StepLedger, int, Replica, list[str], str], Awaitable[None]]
+
+
+def split(
+    answers: Iterable[tuple[int, str, bool]],
+) -> tuple[dict[int, list[str]], list[tuple[int, str]]]:
+    """Of each member's answer `(stage, peer, finite)`: the stages none of whose members
+    answered a finite one (stage -> its peers: the job fails), and the members that did not
+    while another of their stage did (`(stage, peer)`: left out alone)."""
+    by_stage: dict[int, tuple[list[str], list[str]]] = {}
+    for stage, peer, finite in answers:
+        fine, bad = by_stage.setdefault(stage, ([], []))
+        (fine if finite else bad).append(peer)
+    diverged = {stage: bad for stage, (fine, bad) in by_stage.items() if bad and not fine}
+    alone = [(stage, peer) for stage, (fine, bad) in by_stage.items() if fine for peer in bad]
+    return diverged, alone
+
+
+class NonFinite:
+    """A commit attempt's NaN or infinite answers (`split`), as PREPARE's norms and APPLY's
+    refusals come: counted (`metrics.nonfinite`), the job failed where a whole stage said so,
+    the members alone in saying so left out (`leave_out`) or dropped."""
+
+    def __init__(
+        self, metrics: CoordinatorMetrics, membership: Membership, leave_out: LeaveOut
+    ) -> None:
+        self.metrics, self.membership, self.leave_out = metrics, membership, leave_out
+
+    async def prepared(
+        self,
+        ledger: StepLedger,
+        reported: Sequence[tuple[int, str, float]],
+        where: Sequence[tuple[int, Replica]],
+    ) -> RoundFailure | None:
+        """PREPARE's `(stage, peer, squared norm)` answers: raise `NonFiniteStep`, with nothing
+        applied, where every member of a stage answered a NaN or infinite norm; leave out each
+        member that did while another of its stage answered a finite one, and say so (the
+        attempt fails and is retried without them); None where every norm is finite."""
+        norms = {(stage, peer): sq_norm for stage, peer, sq_norm in reported}
+        diverged, alone = split((k, p, math.isfinite(n)) for (k, p), n in norms.items())
+        for stage in sorted({k for (k, _), n in norms.items() if not math.isfinite(n)}):
+            self.metrics.nonfinite(stage)
+        if diverged:
+            bad = {k: [f"{p}: {norms[k, p]}" for p in peers] for k, peers in diverged.items()}
+            raise NonFiniteStep(
+                f"step {ledger.step}: the averaged gradient of "
+                + "; ".join(
+                    f"stage {stage} is NaN or infinite (squared norm from {', '.join(peers)})"
+                    for stage, peers in bad.items()
+                )
+                + ". Nothing of the step was applied, and the job fails: its microbatches on "
+                "the same parameters give the same gradient again (a lower optimizer.lr, or the "
+                "data, may be at fault)"
+            )
+        if not alone:
+            return None
+        replicas = {(stage, r.peer): r for stage, r in where}
+        failure = RoundFailure(f"step {ledger.step}: a NaN or infinite norm beside finite ones")
+        for stage, peer in alone:
+            why = f"its word of its pool's average's norm is {norms[stage, peer]}, others' finite"
+            await self.leave_out(ledger, stage, replicas[stage, peer], [peer], why)
+            failure.left_out.append(LeftOut(stage, peer, [peer], why))
+        return failure
+
+    def applied(
+        self, step: int, where: Sequence[tuple[int, Replica]], results: Sequence[object]
+    ) -> set[tuple[int, str]]:
+        """APPLY's results, in `where`'s order: raise `NonFiniteStep` where every member of a
+        stage refused it as NaN or infinite (its sums are not what its norm said: the stage
+        cannot move on exactly); drop each member that refused while others of its stage
+        applied (a step behind, it rejoins by copying one of them). The members that refused."""
+        refused = {
+            (stage, r.peer): result
+            for (stage, r), result in zip(where, results, strict=True)
+            if isinstance(result, NonFiniteGradient)
+        }
+        diverged, alone = split((k, r.peer, (k, r.peer) not in refused) for k, r in where)
+        for stage in sorted({stage for stage, _ in refused}):
+            self.metrics.nonfinite(stage)
+        if diverged:
+            raise NonFiniteStep(
+                f"step {step}: APPLY refused as NaN or infinite by "
+                + "; ".join(f"stage {k} {p}: {refused[(k, p)]}" for k, p in sorted(refused))
+                + "; the replicas that applied it are a step ahead of these"
+            )
+        for stage, peer in alone:
+            log.warning(
+                "step %d: stage %d: %s refused its APPLY as NaN or infinite (%s) while its "
+                "pool's others applied it: dropped; it rejoins by copying one of them",
+                step,
+                stage,
+                peer,
+                refused[(stage, peer)],
+            )
+            self.membership.drop(peer)
+        return set(refused)
