@@ -144,6 +144,9 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A NaN contribution is left out, not the job failed"
     "nan-contribution": "one replica of a pool contributes a NaN: every member's average is NaN "
     "and another submitter's job fails",
+    # docs/decisions.md, "A report of infinities fails nothing"
+    "inf-report": "a lessee reports two digests, +inf and -inf: the coordinator's sum of them "
+    "raises, and the job fails as a bug",
 }
 
 

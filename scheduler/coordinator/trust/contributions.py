@@ -56,6 +56,7 @@ from scheduler.coordinator.trust.sum_checks import (
     new_seed,
     owner_words,
 )
+from scheduler.coordinator.trust.totals import reported_sum
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.job.tolerance import tolerance_of
@@ -250,6 +251,19 @@ class Contributions:
         got, expected, tol = _compare(by, j, agreed, members, self.disputes.tolerance)
         if abs(got - expected) <= tol or not _agreed(others, tol):
             return []
+        if not math.isfinite(got - expected) or not math.isfinite(tol):
+            # A report of infinities (`reported_sum`'s NaN): no evidence either way, as a
+            # microbatch never digested is none; a lessee's word of NaN convicts no one.
+            log.warning(
+                "step %d stage %d: %s's contribution is not judged: the evidence is not finite "
+                "(q·x %s, its digests %s)",
+                step,
+                stage,
+                audit.peer,
+                got,
+                expected,
+            )
+            return []
         auditors = sorted({digests[i].auditors for i in mine})
         if not any(len({self.seat(a) for a in pair.split(" and ")}) > 1 for pair in auditors):
             log.warning(
@@ -310,13 +324,15 @@ def _compare(
         if words is not None:
             shares.append(words[j][0])
         else:
-            shares.append(total - math.fsum(sent[part]))
-    got = math.fsum(shares)
-    expected = math.fsum(d.dot for d in digests)
+            shares.append(total - reported_sum(sent[part]))
+    got = reported_sum(shares)
+    expected = reported_sum(d.dot for d in digests)
     unit = max((c.unit for c in reports), default=0.0)
     n = len(digests)
-    norms = math.fsum(c.norm for c in reports) + math.fsum(d.norm for d in digests)
-    magnitudes = math.fsum(c.magnitude for c in reports) + math.fsum(d.magnitude for d in digests)
+    norms = reported_sum(c.norm for c in reports) + reported_sum(d.norm for d in digests)
+    magnitudes = reported_sum(c.magnitude for c in reports) + reported_sum(
+        d.magnitude for d in digests
+    )
     # Its own accumulation of n gradients, and the owners' sums of every member's (q unknown
     # to either: `sum_checks`' argument), then the float64 dots of every report and digest.
     summing = SIGMAS * (n + members) * unit * norms
@@ -325,5 +341,5 @@ def _compare(
     # Δg of at most the job's tolerance of ‖g‖, which does not depend on q (secret to both), so
     # |q·Δg| ≤ SIGMAS·‖Δg‖ as the owners' rounding is held (`sum_checks`). Not the worst case,
     # tolerance·Σ|q·g|: that would let a contribution scaled 2x pass.
-    devices = SIGMAS * tolerance * math.fsum(d.norm for d in digests)
+    devices = SIGMAS * tolerance * reported_sum(d.norm for d in digests)
     return got, expected, summing + dotting + devices

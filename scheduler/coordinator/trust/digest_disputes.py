@@ -36,11 +36,11 @@ its digest alone, its answers honest, and block every audit of others it took pa
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from scheduler.coordinator.trust.sum_checks import SIGMAS
+from scheduler.coordinator.trust.totals import reported_sum
 from swarm.rpc.lease import ContributionAudit, GradientDigest
 
 __all__ = ["Compare", "DigestDisputes"]
@@ -113,7 +113,7 @@ class DigestDisputes:
         got, _, tol = compare(
             [agreed[i] if i in agreed else _pick(disputed[i], "", True) for i in sorted(set(mine))]
         )
-        tol += math.fsum(self._apart(pair) for pair in disputed.values())
+        tol += reported_sum(self._apart(pair) for pair in disputed.values())
         if not consistent(tol):
             return []  # the others disagree on the sums: the round's sum checks say who
         for liar in sorted(suspects):

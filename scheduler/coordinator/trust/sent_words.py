@@ -41,6 +41,7 @@ from scheduler.coordinator.trust.sum_checks import (
     owner_words,
     verify,
 )
+from scheduler.coordinator.trust.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 
 __all__ = [
@@ -73,12 +74,12 @@ def owner_tolerance(
     `of`: every contributor's report of the part)."""
     squares = list(of[owner].received)
     if len(squares) == m:
-        norms = math.fsum(math.sqrt(max(q, 0.0)) for q in squares)
+        norms = reported_sum(math.sqrt(max(q, 0.0)) for q in squares)
     else:  # it said no norms: the norm bound refuses it (`norm_bound`)
-        norms = math.fsum(c.norm for c in of.values())
+        norms = reported_sum(c.norm for c in of.values())
     unit = max(c.unit for c in of.values())
     summing = SIGMAS * (m - 1) * unit * norms
-    dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(w[1] for w in words)
+    dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * reported_sum(w[1] for w in words)
     return summing + dotting + SIGMAS * encoding_allowed(of.values(), norms)
 
 

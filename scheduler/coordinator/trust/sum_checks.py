@@ -59,6 +59,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.groups import RoundGroup
+from scheduler.coordinator.trust.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.hadamard import ERROR_SHARE
 
@@ -133,14 +134,14 @@ def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
     """How far an honest r·S may be from Σ_j r·x_j, given every contributor's report of a part."""
     m = max(contributors, 1)
     unit = max((r.unit for r in reports), default=0.0)
-    summing = SIGMAS * (m - 1) * unit * math.fsum(r.norm for r in reports)
+    summing = SIGMAS * (m - 1) * unit * reported_sum(r.norm for r in reports)
     # Each c_j's dot, and s_j's (|S_i| ≤ Σ_j |x_ji| to within the rounding): twice, for the
     # products' own rounding and what the bound leaves out.
-    dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * math.fsum(r.magnitude for r in reports)
+    dotting = 2 * (m + 1) * DOT_BLOCK * _EPS64 * reported_sum(r.magnitude for r in reports)
     # A lossy codec's one encoding of the sum, δ' (bounded by each contributor from the decoded
     # sum, `encoding`, and by the contributions' norms): independent of r as δ is, so held to
     # SIGMAS of its norm as well.
-    norms = math.fsum(r.norm for r in reports)
+    norms = reported_sum(r.norm for r in reports)
     return summing + dotting + SIGMAS * encoding_allowed(reports, norms)
 
 
@@ -192,9 +193,9 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         # about its own contribution is held to them (`sent_words`), never summed here.
         words = owner_words(of, part, contributors)
         if words is None:
-            expected = math.fsum(c.dot for c in checks)
+            expected = reported_sum(c.dot for c in checks)
         else:
-            expected = math.fsum(w[0] for w in words)
+            expected = reported_sum(w[0] for w in words)
             squares = list(of[part].received)
             norms = [math.sqrt(max(q, 0.0)) for q in squares] if len(squares) == len(words) else []
             checks = [_scaled(c, words[j], norms[j] if norms else 0.0) for j, c in of.items()]
@@ -219,7 +220,7 @@ def crossed(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> list
     if not all(c.encoding > 0 and math.isfinite(c.sum_cross + c.sum_norm) for c in checks):
         return []  # lossless, or a contribution not seen whole: nothing to judge
     norms = _norms(part, of, contributors)
-    total = math.fsum(norms)
+    total = reported_sum(norms)
     shares = [min(c.encoding / c.sum_norm, ERROR_SHARE) if c.sum_norm > 0 else 0.0 for c in checks]
     k = 1.01 * max(shares)
     unit = max(c.unit for c in checks)
@@ -228,7 +229,7 @@ def crossed(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> list
     d = (1 + k) * (contributors - 1) * unit * total
     allowed = max(k * k - 1, 0.0) * total * total + 2 * k * total * d + d * d
     found = []
-    crosses = math.fsum(c.sum_cross for c in checks)
+    crosses = reported_sum(c.sum_cross for c in checks)
     for j, c in sorted(of.items()):
         # Each float64 dot, a block at a time: x_j·S' and ‖S'‖² round by BLOCK·2^-53 of
         # ‖x_j‖·‖S'‖ and ‖S'‖², twice over for what the bound leaves out.
@@ -268,7 +269,7 @@ def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) ->
     this, unless it is smaller than what the contributions' norms leave (whose owner's own
     share the norm bound holds to the others': `norm_bound`)."""
     unit = max((c.unit for c in of.values()), default=0.0)
-    total = math.fsum(_norms(part, of, contributors))
+    total = reported_sum(_norms(part, of, contributors))
     rounding = (2 * contributors * (unit + _EPS64) + 1e-12) * total
     return total + rounding + 1.01 * encoding_allowed(of.values(), total)
 

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.trust.sent_words import by_seed, disagreements, liars, owner_tolerance
 from scheduler.coordinator.trust.sum_checks import Checksums, norm_ceiling, owner_words
+from scheduler.coordinator.trust.totals import reported_sum
 from swarm.net.seats import seat
 from swarm.proto import stage_pb2 as pb
 
@@ -77,7 +78,7 @@ def _forged(
         words, mine = owner_words(of, owner, m), of.get(owner)
         if words is None or mine is None:
             continue
-        expected = math.fsum(w[0] for w in words)
+        expected = reported_sum(w[0] for w in words)
         allowed = owner_tolerance(of, owner, words, m)
         # A NaN or infinite sum is no evidence (`_evidence`): finite values may overflow.
         past = [

@@ -6,6 +6,7 @@ to its microbatches' digests; a contribution bent within any norm bound is caugh
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any, cast
@@ -172,3 +173,22 @@ def test_digests_of_one_hosts_seats_convict_no_one() -> None:
             _digests(contributions, p, grads[p], auditors)
         found = contributions.judge(5, 0, PEERS, _round(contributions, framed), held)
         assert [peer for peer, _ in found] == convicted, auditors
+
+
+@pytest.mark.attack("inf-report")
+def test_infinite_digests_of_both_signs_fail_nothing_in_the_coordinator() -> None:
+    """A trainer's report of two digests, +inf and -inf (`math.fsum` raised on them: the
+    coordinator's step failed as a bug, and the job with it, on one lessee's word). Summed as
+    floats they are NaN: no evidence either way, nobody convicted."""
+    contributions, _ = _drawn()
+    (audit,) = [a for a in contributions._audits(5, 0) if a.peer == "b"]
+    for index, dot in enumerate((math.inf, -math.inf, 1.0)):
+        digest = GradientDigest(0, "b", dot, 1.0, 1.0, "x and y", audit.seed)
+        contributions.record(MicrobatchResult(5, index, {0: "b"}, None, 4, digests=(digest,)))
+    grads = {p: _grads(i) for i, p in enumerate(PEERS)}
+    for p in ("a", "c"):
+        _digests(contributions, p, grads[p])
+    xs = [(grads[p][2] + grads[p][0]) + grads[p][1] for p in PEERS]
+    held = {p: [0, 1, 2] for p in PEERS}
+    found = contributions.judge(5, 0, PEERS, _round(contributions, xs), held)
+    assert [peer for peer, _ in found] == [], found
