@@ -1,14 +1,18 @@
 """Whose NaN or infinite answer fails the job, and whose leaves only its replica out.
 
 The members of a pool average one sum, so their averages are the same, bit for bit (a hostile
-owner that sends members different sums fails the round's sum checks first, named). A NaN or
+owner that sends members different sums fails the round's sum checks first, named; under
+`pool.mode = "local"` each step's PREPARE averages with no one, and they differ). A NaN or
 infinite norm from every member of a stage is the model's or the data's: no step is applied,
-and the job fails with its cause (`NonFiniteStep`), as it always did. From some members while
-the others of the same stage answer a finite one, it is those members' own word: a faulty
-device, or a hostile volunteer that answers PREPARE with a NaN (or refuses its APPLY as NaN)
-to end another submitter's job. Before, either ended the job. Now those members are left out,
-their microbatches replayed (PREPARE), or dropped a step behind to rejoin by copying a member
-that applied (APPLY); the job goes on."""
+and the job fails with its cause (`NonFiniteStep`), as it always did. So does any split this
+cannot read for sure. Where a strict majority of a stage's members answered one and the same
+finite norm, the others' NaN is their own word: a faulty device, or a hostile volunteer that
+answers PREPARE with a NaN (or refuses its APPLY as NaN) to end another submitter's job. Before,
+either ended the job. Now those members are left out, their microbatches replayed (PREPARE), or
+dropped a step behind to rejoin by copying a member that applied (APPLY); the job goes on. A
+majority, not any one finite answer: else one hostile member answering a finite norm beside its
+pool's honest NaNs (its own NaN contribution's) would have them all left out, and itself the
+stage's pool of one, unchecked."""
 
 from __future__ import annotations
 
@@ -33,17 +37,30 @@ LeaveOut = Callable[[StepLedger, int, Replica, list[str], str], Awaitable[None]]
 
 
 def split(
-    answers: Iterable[tuple[int, str, bool]],
+    answers: Iterable[tuple[int, str, float | None]],
 ) -> tuple[dict[int, list[str]], list[tuple[int, str]]]:
-    """Of each member's answer `(stage, peer, finite)`: the stages none of whose members
-    answered a finite one (stage -> its peers: the job fails), and the members that did not
-    while another of their stage did (`(stage, peer)`: left out alone)."""
-    by_stage: dict[int, tuple[list[str], list[str]]] = {}
-    for stage, peer, finite in answers:
+    """Of each member's answer `(stage, peer, value)` (a norm; None: not NaN, nothing to
+    compare, as an APPLY that went through): the stages whose NaN or infinite answers cannot be
+    read as their members' own (stage -> those members: the job fails), and the members whose
+    can, a strict majority of their stage having answered one and the same finite value
+    (`(stage, peer)`: left out alone)."""
+    by_stage: dict[int, tuple[list[float | None], list[str]]] = {}
+    for stage, peer, value in answers:
         fine, bad = by_stage.setdefault(stage, ([], []))
-        (fine if finite else bad).append(peer)
-    diverged = {stage: bad for stage, (fine, bad) in by_stage.items() if bad and not fine}
-    alone = [(stage, peer) for stage, (fine, bad) in by_stage.items() if fine for peer in bad]
+        if value is None or math.isfinite(value):
+            fine.append(value)
+        else:
+            bad.append(peer)
+    diverged: dict[int, list[str]] = {}
+    alone: list[tuple[int, str]] = []
+    for stage, (fine, bad) in by_stage.items():
+        if not bad:
+            continue
+        agreed = len(set(fine)) == 1 and 2 * len(fine) > len(fine) + len(bad)
+        if agreed:
+            alone += [(stage, peer) for peer in bad]
+        else:
+            diverged[stage] = bad
     return diverged, alone
 
 
@@ -68,7 +85,7 @@ class NonFinite:
         member that did while another of its stage answered a finite one, and say so (the
         attempt fails and is retried without them); None where every norm is finite."""
         norms = {(stage, peer): sq_norm for stage, peer, sq_norm in reported}
-        diverged, alone = split((k, p, math.isfinite(n)) for (k, p), n in norms.items())
+        diverged, alone = split((k, p, n) for (k, p), n in norms.items())
         for stage in sorted({k for (k, _), n in norms.items() if not math.isfinite(n)}):
             self.metrics.nonfinite(stage)
         if diverged:
@@ -96,16 +113,21 @@ class NonFinite:
     def applied(
         self, step: int, where: Sequence[tuple[int, Replica]], results: Sequence[object]
     ) -> set[tuple[int, str]]:
-        """APPLY's results, in `where`'s order: raise `NonFiniteStep` where every member of a
-        stage refused it as NaN or infinite (its sums are not what its norm said: the stage
-        cannot move on exactly); drop each member that refused while others of its stage
-        applied (a step behind, it rejoins by copying one of them). The members that refused."""
+        """APPLY's results, in `where`'s order: drop each member that refused it as NaN or
+        infinite where a strict majority of its stage applied it (a step behind, it rejoins by
+        copying one of them); else raise `NonFiniteStep` (its sums are not what its norm said:
+        the stage cannot move on exactly). A failure of another kind applied nothing: it counts
+        for neither side. The members that refused."""
         refused = {
             (stage, r.peer): result
             for (stage, r), result in zip(where, results, strict=True)
             if isinstance(result, NonFiniteGradient)
         }
-        diverged, alone = split((k, r.peer, (k, r.peer) not in refused) for k, r in where)
+        diverged, alone = split(
+            (k, r.peer, math.nan if (k, r.peer) in refused else None)
+            for (k, r), result in zip(where, results, strict=True)
+            if (k, r.peer) in refused or not isinstance(result, BaseException)
+        )
         for stage in sorted({stage for stage, _ in refused}):
             self.metrics.nonfinite(stage)
         if diverged:

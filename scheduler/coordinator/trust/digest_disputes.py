@@ -36,6 +36,7 @@ its digest alone, its answers honest, and block every audit of others it took pa
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
@@ -116,6 +117,11 @@ class DigestDisputes:
         tol += reported_sum(self._apart(pair) for pair in disputed.values())
         if not consistent(tol):
             return []  # the others disagree on the sums: the round's sum checks say who
+        if not math.isfinite(got) or not math.isfinite(tol):
+            # the round's word is not finite (a report of infinities, `reported_sum`): no
+            # comparison with it convicts anyone, as none acquits
+            log.warning("%s is not judged: the round's q·x is not finite (%s)", where, got)
+            return []
         for liar in sorted(suspects):
             honest, lied = total(liar, False), total(liar, True)
             if abs(honest - got) > tol or abs(lied - honest) <= 2 * tol:

@@ -24,12 +24,13 @@ refused as well: its own contribution would go unseen. What the bound cannot see
 gradient no larger than an honest one (a sign flipped, a bias within `bound`): that is the
 audit's, by re-execution.
 
-A NaN or infinite contribution beside finite ones is refused too, whatever the bound: before,
-one replica's NaN made every member's average NaN and the commit failed the job
-(`NonFiniteStep`), so one hostile volunteer or one faulty device ended another submitter's job.
-Every contribution of a stage NaN is the model's or the data's, and stays the commit's to
-refuse. A hostile owner can report an honest sender's part NaN, as it can report it large: the
-sender is left out and replayed, never banned, on that word.
+A NaN or infinite contribution beside finite ones is refused too, whatever the bound, where the
+sender's own word (its norm of some part) says so as the owners' do: before, one faulty device's
+NaN made every member's average NaN and the commit failed the job (`NonFiniteStep`). Every
+contribution of a stage NaN is the model's or the data's, and stays the commit's (its members'
+norms: `scheduler.coordinator.nonfinite`). An owner's word alone that a sender's is NaN or
+infinite refuses no one, and keeps that sender out of the medians (it would make them NaN): a
+hostile owner could otherwise leave every other contributor out in one round.
 """
 
 from __future__ import annotations
@@ -106,18 +107,24 @@ def outliers(
         if not math.isfinite(per_sample[j]) and finite and j not in found and _says_itself(of[j]):
             # Beside finite ones, one replica's (a faulty device's, or a volunteer's that says
             # so): the members' average would be NaN and the commit would fail the job. Every
-            # one NaN is the model's or the data's: the commit's to refuse (`NonFiniteStep`).
+            # one NaN is the model's or the data's: the commit's (`coordinator.nonfinite`).
             found[j] = (
                 f"its contribution is not finite ({per_sample[j]}) while the others' are: "
                 "no honest gradient of the same parameters would be, nor would one of a "
                 "replica that took no microbatch"
             )
-    took = [j for j in range(m) if samples.get(j, 0) > 0 and j not in found]
+    # The yardstick: those that took microbatches, not refused, whose norm is finite (one an
+    # owner's word alone makes NaN or infinite is the commit's, and no part of any median).
+    took = [
+        j
+        for j in range(m)
+        if samples.get(j, 0) > 0 and j not in found and math.isfinite(per_sample[j])
+    ]
     for j, norm in enumerate(per_sample):
         others = [per_sample[i] for i in took if i != j]
         median = statistics.median(others) if others else before
-        if median is None or math.isnan(norm):
-            continue  # nothing to compare with; a NaN not its own word is the commit's
+        if median is None or not math.isfinite(norm):
+            continue  # nothing to compare with; not finite by an owner's word alone: no one's
         # A step apart is a looser yardstick than a peer of the same step (a loss spike moves
         # every gradient at once): held to the bound squared.
         allowed = bound * median if others else bound * bound * median

@@ -174,8 +174,8 @@ def owner_words(
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
     """The sums that fail their checksum, given each contributor's reports (contributor index ->
     its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
-    reported it, with finite contributions (a NaN or infinite gradient is the commit's to refuse:
-    `NonFiniteStep`); a NaN or infinite sum of finite contributions is a mismatch."""
+    reported it, with finite contributions (a NaN or infinite gradient is the norm bound's and
+    the commit's: `nonfinite`); a NaN or infinite sum of finite contributions is a mismatch."""
     if len(reports) < contributors or contributors < 2:
         return []
     by_part: dict[int, dict[int, pb.SumCheck]] = {}

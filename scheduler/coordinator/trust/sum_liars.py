@@ -108,7 +108,7 @@ def _evidence(
         return None  # the ceiling would rest on the members' own norms: a liar could lower it
     ceiling = norm_ceiling(owner, of, m)
     if not math.isfinite(ceiling) or not all(math.isfinite(c.norm) for c in of.values()):
-        return None  # a NaN or infinite contribution: the commit's to refuse (`NonFiniteStep`)
+        return None  # a NaN or infinite contribution: the norm bound's and the commit's
     # A sum that is NaN or infinite is no evidence either: finite contributions may overflow
     # the part's dtype as they are added, or as a lossy codec encodes the sum.
     past = [j for j, c in sorted(of.items()) if math.isfinite(c.sum_norm) and c.sum_norm > ceiling]

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.coordinator.commit import NonFiniteStep
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
-from swarm.errors import NonFiniteGradient, SwarmError
+from swarm.errors import NonFiniteGradient, PeerUnavailable, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
@@ -100,16 +100,23 @@ async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_j
     assert registry.get_sample_value(_COUNTER, {"job": swarm.job_id, "stage": "1"}) == 1.0
 
 
-async def _pool_of_two(
+async def _pool_of_three(
     tmp_path: Path, make_harness: MakeHarness, **training: float
-) -> tuple[Harness, tuple[FakeReplica, FakeReplica, FakeReplica]]:
-    """A started coordinator over stage 0's pool of two (a, b) and stage 1's one replica (c)."""
+) -> tuple[Harness, tuple[FakeReplica, ...]]:
+    """A started coordinator over stage 0's pool of three (a, b, d) and stage 1's one replica
+    (c)."""
     job = job_of(tmp_path, **training)
     swarm = FakeSwarm(fingerprint(job), 2)
-    replicas = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    replicas = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c"), swarm.add(0, "d")
     h = make_harness(job, swarm)
     await h.coordinator.start()
     return h, replicas
+
+
+async def _each_lands_on(h: Harness, peers: list[str]) -> None:
+    """The step's microbatches, one on each of `peers` at stage 0 (the rest on the first)."""
+    for i, task in enumerate(await h.lease()):
+        await h.run(task, {0: peers[min(i, len(peers) - 1)]})
 
 
 @pytest.mark.attack("nan-contribution")
@@ -117,32 +124,60 @@ async def test_one_members_nan_norm_beside_its_pools_finite_ones_leaves_it_out(
     tmp_path: Path, make_harness: MakeHarness
 ) -> None:
     """A pool averages one sum: a member alone answering its norm NaN (a faulty device, or a
-    hostile volunteer's PREPARE) is left out and its microbatches replayed by the others.
-    Before, the job failed (`NonFiniteStep`): one replica ended another submitter's job."""
-    h, (a, b, c) = await _pool_of_two(tmp_path, make_harness, grad_clip=1.0)
+    hostile volunteer's PREPARE) while the rest of its pool, a majority, answer one finite norm
+    is left out and its microbatches replayed by the others. Before, the job failed
+    (`NonFiniteStep`): one replica ended another submitter's job."""
+    h, (a, b, c, d) = await _pool_of_three(tmp_path, make_harness, grad_clip=1.0)
     b.sq_norm = math.nan
-    tasks = await h.lease()
-    await h.run(tasks[0], {0: "a"})
-    await h.run(tasks[1], {0: "b"})
+    await _each_lands_on(h, ["a", "b", "d"])
     record = await h.replayed({0: "a"})  # b's microbatch, replayed on a
     assert record.step == 0
-    assert a.called("apply") == [0] and c.called("apply") == [0] and b.called("apply") == []
+    assert [r.called("apply") for r in (a, c, d)] == [[0], [0], [0]] and b.called("apply") == []
     assert b.called("discard") == [0]  # its gradients voided, replayed on a
+
+
+@pytest.mark.attack("nan-contribution")
+async def test_one_finite_norm_among_its_pools_nans_leaves_no_honest_member_out(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """The pool's average is NaN (a hostile member's own NaN contribution, or the model), and
+    one member answers a finite norm all the same: not a majority, so no one is left out on it
+    (the honest members would be, and that member the stage's pool of one); the job fails as it
+    always did, naming them."""
+    h, (a, _, _, d) = await _pool_of_three(tmp_path, make_harness)
+    a.sq_norm = d.sq_norm = math.nan
+    await _each_lands_on(h, ["a", "b", "d"])
+    await until(lambda: h.coordinator.finished.is_set())
+    error = h.coordinator.error
+    assert isinstance(error, NonFiniteStep), error
+    assert "a: nan" in str(error) and "d: nan" in str(error), error
+    assert a.called("discard") == [] and d.called("discard") == []
 
 
 @pytest.mark.attack("nan-contribution")
 async def test_one_member_refusing_its_apply_beside_its_pools_others_is_dropped(
     tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its pool's others applied the step: it is dropped (a step behind, it rejoins by copying
-    one of them), and the job goes on. Before, the job failed."""
-    h, (a, b, c) = await _pool_of_two(tmp_path, make_harness)
+    """The rest of its pool, a majority, applied the step: it is dropped (a step behind, it
+    rejoins by copying one of them), and the job goes on. Before, the job failed."""
+    h, (a, b, c, d) = await _pool_of_three(tmp_path, make_harness)
     b.fail("apply", NonFiniteGradient("stage 0 step 0: the prepared gradient is NaN"))
-    tasks = await h.lease()
-    await h.run(tasks[0], {0: "a"})
-    await h.run(tasks[1], {0: "b"})
+    await _each_lands_on(h, ["a", "b", "d"])
     await until(lambda: not h.steps.empty() or h.coordinator.error is not None)
     assert h.coordinator.error is None, h.coordinator.error
-    assert a.called("apply") == [0] and c.called("apply") == [0]
+    assert [r.called("apply") for r in (a, c, d)] == [[0], [0], [0]]
     said = "b refused its APPLY as NaN or infinite"
     assert any(said in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_refusal_beside_a_failed_apply_is_no_majority_and_fails_the_job(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """An APPLY that failed otherwise applied nothing: one applied, one refused as NaN, one
+    gone is no majority that applied, and the job fails as it always did."""
+    h, (_, b, _, d) = await _pool_of_three(tmp_path, make_harness)
+    b.fail("apply", NonFiniteGradient("stage 0 step 0: the prepared gradient is NaN"))
+    d.fail("apply", PeerUnavailable("UNAVAILABLE: connection refused"))
+    await _each_lands_on(h, ["a", "b", "d"])
+    await until(lambda: h.coordinator.finished.is_set())
+    assert isinstance(h.coordinator.error, NonFiniteStep), h.coordinator.error

@@ -21,8 +21,9 @@ from scheduler.coordinator.discards import Discards
 from swarm.errors import PeerUnavailable, ResourceExhausted, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Task
-from tests.support.coordinator import Harness, MakeHarness, job_of, until
+from tests.support.coordinator import Harness, MakeHarness, job_of
 from tests.support.replicas import FakeReplica, FakeSwarm
+from tests.support.waiting import wait_until
 
 Told = tuple[int, str, str]  # (stage, peer, text): what a `Discards.said` hook is told
 
@@ -204,7 +205,9 @@ async def test_a_rollback_no_replica_of_a_stage_can_load_says_why_in_status(
     full = [ResourceExhausted(f"out of device memory ({n} MiB free)") for n in (1, 2, 3)]
     c.fail("load_state", *full)
     h.coordinator.bans.roll_back_to(0)
-    await until(lambda: len(c.called("load_state")) >= 3)
+    # Three tries take 3.5 s of the rollback's backoff by themselves (0.5 + 1 + 2): `until`'s
+    # 5 s left 1.5 s for the rest on a loaded machine, and a full suite beside it ran out.
+    await wait_until(lambda: len(c.called("load_state")) >= 3, "three loads", timeout_s=30.0)
     said = [s for s in status if "load" in s]
     assert said == [
         "rollback to step 0: no replica of stage 1 loaded its state (c: out of device memory "

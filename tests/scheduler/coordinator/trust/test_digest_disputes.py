@@ -129,3 +129,21 @@ def test_a_dispute_q_x_cannot_settle_judges_no_one(caplog: pytest.LogCaptureFixt
     pair["c"] = replace(pair["c"], norm=1e12, magnitude=1e12)
     found = inflated.judge(5, 0, PEERS, _honest_round(inflated, gradients), {"a": [0, 1, 2]})
     assert [peer for peer, _ in found] == ["c"]
+
+
+@pytest.mark.attack("inf-report")
+def test_a_dispute_against_a_round_that_is_not_finite_convicts_no_one() -> None:
+    """`c` lies in its digest of one of `a`'s microbatches, and `b` reports a NaN r·x of what
+    it sent `a`'s own part under `a`'s audit seed: q·x of `a`, told by the round, is NaN, and
+    no comparison with it says who lied. Before, every comparison with NaN read as "not
+    contradicted", and the first suspect, the honest auditor `b`, was convicted."""
+    contributions = _audited()
+    gradients = {p: grads(i) for i, p in enumerate(PEERS)}
+    _report(contributions, gradients, {"a": 1e-2})
+    checks = _honest_round(contributions, gradients)
+    (audit,) = [a for a in contributions._audits(5, 0) if a.peer == "a"]
+    for c in checks[1].audit_checks(audit.seed):
+        if c.part == 0:  # `a`'s own part: what b says it sent there
+            c.dot = float("nan")
+    found = contributions.judge(5, 0, PEERS, checks, HELD)
+    assert [peer for peer, _ in found if peer == "b"] == [], found

@@ -118,7 +118,8 @@ def test_zeros_of_one_that_took_nothing_do_not_make_a_diverged_model_a_replicas_
 
 def test_a_hostile_owners_negative_or_huge_report_fails_nothing() -> None:
     """A negative square raised in `math.sqrt`, a norm past 1.3e154 in `**`: one report failed
-    the job as a bug. A negative square counts as none; a huge one is past the bound."""
+    the job as a bug. A negative square counts as none; a huge one's square is infinite, which
+    the bound leaves to the commit (no one is refused on it; nothing raises)."""
     checks = _checks([1.0, 1.0, 1.0])
     checks[0].reports[-1].received[1] = -5.0
     assert outliers(GROUP, checks, {0: 1, 1: 1, 2: 1}, 8.0)[0] == {}
@@ -126,7 +127,17 @@ def test_a_hostile_owners_negative_or_huge_report_fails_nothing() -> None:
     checks = _checks([1.0, 1.0])
     checks[1].reports.append(pb.SumCheck(part=2, norm=1e200))  # its own word about it
     found, _ = outliers(aggregated, checks, {0: 1, 1: 1}, 8.0)
-    assert list(found) == [1], found
+    assert found == {}, found
+
+
+def test_an_owners_nan_word_alone_does_not_blind_the_bound_to_another() -> None:
+    """A sender made NaN by an owner's word alone is no part of the medians: a liar of 1e4
+    beside it is still refused (a review found the NaN median let it pass)."""
+    nan = float("nan")
+    checks = _checks([nan, 1.0, 1e4], said=[1.0, 1.0, 1e4])
+    found, median = outliers(GROUP, checks, {0: 1, 1: 1, 2: 1}, 8.0)
+    assert list(found) == [2], found
+    assert median is not None and math.isfinite(median)
 
 
 def test_every_contribution_nan_is_left_to_the_commit() -> None:
