@@ -14,22 +14,17 @@ from scheduler.registry import PeerRegistry
 from swarm.clock import MonotonicClock
 from swarm.job.config import RebalanceConfig
 from swarm.proto import control_pb2 as cpb
+from tests.support.announcements import serving
 from tests.support.fakes import SilentBus
 
 
 def _serving(
     peer: str, stage: int, host: str, stages: int, router: str = ""
 ) -> cpb.PeerAnnouncement:
-    return cpb.PeerAnnouncement(
-        peer=peer,
-        address=f"{peer}:1",
-        public_address=router,
-        host_id=host,
-        job="j",
-        stage=stage,
-        state=cpb.PEER_STATE_SERVING,
-        samples_per_second=dict.fromkeys(range(stages), 10.0),
-    )
+    """`serving`, on host `host`, behind `router` (its public address; "": none)."""
+    announced = serving(peer, stage, speeds=[10.0] * stages)
+    announced.public_address, announced.host_id = router, host
+    return announced
 
 
 def _mover(
