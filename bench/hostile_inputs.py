@@ -147,6 +147,9 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A report of infinities fails nothing"
     "inf-report": "a lessee reports two digests, +inf and -inf: the coordinator's sum of them "
     "raises, and the job fails as a bug",
+    # docs/decisions.md, "A step's audits are told only to the job's own trainers"
+    "audit-seeds": "a replica's operator leases one microbatch of another submitter's job and "
+    "learns whether its replica's contribution is audited, and the seed, before it sends it",
 }
 
 

@@ -19,6 +19,7 @@ from swarm.flags import (
     env_name,
     metrics_token,
     seconds,
+    secret,
     token,
 )
 from swarm.net.invite import add_join_flag
@@ -196,6 +197,14 @@ def _trainer(p: argparse.ArgumentParser) -> None:
         "the swarm's MQTT broker (mqtt://HOST:PORT): the wiring follows the replicas' load reports",
     )
     add_token(p)
+    add_secret(
+        p,
+        "submitter-token",
+        "with --scheduler: the job's submitter's token (or the admin's credential), which makes "
+        "this trainer one of the job's own, told the audits of its replicas' contributions "
+        "(default: SWARM_SUBMITTER_TOKEN; none: it trains with those audits left out, unless "
+        "the job was submitted with the swarm token alone)",
+    )
     add_tls_flags(p)
     add_join_flag(p)  # a friend's trainer: the job's data comes from the scheduler
     p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
@@ -271,6 +280,7 @@ def _run_trainer(args: argparse.Namespace) -> int:
                 args.scheduler,
                 args.job,
                 token=token(args),
+                submitter_token=secret(args, "submitter-token"),
                 threads=args.threads,
                 metrics_port=args.metrics_port,
                 metrics_token=metrics_token(args),

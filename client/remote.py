@@ -23,6 +23,7 @@ from swarm.errors import ConfigError, PeerUnavailable
 from swarm.job.config import parse_job, verify_init
 from swarm.net import dial
 from swarm.net.invite import cache_dir
+from swarm.net.submitters import SUBMITTER_KEY
 from swarm.net.tls_mismatch import explain_grpc
 from swarm.ops.metrics import serve_metrics
 from swarm.policy.backoff import Backoff
@@ -60,10 +61,14 @@ class RemoteCoordinator:
         job_id: str,
         *,
         token: str | None = None,
+        submitter_token: str | None = None,
         timeout_s: float = 30.0,
         retry_for_s: float = 600.0,
     ) -> None:
-        """`retry_for_s`: how long a call keeps asking a scheduler that does not answer (one
+        """`submitter_token`: the job's submitter's (or the admin's credential), which makes
+        this trainer one of the job's own: only those are told the step's contribution audits
+        (docs/jobs.md, "Trust"); another trains the job with its contributions unaudited.
+        `retry_for_s`: how long a call keeps asking a scheduler that does not answer (one
         restarting, upgraded, or on the far side of a network outage) before the trainer gives
         up; the trainer's leases outlive a short outage only if the scheduler's lease timeout
         does too, but its work is replayed exactly either way."""
@@ -72,6 +77,7 @@ class RemoteCoordinator:
         # Its own, for its lifetime: the job API binds each trainer id it names to it
         # (`scheduler.trainer_keys`), so no other caller speaks for its leases.
         self.key = os.urandom(32)
+        self._metadata = ((SUBMITTER_KEY, submitter_token),) if submitter_token else None
         self.channel = dial.channel(address, token=token, options=grpc_options(64 << 20))
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
 
@@ -128,7 +134,8 @@ class RemoteCoordinator:
         # A long poll: the deadline covers the wait as well as the answer.
         deadline = self.timeout_s + wait_s
         response = await self._call(
-            "lease", lambda: self.stub.LeaseMicrobatches(request, timeout=deadline)
+            "lease",
+            lambda: self.stub.LeaseMicrobatches(request, timeout=deadline, metadata=self._metadata),
         )
         return lease_from_proto(response)
 
@@ -167,7 +174,10 @@ class RemoteCoordinator:
     ) -> spb.SchedulerReportMicrobatchesResponse:
         request.trainer_key = self.key
         return await self._call(
-            "report", lambda: self.stub.ReportMicrobatches(request, timeout=self.timeout_s)
+            "report",
+            lambda: self.stub.ReportMicrobatches(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            ),
         )
 
 
@@ -210,6 +220,7 @@ async def run_remote_trainer(
     job_id: str,
     *,
     token: str | None = None,
+    submitter_token: str | None = None,
     threads: int = 1,
     metrics_port: int | None = None,
     metrics_token: str | None = None,  # /metrics requires it (None: `token`)
@@ -217,10 +228,14 @@ async def run_remote_trainer(
     retry_for_s: float = 600.0,
 ) -> int:
     """Train job `job_id` of the scheduler at `address` until it has no more steps. With
-    `broker` (the swarm's MQTT broker URL), the wiring follows the replicas' load reports.
-    A scheduler that does not answer is asked again, backing off, for `retry_for_s`."""
+    `broker` (the swarm's MQTT broker URL), the wiring follows the replicas' load reports;
+    with `submitter_token` (the job's submitter's), it is one of the job's own trainers
+    (`RemoteCoordinator`). A scheduler that does not answer is asked again, backing off, for
+    `retry_for_s`."""
     torch.set_num_threads(max(1, threads))
-    remote = RemoteCoordinator(address, job_id, token=token, retry_for_s=retry_for_s)
+    remote = RemoteCoordinator(
+        address, job_id, token=token, submitter_token=submitter_token, retry_for_s=retry_for_s
+    )
     uses = Uses()  # the fetched data files this run reads: held until it ends
     try:
         status = await remote.job()

@@ -40,9 +40,15 @@ class Caller:
     name: str  # the submitter its jobs are recorded under; ANONYMOUS: the swarm token alone
     admin: bool = False  # may act on every job
 
+    def manages(self, submitter: str) -> bool:
+        """Whether this caller may manage a job of `submitter`'s: it is that submitter, or an
+        admin. Such a caller's trainers are the job's own, and are told its step's contribution
+        audits (`JobApiServicer.LeaseMicrobatches`)."""
+        return self.admin or submitter == self.name
+
     def may_manage(self, record: JobRecord, action: str) -> None:
         """PermissionDenied unless this caller submitted `record` or is an admin."""
-        if self.admin or record.submitter == self.name:
+        if self.manages(record.submitter):
             return
         raise PermissionDenied(
             f"job {record.id!r} was submitted by {shown(record.submitter)}: only its submitter "

@@ -128,7 +128,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.callers, self.admission = callers or Callers(), admission or Admission()
         self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler", reader_idle_s=READER_IDLE_S)
-        self._known = KnownJobs(self._job)  # the ids the store has, asked once each
+        self._known = KnownJobs(lambda job: self._job(job).submitter)  # asked once each
         self.trainer_calls = TrainerCalls()  # bounded, each under its own trainer id
         self.trust = TrustMode(trusted_peers)
         self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)
@@ -311,15 +311,25 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
-            self._known.check(request.job)
-            return await self._lease(request, request.trainer_key)
+            submitter = self._known.check(request.job)
+            return await self._lease(request, request.trainer_key, context, submitter)
 
         return await self._serving.run("LeaseMicrobatches", context, body)
 
     async def _lease(
-        self, request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest, key: bytes
+        self,
+        request: scheduler_pb2.SchedulerLeaseMicrobatchesRequest,
+        key: bytes,
+        context: Any,
+        submitter: str,
     ) -> scheduler_pb2.SchedulerLeaseMicrobatchesResponse:
+        """`request`'s lease, for a trainer calling as `context`'s caller, of a job of
+        `submitter`'s."""
         self.trainer_calls.lease(request, key)
+        # Any token holder may train a job, a replica's operator too; the step's contribution
+        # audits (who is drawn, and q) reach only its own trainers: told them before its replica
+        # sends its contribution, it would send an honest one exactly when drawn.
+        own = self.callers.identify(context).manages(submitter)
         if not math.isfinite(request.wait_s) or request.wait_s < 0:
             raise InvalidArgument(f"wait_s must be a number >= 0, got {request.wait_s}")
         lease = await self.control.lease(
@@ -329,13 +339,13 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             wait_s=request.wait_s,
             working=working_from_proto(request),
         )
-        return lease_to_proto(lease)
+        return lease_to_proto(lease if own else lease.unaudited())
 
     async def ReportMicrobatches(
         self, request: scheduler_pb2.SchedulerReportMicrobatchesRequest, context: Any
     ) -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
         async def body() -> scheduler_pb2.SchedulerReportMicrobatchesResponse:
-            self._known.check(request.job)
+            submitter = self._known.check(request.job)
             self.trainer_calls.report(request)  # all of it refused before any of it is taken
             results = [result_from_proto(r) for r in request.results]
             failure = request.failure[:MAX_FAILURE_CHARS] or None
@@ -344,7 +354,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if not request.HasField("next"):
                 return scheduler_pb2.SchedulerReportMicrobatchesResponse()
             return scheduler_pb2.SchedulerReportMicrobatchesResponse(
-                lease=await self._lease(request.next, request.trainer_key)
+                lease=await self._lease(request.next, request.trainer_key, context, submitter)
             )
 
         return await self._serving.run("ReportMicrobatches", context, body)

@@ -18,25 +18,26 @@ MAX_KNOWN = 4096
 
 
 class KnownJobs:
-    """`look_up(job_id)` raises for a job the store does not have; `check` asks it once per
-    job kept."""
+    """`look_up(job_id)`, its submitter, raises for a job the store does not have; `check` asks
+    it once per job kept."""
 
-    def __init__(self, look_up: Callable[[str], object], most: int = MAX_KNOWN) -> None:
+    def __init__(self, look_up: Callable[[str], str], most: int = MAX_KNOWN) -> None:
         self._look_up, self.most = look_up, most
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, str] = OrderedDict()  # job -> its submitter
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def check(self, job_id: str) -> None:
-        """Refuse an unknown job (as `look_up` does)."""
-        if job_id in self._ids:
+    def check(self, job_id: str) -> str:
+        """Refuse an unknown job (as `look_up` does); its submitter (a job's never changes)."""
+        submitter = self._ids.get(job_id)
+        if submitter is not None:
             self._ids.move_to_end(job_id)
-            return
-        self._look_up(job_id)
-        self._ids[job_id] = None
+            return submitter
+        submitter = self._ids[job_id] = self._look_up(job_id)
         while len(self._ids) > self.most:
             self._ids.popitem(last=False)
+        return submitter
 
     def forget(self, job_id: str) -> None:
         """`job_id` was deleted: asked of the store again."""

@@ -6,7 +6,7 @@ in-process, or the scheduler over gRPC)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from swarm.proto import scheduler_pb2 as spb
@@ -99,6 +99,12 @@ class Lease:
     tasks: list[Task]
     replicas: list[list[Replica]]  # per stage, the replicas serving it now
     done: bool = False  # the job has no more steps
+
+    def unaudited(self) -> Lease:
+        """This lease with no task telling its step's contribution audits: for a trainer that
+        is not the job's own (`scheduler.callers.Caller.manages`)."""
+        tasks = [replace(t, audits=()) if t.audits else t for t in self.tasks]
+        return Lease(self.step, tasks, self.replicas, self.done)
 
 
 @dataclass(frozen=True)

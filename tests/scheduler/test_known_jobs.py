@@ -13,14 +13,15 @@ from swarm.errors import NotFound
 def test_a_job_is_looked_up_once_while_kept_and_the_ids_kept_are_bounded() -> None:
     asked: list[str] = []
 
-    def look_up(job_id: str) -> None:
+    def look_up(job_id: str) -> str:
         asked.append(job_id)
         if job_id.startswith("gone"):
             raise NotFound(f"unknown job {job_id!r}")
+        return f"submitter of {job_id}"
 
     known = KnownJobs(look_up, most=3)
     for _ in range(5):
-        known.check("a")
+        assert known.check("a") == "submitter of a"  # its submitter, for a lease's audits
     assert asked == ["a"]  # once
     with pytest.raises(NotFound):
         known.check("gone-1")

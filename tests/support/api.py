@@ -20,11 +20,14 @@ from scheduler.job_api import JobApiServicer
 from scheduler.store import JobStore
 from swarm.errors import FailedPrecondition
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc.lease import ContributionAudit, Lease, MicrobatchResult, Task
 from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
 
-__all__ = ["CHUNK", "FakeControl", "RunningApi", "api", "start_api"]
+__all__ = ["AUDITED", "CHUNK", "FakeControl", "RunningApi", "api", "start_api"]
 
 CHUNK = 1024  # bytes: small, so exports are chunked
+# The contribution audit `FakeControl.lease` draws for step 0: stage 1's peer-b, with its seed
+AUDITED = ContributionAudit(1, "peer-b", 0x5EED)
 
 
 @dataclass
@@ -38,6 +41,7 @@ class FakeControl:
     broken: bool = False  # stages() raises: an orchestration bug
     routes_dir: Path = Path("/nonexistent")  # where `routes` says each job's record lies
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    reported: list[MicrobatchResult] = field(default_factory=list)  # what trainers reported
     state: dict[str, torch.Tensor] = field(
         default_factory=lambda: {
             "layers.0.weight": torch.randn(64, 32, dtype=torch.float64),  # 16 KiB: chunked
@@ -97,6 +101,17 @@ class FakeControl:
 
     def routes(self, job_id: str) -> Path:
         return self.routes_dir / f"{job_id}.jsonl"
+
+    async def lease(self, job_id: str, trainer: str, count: int, **_: object) -> Lease:
+        """One task of step 0, with the step's contribution audit (`AUDITED`), as the
+        coordinator leases it to its own trainer."""
+        task = Task(0, len(self.reported), frozenset({0, 1}), audits=(AUDITED,))
+        return Lease(0, [task], [])
+
+    async def report(
+        self, job_id: str, trainer: str, results: list[MicrobatchResult], *_: object
+    ) -> None:
+        self.reported += results
 
     async def export(self, job_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         if job_id.startswith("empty"):
