@@ -138,6 +138,10 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "Only a lease's holder accumulates"
     "lease-ticket": "a token holder accumulates into any replica's microbatch: a finite gradient "
     "replaces the honest one in the step, a NaN fails another submitter's job",
+    # docs/decisions.md, "A lease ticket names its push's run"
+    "lease-run": "a replica ahead of a stage on a push's route accumulates there first under a "
+    "run of its own with that stage's ticket: the honest push is answered as a duplicate, and "
+    "that replica's record of the honest run, not what it accumulated, frames it at its audit",
     # docs/decisions.md, "A push record is made once a run"
     "push-record": "a member of a push's path pushes the same run again with other inputs to an "
     "honest replica it went through: the record audited is not what that replica accumulated",

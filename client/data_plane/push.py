@@ -188,8 +188,9 @@ class PushPlane:
         ids, labels = data.microbatch(step, index)
         labels = self._narrow(labels)  # as sent: what stage 0 commits to (`PushAudits`)
         last, timeout = self.job.training.stages - 1, self._timeout()
-        # this run's records at each replica; 0: none kept, nothing to audit (`PushAudits`)
-        run = self.trust.run_id(task.audits)
+        # this run's records at each replica; 0: none kept, nothing to audit (`PushAudits`).
+        # A task the scheduler signed is pushed as the run its tickets name (`Task.run`).
+        run = task.run if task.tickets else self.trust.run_id(task.audits)
         call: WirePush = PushCall(
             step,
             index,

@@ -50,6 +50,7 @@ from scheduler.coordinator.trust.bans import Bans, OnBan
 from scheduler.coordinator.trust.standing import BanBook, Standing
 from scheduler.coordinator.voids import Voids
 from swarm.clock import Clock, MonotonicClock
+from swarm.device.kernels import audits
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.model.routes import Record
@@ -111,7 +112,10 @@ class LocalCoordinator:
         # Each task's lease ticket, signed with the key the replicas' calls are signed with:
         # the replicas of a job the scheduler placed ask for it (`swarm.net.lease_tickets`).
         signing = connect.signing if isinstance(connect, GrpcReplicas) else None
-        self._tickets = LeaseSigner(job_id, signing)
+        # On the push plane, with the run each task is pushed as, where its pushes keep
+        # records for the job's audits.
+        records = job.runtime.data_plane == "push" and audits(job)
+        self._tickets = LeaseSigner(job_id, signing, records)
         self._shares = Shares(self.clock, job.runtime.lease_timeout_s)
         self._rated = RatedLog(log, clock=self.clock.now)  # what a trainer's call may repeat
         self._records = StepRecords(self.metrics, job.model.seq_len)
@@ -313,7 +317,7 @@ class LocalCoordinator:
             exclude = set(returned)
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
             leased = self._rollback.stamped(ledger.lease(trainer, share, exclude=exclude))
-            tasks = self._tickets.signed(leased)
+            tasks = self._tickets.signed(leased, members)
             if tasks:
                 self.bans.saw(members, ledger.step)  # where a ban would roll back to
                 self._open_next_early()

@@ -116,9 +116,11 @@ class Answering:
         tickets = self._tickets()
         if tickets is None:  # no scheduler placed it: the token is enough
             return
-        rt, mb = self._runtime(), h.microbatch
+        rt, mb, run = self._runtime(), h.microbatch, 0
         if isinstance(h, pb.StagePushRequest):
-            ticket = h.tickets[rt.stage] if rt.stage < len(h.tickets) else b""
+            # Its run too: a replica ahead of this stage on the route holds this stage's ticket,
+            # and under a run of its own would accumulate here ahead of the lessee's push.
+            ticket, run = h.tickets[rt.stage] if rt.stage < len(h.tickets) else b"", h.run
         elif rt.job.runtime.data_plane == "push":
             raise PermissionDenied(
                 f"{self.peer}: microbatch ({mb.step}, {mb.index}): on the push plane a stage "
@@ -128,7 +130,7 @@ class Answering:
             )
         else:
             ticket = mb.ticket
-        tickets.check(h.job, mb.step, mb.index, mb.epoch, rt.stage, ticket)
+        tickets.check(h.job, mb.step, mb.index, mb.epoch, rt.stage, run, ticket)
 
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))

@@ -189,11 +189,13 @@ class SchedulerKey:
         which the coordinator's `Join` gives the joiner (`swarm.net.follow_tickets`)."""
         return issue_ticket(self._key, job, stage, follower, source, time.time())
 
-    def lease_ticket(self, job: str, step: int, index: int, epoch: int, stage: int) -> bytes:
+    def lease_ticket(
+        self, job: str, step: int, index: int, epoch: int, stage: int, run: int = 0
+    ) -> bytes:
         """The ticket of microbatch `(step, index)` of `job` leased in rollback epoch `epoch`,
-        at `stage`, which its lessee's accumulating call there carries
-        (`swarm.net.lease_tickets`)."""
-        return issue_lease_ticket(self._key, job, step, index, epoch, stage)
+        at `stage`, pushed as run `run` (0: on the carry plane, or keeping no record), which
+        its lessee's accumulating call there carries (`swarm.net.lease_tickets`)."""
+        return issue_lease_ticket(self._key, job, step, index, epoch, stage, run)
 
 
 class SignedStub:

@@ -10,7 +10,8 @@ job at PREPARE (`NonFiniteStep`).
 
 So the coordinator signs each task it leases (`scheduler.coordinator.lease_signer`): for each
 stage the task accumulates at, the scheduler's Ed25519 signature over the job, the step, the
-microbatch's index, the rollback epoch it was leased in (`swarm.rpc.epoch`) and the stage. The
+microbatch's index, the rollback epoch it was leased in (`swarm.rpc.epoch`), the stage and the
+run it is pushed as (`StagePushRequest.run`; 0 on the carry plane, where a call has none). The
 lessee's accumulating call at a stage carries that stage's ticket alone (`MicrobatchId.ticket`);
 a push carries those of the stages it accumulates at (`StagePushRequest.tickets`), and each
 replica pushes on only those of the later stages (`swarm.rpc.epoch.push_tickets`). A replica
@@ -47,25 +48,25 @@ from swarm.errors import PermissionDenied
 
 __all__ = ["TICKET_BYTES", "LeaseTickets", "issue_lease_ticket"]
 
-_CONTEXT = b"swarm-lease/1\0"
-_MICROBATCH = struct.Struct(">qqQI")  # step, index, epoch, stage
+_CONTEXT = b"swarm-lease/2\0"
+_MICROBATCH = struct.Struct(">qqQIQ")  # step, index, epoch, stage, run
 TICKET_BYTES = 64  # the signature alone: everything it signs the call says already
 # Verified tickets a replica remembers: a microbatch's retry (its push's backward after its
 # forward, a trainer's resend) is checked by lookup.
 REMEMBERED = 4096
 
 
-def _signed(job: str, step: int, index: int, epoch: int, stage: int) -> bytes:
-    microbatch = _MICROBATCH.pack(step, index, epoch, stage)
+def _signed(job: str, step: int, index: int, epoch: int, stage: int, run: int) -> bytes:
+    microbatch = _MICROBATCH.pack(step, index, epoch, stage, run)
     return b"".join((_CONTEXT, job.encode(), b"\0", microbatch))
 
 
 def issue_lease_ticket(
-    key: Ed25519PrivateKey, job: str, step: int, index: int, epoch: int, stage: int
+    key: Ed25519PrivateKey, job: str, step: int, index: int, epoch: int, stage: int, run: int
 ) -> bytes:
     """The ticket of microbatch `(step, index)` of `job` at `stage`, leased in rollback epoch
-    `epoch`."""
-    return key.sign(_signed(job, step, index, epoch, stage))
+    `epoch` to be pushed as run `run` (0: the carry plane's, or a push keeping no record)."""
+    return key.sign(_signed(job, step, index, epoch, stage, run))
 
 
 class LeaseTickets:
@@ -75,12 +76,17 @@ class LeaseTickets:
     def __init__(self, public: bytes, peer: str) -> None:
         self.public, self.peer = public, peer
         self._key = Ed25519PublicKey.from_public_bytes(public)
-        self._verified: OrderedDict[tuple[str, int, int, int, int, bytes], None] = OrderedDict()
+        self._verified: OrderedDict[tuple[str, int, int, int, int, int, bytes], None] = (
+            OrderedDict()
+        )
 
-    def check(self, job: str, step: int, index: int, epoch: int, stage: int, ticket: bytes) -> None:
+    def check(
+        self, job: str, step: int, index: int, epoch: int, stage: int, run: int, ticket: bytes
+    ) -> None:
         """PermissionDenied unless `ticket` is the scheduler's for microbatch `(step, index)` of
-        `job` at `stage`, leased in `epoch`."""
-        what = f"{self.peer}: microbatch ({step}, {index}) of epoch {epoch} at stage {stage}"
+        `job` at `stage`, leased in `epoch` as run `run`."""
+        named = f", run {run:x}" if run else ""
+        what = f"{self.peer}: microbatch ({step}, {index}) of epoch {epoch} at stage {stage}{named}"
         if not ticket:
             raise PermissionDenied(
                 f"{what}: an accumulation came without the scheduler's lease ticket; only the "
@@ -89,16 +95,16 @@ class LeaseTickets:
             )
         if len(ticket) != TICKET_BYTES:
             raise PermissionDenied(f"{what}: a malformed lease ticket ({len(ticket)} bytes)")
-        seen = (job, step, index, epoch, stage, ticket)
+        seen = (job, step, index, epoch, stage, run, ticket)
         if seen in self._verified:
             self._verified.move_to_end(seen)
             return
         try:
-            self._key.verify(ticket, _signed(job, step, index, epoch, stage))
+            self._key.verify(ticket, _signed(job, step, index, epoch, stage, run))
         except InvalidSignature:
             raise PermissionDenied(
                 f"{what}: the lease ticket is not the scheduler's for this microbatch at this "
-                "stage of this job and epoch; not accumulated"
+                "stage of this job and epoch, pushed as this run; not accumulated"
             ) from None
         self._verified[seen] = None
         while len(self._verified) > REMEMBERED:

@@ -259,7 +259,7 @@ class SchedulerFetchInitResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseTask(_message.Message):
-    __slots__ = ("step", "index", "stages", "evaluate", "audits", "epoch", "tickets")
+    __slots__ = ("step", "index", "stages", "evaluate", "audits", "epoch", "tickets", "run")
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class LeaseTask(_message.Message):
     AUDITS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TICKETS_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     step: int
     index: int
     stages: _containers.RepeatedScalarFieldContainer[int]
@@ -274,7 +275,8 @@ class LeaseTask(_message.Message):
     audits: _containers.RepeatedCompositeFieldContainer[ContributionAudit]
     epoch: int
     tickets: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., audits: _Optional[_Iterable[_Union[ContributionAudit, _Mapping]]] = ..., epoch: _Optional[int] = ..., tickets: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    run: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., audits: _Optional[_Iterable[_Union[ContributionAudit, _Mapping]]] = ..., epoch: _Optional[int] = ..., tickets: _Optional[_Iterable[bytes]] = ..., run: _Optional[int] = ...) -> None: ...
 
 class ContributionAudit(_message.Message):
     __slots__ = ("stage", "peer", "seed")

@@ -51,6 +51,11 @@ class Task:
     # (b"" elsewhere; none where no scheduler leased it): the task's accumulating call at a
     # stage carries that stage's (`swarm.net.lease_tickets`). Compared without, as epoch.
     tickets: tuple[bytes, ...] = field(default=(), compare=False)
+    # the run it is pushed as on the push plane (`StagePushRequest.run`; 0: none, no record
+    # kept), drawn by the coordinator and named by its tickets (`scheduler.coordinator.
+    # lease_signer`): a replica on its route holds a later stage's ticket, and under a run of its
+    # own would accumulate there ahead of the lessee's push. Compared without, as epoch.
+    run: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,7 @@ def lease_to_proto(lease: Lease) -> spb.SchedulerLeaseMicrobatchesResponse:
                 ],
                 epoch=t.epoch,
                 tickets=t.tickets,
+                run=t.run,
             )
             for t in lease.tasks
         ],
@@ -248,6 +254,7 @@ def lease_from_proto(msg: spb.SchedulerLeaseMicrobatchesResponse) -> Lease:
                 tuple(ContributionAudit(a.stage, a.peer, a.seed) for a in t.audits),
                 t.epoch,
                 tuple(t.tickets),
+                t.run,
             )
             for t in msg.tasks
         ],

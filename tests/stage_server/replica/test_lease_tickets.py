@@ -28,7 +28,7 @@ from swarm.net.commit_auth import SchedulerKey
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc import epoch
-from swarm.rpc.lease import Lease, Task, lease_from_proto, lease_to_proto
+from swarm.rpc.lease import Lease, Replica, Task, lease_from_proto, lease_to_proto
 from swarm.rpc.push_call import PushCall
 from swarm.rpc.stage_client import StageClient, WirePush
 from swarm.wire.crossing import Crossing
@@ -192,9 +192,9 @@ async def test_a_replica_no_scheduler_placed_takes_the_token_alone(
 def test_a_tasks_tickets_travel_with_its_lease() -> None:
     """A remote trainer's calls carry the tickets its lease gave (tasks compare without them)."""
     tickets = (b"", b"t" * 64)
-    task = Task(3, 1, frozenset({1}), epoch=EPOCH, tickets=tickets)
+    task = Task(3, 1, frozenset({1}), epoch=EPOCH, tickets=tickets, run=RUN)
     (back,) = lease_from_proto(lease_to_proto(Lease(3, [task], []))).tasks
-    assert back == task and back.tickets == tickets
+    assert back == task and back.tickets == tickets and back.run == RUN
 
 
 def test_each_stage_a_task_accumulates_at_gets_its_ticket_and_no_other() -> None:
@@ -210,6 +210,26 @@ def test_each_stage_a_task_accumulates_at_gets_its_ticket_and_no_other() -> None
         key.lease_ticket("job", STEP, INDEX, EPOCH, 2),
     )
     assert checked.tickets == ()  # a validation microbatch accumulates nothing
+
+
+def test_a_push_planes_task_is_leased_with_a_run_its_tickets_name() -> None:
+    """Drawn where the job's pushes keep records (push plane, audited) and some stage has a
+    second replica to redo its work; else 0, and no replica keeps a record."""
+    key, task = SchedulerKey.generate(), Task(STEP, INDEX, frozenset({0, 1}), epoch=EPOCH)
+    one, two = [Replica("a", "a:1")], [Replica("b", "b:1"), Replica("c", "c:1")]
+    (drawn,) = LeaseSigner("job", key, records=True).signed([task], [one, two])
+    (again,) = LeaseSigner("job", key, records=True).signed([task], [one, two])
+    assert drawn.run != 0 and again.run != drawn.run  # each lease its own
+    assert drawn.tickets == tuple(
+        key.lease_ticket("job", STEP, INDEX, EPOCH, k, drawn.run) for k in (0, 1)
+    )
+    for signer, members in (
+        (LeaseSigner("job", key, records=True), [one, one]),  # nothing could redo a stage
+        (LeaseSigner("job", key, records=False), [one, two]),  # the carry plane, or no audits
+    ):
+        (plain,) = signer.signed([task], members)
+        assert plain.run == 0
+        assert plain.tickets[1] == key.lease_ticket("job", STEP, INDEX, EPOCH, 1, 0)
 
 
 @pytest.mark.parametrize("plane", ["push", "relay"])
@@ -279,3 +299,36 @@ async def test_a_push_that_accumulates_without_its_ticket_is_refused_on_arrival(
     finally:
         await client.close()
         await server.stop()
+
+
+RUN = 0x7A11  # the run the coordinator leased the microbatch under (`Task.run`)
+
+
+@pytest.mark.attack("lease-run")
+async def test_a_push_accumulates_only_under_the_run_its_ticket_names(tmp_path: Path) -> None:
+    """A replica earlier on a push's route holds a later stage's ticket: before, it could push
+    the microbatch there itself under a run of its own, ahead of the honest push, which was then
+    answered as a duplicate and read as the lessee's. That replica's record of the honest run
+    was not what it accumulated, and its contribution's audit, redone from that run's records,
+    framed it. Now the ticket names the run too: only the lessee's run accumulates."""
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    last = await _server(job, 1)
+    _placed(last, job_id, key)
+    x = _x()
+    targets = torch.randint(0, job.model.vocab_size, (4, 16))
+    client = StageClient(last.address, job, job_id, 1)
+    try:
+        _lease(b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 1, RUN))
+        for run in (RUN + 2, 0):  # another run; none (a push that keeps no record)
+            raced: WirePush = PushCall(STEP, INDEX, Crossing(x), targets, (1,), run=run)
+            with pytest.raises(RemoteError, match=REFUSED):
+                await client.push(raced, timeout=30)
+            assert last.runtime.receipts(STEP) == {}
+        honest: WirePush = PushCall(STEP, INDEX, Crossing(x), targets, (1,), run=RUN)
+        pushed = await client.push(honest, timeout=30)
+        assert [r.duplicate for r in pushed.receipts] == [False]
+        assert last.runtime.receipts(STEP) == {INDEX: 4}
+    finally:
+        await client.close()
+        await last.stop()
