@@ -202,8 +202,9 @@ def _trainer(p: argparse.ArgumentParser) -> None:
         "submitter-token",
         "with --scheduler: the job's submitter's token (or the admin's credential), which makes "
         "this trainer one of the job's own, told the audits of its replicas' contributions "
-        "(default: SWARM_SUBMITTER_TOKEN; none: it trains with those audits left out, unless "
-        "the job was submitted with the swarm token alone)",
+        "(default: SWARM_SUBMITTER_TOKEN; none: your certificate's name under --tls-mutual, "
+        "else the swarm token alone; a trainer that is not the job's own trains with those "
+        "audits left out)",
     )
     add_tls_flags(p)
     add_join_flag(p)  # a friend's trainer: the job's data comes from the scheduler

@@ -128,7 +128,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.callers, self.admission = callers or Callers(), admission or Admission()
         self.data_root = Path(os.path.realpath(data_root))
         self._serving = Servicing("scheduler", reader_idle_s=READER_IDLE_S)
-        self._known = KnownJobs(lambda job: self._job(job).submitter)  # asked once each
+        # asked once each (until the store deletes a job)
+        self._known = KnownJobs(
+            lambda job: self._job(job).submitter, deletions=lambda: self.store.deletions
+        )
         self.trainer_calls = TrainerCalls()  # bounded, each under its own trainer id
         self.trust = TrustMode(trusted_peers)
         self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)

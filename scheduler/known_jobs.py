@@ -21,15 +21,28 @@ class KnownJobs:
     """`look_up(job_id)`, its submitter, raises for a job the store does not have; `check` asks
     it once per job kept."""
 
-    def __init__(self, look_up: Callable[[str], str], most: int = MAX_KNOWN) -> None:
-        self._look_up, self.most = look_up, most
+    def __init__(
+        self,
+        look_up: Callable[[str], str],
+        most: int = MAX_KNOWN,
+        deletions: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """`deletions`: how many jobs the store has deleted (`JobStore.deletions`): when it
+        moves, every job kept is looked up again, since a new job may have taken a deleted
+        one's id, and with it another submitter (whose trainers would be told the audits)."""
+        self._look_up, self.most, self._deletions = look_up, most, deletions
         self._ids: OrderedDict[str, str] = OrderedDict()  # job -> its submitter
+        self._seen = deletions()
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def check(self, job_id: str) -> str:
         """Refuse an unknown job (as `look_up` does); its submitter (a job's never changes)."""
+        deletions = self._deletions()
+        if deletions != self._seen:  # rare: a job deleted (retention, DeleteJob)
+            self._ids.clear()
+            self._seen = deletions
         submitter = self._ids.get(job_id)
         if submitter is not None:
             self._ids.move_to_end(job_id)

@@ -102,6 +102,9 @@ class JobStore:
         self._kept: dict[str, dict[int, tuple[float, int, float, float]]] = {}
         self._db = open_store(self.path)
         self._db.row_factory = sqlite3.Row
+        # jobs deleted through this store (by retention too): what a cache of jobs by id
+        # (`scheduler.known_jobs`) drops itself at, since a new job may take a deleted one's id
+        self.deletions = 0
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
         """Run one statement as its own committed transaction; returns the rows it changed."""
@@ -220,6 +223,7 @@ class JobStore:
                 self._db.execute(f"DELETE FROM {table} WHERE job = ?", (job_id,))
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         self._kept.pop(job_id, None)
+        self.deletions += 1
 
     def ended_last(self, limit: int) -> Ids:
         """The `limit` finished jobs that ended most recently (by their last update), newest

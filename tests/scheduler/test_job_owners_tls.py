@@ -20,8 +20,9 @@ from swarm.net.certs import issue
 from swarm.net.submitters import SUBMITTER_KEY, submitter_token
 from swarm.net.tokens import add_port
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc.lease import lease_from_proto, lease_request
 from swarm.rpc.server_options import SCHEDULER_LIMITS, grpc_server
-from tests.support.api import FakeControl
+from tests.support.api import AUDITED, FakeControl
 from tests.support.jobs import write_job
 from tests.support.tls import HOSTS, load_identity, no_identity, pki
 
@@ -114,3 +115,27 @@ async def test_a_certificate_named_as_a_submitter_is_not_that_submitter(
         assert done.job.state == control_pb2.JOB_STATE_CANCELLED
     finally:
         await a.close()
+
+
+@pytest.mark.attack("audit-seeds")
+async def test_a_certificate_that_may_not_manage_a_job_leases_it_without_its_audits(
+    pki: Path, address: str, tmp_path: Path
+) -> None:
+    """A trainer under --tls-mutual is its certificate's name: another host's is told no
+    contribution audit of a job of cert:alice's; hers and the scheduler's are."""
+    a, alice = _stub(pki, "alice", address)
+    b, bob = _stub(pki, "bob", address)
+    s, scheduler = _stub(pki, "scheduler", address)
+    try:
+        submitted = alice.SubmitJob(_submit(tmp_path), metadata=AUTH)  # type: ignore[attr-defined]
+        job = (await submitted).job
+        told = {}
+        for name, stub in (("alice", alice), ("bob", bob), ("scheduler", scheduler)):
+            request = lease_request(job.job, f"trainer-{name}", 1, 0.0, ())
+            request.trainer_key = name.encode().ljust(32, b".")
+            leasing = stub.LeaseMicrobatches(request, metadata=AUTH)  # type: ignore[attr-defined]
+            told[name] = [t.audits for t in lease_from_proto(await leasing).tasks]
+        assert told == {"alice": [(AUDITED,)], "bob": [()], "scheduler": [(AUDITED,)]}
+    finally:
+        for channel in (a, b, s):
+            await channel.close()

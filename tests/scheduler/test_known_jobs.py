@@ -37,3 +37,15 @@ def test_a_job_is_looked_up_once_while_kept_and_the_ids_kept_are_bounded() -> No
     known.forget("a")  # deleted
     known.check("a")
     assert asked == ["b", "a"]
+
+
+def test_a_deletion_in_the_store_has_every_job_looked_up_again() -> None:
+    """A new job may take a deleted one's id (retention deletes without the job API), and with
+    it another submitter: the one kept would tell the old submitter's trainers its audits."""
+    submitters, deletions = {"job-1": "alice"}, [0]
+    known = KnownJobs(submitters.__getitem__, deletions=lambda: deletions[0])
+    assert known.check("job-1") == "alice"
+    submitters["job-1"] = "bob"  # deleted, and the id taken by bob's new job
+    assert known.check("job-1") == "alice"  # no deletion seen: kept
+    deletions[0] += 1
+    assert known.check("job-1") == "bob"

@@ -280,10 +280,12 @@ def test_delete_only_a_finished_job_and_all_its_rows(store: JobStore) -> None:
         store.record_eval(s, 1, 2.0)
     with pytest.raises(FailedPrecondition, match="is queued; cancel it first"):
         store.delete(job)
+    assert store.deletions == 0  # refused: nothing deleted
     store.set_state(job, "cancelled")
     store.delete(job)
     assert store.get(job) is None and store.steps(job) == [] and store.evals(job) == []
     assert [r.id for r in store.list()] == [other] and len(store.steps(other)) == 1
+    assert store.deletions == 1  # the job API's cache of jobs drops itself at it
     with pytest.raises(NotFound):
         store.delete(job)
 
