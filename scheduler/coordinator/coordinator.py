@@ -317,11 +317,13 @@ class LocalCoordinator:
             exclude = set(returned)
             share = min(count, self._shares.share(ledger, trainer, ledger.leasable(exclude)))
             leased = self._rollback.stamped(ledger.lease(trainer, share, exclude=exclude))
-            tasks = self._tickets.signed(leased, members)
-            if tasks:
+            if leased:
                 self.bans.saw(members, ledger.step)  # where a ban would roll back to
                 self._open_next_early()
-                return Lease(ledger.step, self.bans.audited(ledger, tasks, members), members)
+                # Signed with their audits: a task whose contribution is audited is pushed as a
+                # run of its own, whose records its audit redoes (`LeaseSigner`).
+                audited = self.bans.audited(ledger, leased, members)
+                return Lease(ledger.step, self._tickets.signed(audited, members), members)
         return Lease(newest, [], members)
 
     def _open_next_early(self) -> None:

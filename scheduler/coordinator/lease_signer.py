@@ -8,9 +8,9 @@ own, and with a run of its own could accumulate the microbatch at one of them ah
 lessee's push, whose record there (its run's) would then not be what that replica accumulated,
 and its contribution's audit, redone from that run's records, would frame it. A run is drawn
 where the job's pushes keep records for its audits and some stage has a second replica to
-redo its work; else 0, and no replica keeps one (issue 69: nothing paid for an audit that cannot
-run). That was the trainer's own choice (`PushAudits.run_id`), which it still makes for a task
-no scheduler signed."""
+redo its work, or the task carries contribution audits; else 0, and no replica keeps one (issue
+69: nothing paid for an audit that cannot run). That was the trainer's own choice
+(`PushAudits.run_id`), which it still makes for a task no scheduler signed."""
 
 from __future__ import annotations
 
@@ -33,16 +33,17 @@ class LeaseSigner:
         self.job_id, self.key, self.records = job_id, key, records
 
     def signed(self, tasks: list[Task], members: Sequence[Sequence[Replica]] = ()) -> list[Task]:
-        """`tasks`, stamped with their epoch already, each with its run (where `members`, the
-        replicas of each stage, hold a second one somewhere) and its tickets: one for each
-        stage it accumulates at (a replay's, some), indexed by stage. A validation task
-        accumulates nothing: it needs none."""
-        recorded = self.records and any(len(stage) > 1 for stage in members)
-        return [t if t.evaluate or self.key is None else self._ticketed(t, recorded) for t in tasks]
+        """`tasks`, stamped with their epoch and given their audits already, each with its run
+        (where `members`, the replicas of each stage, hold a second one somewhere, or it carries
+        audits) and its tickets: one for each stage it accumulates at (a replay's, some),
+        indexed by stage. A validation task accumulates nothing: it needs none."""
+        second = any(len(stage) > 1 for stage in members)
+        return [t if t.evaluate or self.key is None else self._ticketed(t, second) for t in tasks]
 
-    def _ticketed(self, task: Task, recorded: bool) -> Task:
+    def _ticketed(self, task: Task, second: bool) -> Task:
         key, top = self.key, max(task.stages, default=-1)
         assert key is not None
+        recorded = self.records and (second or bool(task.audits))
         run = secrets.randbits(63) | 1 if recorded else 0  # never 0 where records are kept
         tickets = tuple(
             key.lease_ticket(self.job_id, task.step, task.index, task.epoch, stage, run)

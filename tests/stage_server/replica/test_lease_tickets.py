@@ -28,7 +28,14 @@ from swarm.net.commit_auth import SchedulerKey
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc import epoch
-from swarm.rpc.lease import Lease, Replica, Task, lease_from_proto, lease_to_proto
+from swarm.rpc.lease import (
+    ContributionAudit,
+    Lease,
+    Replica,
+    Task,
+    lease_from_proto,
+    lease_to_proto,
+)
 from swarm.rpc.push_call import PushCall
 from swarm.rpc.stage_client import StageClient, WirePush
 from swarm.wire.crossing import Crossing
@@ -230,6 +237,10 @@ def test_a_push_planes_task_is_leased_with_a_run_its_tickets_name() -> None:
         (plain,) = signer.signed([task], members)
         assert plain.run == 0
         assert plain.tickets[1] == key.lease_ticket("job", STEP, INDEX, EPOCH, 1, 0)
+    # A task carrying a contribution's audit keeps records, as the trainer's own choice did
+    audited = Task(STEP, INDEX, frozenset({0, 1}), audits=(ContributionAudit(1, "c", 9),))
+    (kept,) = LeaseSigner("job", key, records=True).signed([audited], [one, one])
+    assert kept.run != 0
 
 
 @pytest.mark.parametrize("plane", ["push", "relay"])
