@@ -148,6 +148,9 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A NaN contribution is left out, not the job failed"
     "nan-contribution": "one replica of a pool contributes a NaN: every member's average is NaN "
     "and another submitter's job fails",
+    # docs/decisions.md, "A NaN norm against its own reports is its own"
+    "nan-norm": "one replica of a pool of two answers PREPARE with a NaN norm of its pool's "
+    "average: no majority, and another submitter's job fails",
     # docs/decisions.md, "A report of infinities fails nothing"
     "inf-report": "a lessee reports two digests, +inf and -inf: the coordinator's sum of them "
     "raises, and the job fails as a bug",

@@ -49,6 +49,7 @@ from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import AVERAGE, LeftOut, RoundFailure, shorten
 from scheduler.coordinator.round_strategy import Rounds
 from scheduler.coordinator.trust.bans import Bans
+from scheduler.coordinator.trust.own_norms import OwnWords, own_lies
 from scheduler.coordinator.trust.round_checks import RoundAnswers, RoundChecks
 from scheduler.coordinator.trust.sum_checks import Checksums, checked, new_seed
 from scheduler.coordinator.voids import Voids
@@ -85,6 +86,9 @@ class TwoPhaseCommit:
         # (step, peer) of each member voided for refusing a PREPARE: a second refusal of the
         # same step leaves it out (`_prepare`)
         self._refused: set[tuple[int, str]] = set()
+        # (stage, peer) -> its reports of the last PREPARE's round, and its group's parts: what
+        # its own words say of the average it answered the norm of (`nonfinite.contradicted`)
+        self._words: dict[tuple[int, str], OwnWords] = {}
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
         self.apply_again = ApplyAgain()  # a lost APPLY of a stage none of whose replicas applied
@@ -141,7 +145,8 @@ class TwoPhaseCommit:
         timeline.span("prepare", start, timeline.now(), step=ledger.step)  # the benches'
         if reported is None:
             return False
-        self.failure = await self.nonfinite.prepared(ledger, reported, where)
+        own = own_lies(reported, self._words)  # a NaN norm against its own reports
+        self.failure = await self.nonfinite.prepared(ledger, reported, where, own)
         if self.failure is not None:
             return False  # a member's NaN beside its pool's finite norms: left out, retried
         firsts: dict[int, float] = {}  # each stage's first member's: a pool averages to one sum
@@ -250,6 +255,7 @@ class TwoPhaseCommit:
         groups: dict[int, RoundGroup] = {}
         checks: dict[int, dict[int, Checksums]] = {}  # stage -> contributor -> its checksums
         taken: dict[int, dict[int, int]] = {}  # stage -> contributor -> its microbatches held
+        self._words = {}
         for stage, replicas in enumerate(members):
             made = groups[stage] = self.groups.of(stage, replicas)
             seed = new_seed()  # this stage's own: a replica of another stage never learns it
@@ -267,6 +273,7 @@ class TwoPhaseCommit:
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
                     taken.setdefault(stage, {})[index] = len(holdings.get(r.peer, []))
+                    self._words[stage, r.peer] = (check, owners(round_group))
                 prepare = self.clients.get(stage, r).prepare(
                     ledger.step,
                     holdings.get(r.peer, []),
@@ -393,3 +400,9 @@ def _voided_again(
     if stray is not None and last is not None and stray & last:
         return f"it still lists {sorted(stray & last)[:8]} after its void"
     return None
+
+
+def owners(group: RoundGroup) -> frozenset[int]:
+    """The places in `group` of its parts' owners (a weight of 0 owns nothing: a client)."""
+    weights = group.parts.weights
+    return frozenset(i for i in range(len(group.members)) if not weights or weights[i] > 0)

@@ -12,13 +12,17 @@ either ended the job. Now those members are left out, their microbatches replaye
 dropped a step behind to rejoin by copying a member that applied (APPLY); the job goes on. A
 majority, not any one finite answer: else one hostile member answering a finite norm beside its
 pool's honest NaNs (its own NaN contribution's) would have them all left out, and itself the
-stage's pool of one, unchecked."""
+stage's pool of one, unchecked.
+
+A member's own words can say it too, majority or not (a pool of two has none): its round's
+reports of the very average it took back, which a NaN or infinite norm of that average can
+contradict (`scheduler.coordinator.trust.own_norms`). It is left out alone."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 
 from scheduler.coordinator.failures import NonFiniteStep
 from scheduler.coordinator.ledger import StepLedger
@@ -79,13 +83,16 @@ class NonFinite:
         ledger: StepLedger,
         reported: Sequence[tuple[int, str, float]],
         where: Sequence[tuple[int, Replica]],
+        own: Collection[tuple[int, str]] = (),
     ) -> RoundFailure | None:
         """PREPARE's `(stage, peer, squared norm)` answers: raise `NonFiniteStep`, with nothing
         applied, where every member of a stage answered a NaN or infinite norm; leave out each
-        member that did while another of its stage answered a finite one, and say so (the
-        attempt fails and is retried without them); None where every norm is finite."""
+        member that did while another of its stage answered a finite one, or whose own reports
+        of its round contradict it (`own`: `(stage, peer)`), and say so (the attempt fails and
+        is retried without them); None where every norm is finite."""
         norms = {(stage, peer): sq_norm for stage, peer, sq_norm in reported}
-        diverged, alone = split((k, p, n) for (k, p), n in norms.items())
+        own = [key for key in norms if key in own]
+        diverged, alone = split((k, p, n) for (k, p), n in norms.items() if (k, p) not in own)
         for stage in sorted({k for (k, _), n in norms.items() if not math.isfinite(n)}):
             self.metrics.nonfinite(stage)
         if diverged:
@@ -100,12 +107,16 @@ class NonFinite:
                 "the same parameters give the same gradient again (a lower optimizer.lr, or the "
                 "data, may be at fault)"
             )
-        if not alone:
+        if not alone and not own:
             return None
         replicas = {(stage, r.peer): r for stage, r in where}
         failure = RoundFailure(f"step {ledger.step}: a NaN or infinite norm beside finite ones")
-        for stage, peer in alone:
-            why = f"its word of its pool's average's norm is {norms[stage, peer]}, others' finite"
+        for stage, peer in [*own, *alone]:
+            why = f"its word of its pool's average's norm is {norms[stage, peer]}, " + (
+                "against its own reports of that average (r·S and ‖S‖ of every part finite)"
+                if (stage, peer) in own
+                else "others' finite"
+            )
             await self.leave_out(ledger, stage, replicas[stage, peer], [peer], why)
             failure.left_out.append(LeftOut(stage, peer, [peer], why))
         return failure

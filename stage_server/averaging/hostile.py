@@ -18,7 +18,10 @@ checks refuse, in processes of their own. Nothing here runs unless such a fault 
   beside finite contributions);
 - `lie-report@S`: likewise, it sends honest values but reports r·x (and q·x, an audit's) of
   what it sent to every other owner's part off by `LIE` of its magnitude: its word about what
-  it sent against its owners' about what they received.
+  it sent against its owners' about what they received;
+- `lie-norm@S`: likewise, it averages and reports honestly but answers PREPARE with a NaN
+  squared norm of its pool's average (what it keeps to apply is honest): its word alone
+  against its pool's, which in a pool of two is no majority.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from stage_server.averaging.summing import Reduced, Summer
 from swarm.ops.faults import Point, poisoning
 from swarm.proto import stage_pb2 as pb
 
-__all__ = ["ERROR", "FORGE", "LIE", "SCALE", "misreport", "poison"]
+__all__ = ["ERROR", "FORGE", "LIE", "SCALE", "answered_norm", "misreport", "poison"]
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +96,11 @@ def misreport(checks: Sequence[pb.SumCheck], own: int, step: int) -> tuple[pb.Su
             lied.dot += LIE * (check.magnitude + 1.0)
         out.append(lied)
     return tuple(out)
+
+
+def answered_norm(sq_norm: float, step: int) -> float:
+    """The squared norm a PREPARE of step `step` answers: `sq_norm`, or NaN under `lie-norm`."""
+    if not poisoning(Point.LIE_NORM, step):
+        return sq_norm
+    log.warning("fault injected: %s@%d; answering a NaN norm", Point.LIE_NORM, step)
+    return float("nan")

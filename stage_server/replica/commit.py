@@ -39,7 +39,7 @@ from stage_server.averaging.channels import ChannelPool
 from stage_server.averaging.checksum import AuditedChecks, PartChecks
 from stage_server.averaging.error_feedback import ErrorFeedback
 from stage_server.averaging.flat import flatten, unflatten
-from stage_server.averaging.hostile import misreport, poison
+from stage_server.averaging.hostile import answered_norm, misreport, poison
 from stage_server.averaging.owner import Averager, AveragingAborted
 from stage_server.averaging.sent_sums import SentSum
 from stage_server.averaging.spill import Spill
@@ -255,7 +255,8 @@ class Committer:
             if not already:
                 log.debug("%s: stage %d committed step %d", self.peer, c.stage, step)
             self.metrics.committed(rt.step, applied=not already)
-        return Committed(rt.step, already, sq_norm, *_report(checks, c))
+        answered = answered_norm(sq_norm, step) if c.prepare else sq_norm  # a fault's lie
+        return Committed(rt.step, already, answered, *_report(checks, c))
 
     async def _prepare_alone(self, c: Commit, rt: StageRuntime) -> float:
         """PREPARE of a replica alone in its round (a pool of one: nothing to average): its

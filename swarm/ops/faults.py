@@ -80,6 +80,9 @@ class Point(enum.StrEnum):
     # a replica sends honest values but reports a wrong r·x (and q·x) of what it sent to the
     # other owners' parts: its word against theirs (`SumCheck.received_dots`)
     LIE_REPORT = "lie-report"
+    # a replica averages and reports honestly but answers PREPARE with a NaN squared norm of
+    # its pool's average: one member's word to end another submitter's job
+    LIE_NORM = "lie-norm"
     # Refusing: this process refuses every tensor handed over to it, as a handle it cannot open
     # (b8f54b2's CUDA handover did, for torch 2.11's; issue 63): what the sender and the
     # trainer must survive, or at least name (`refuses_handover`). Its step is not read (a
@@ -100,6 +103,7 @@ HOSTILE = frozenset(
         Point.POISON_SENT_OUTPUTS,
         Point.POISON_DIGEST,
         Point.LIE_REPORT,
+        Point.LIE_NORM,
     }
 )
 

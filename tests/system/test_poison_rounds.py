@@ -108,3 +108,22 @@ def test_a_word_held_to_its_owners_convicts_the_liar_and_no_honest_replica(
     for honest in ("s0r0", "s0r1"):
         assert not any(f"leaving {honest} out" in m for m in said), said
     assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
+
+
+@pytest.mark.attack("nan-norm")
+def test_a_nan_norm_from_one_of_a_pool_of_two_leaves_it_out_and_the_job_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`lie-norm`: one replica of a pool of two averages and reports honestly, but answers
+    PREPARE with a NaN norm of the pool's average from step 1 on. One NaN beside one finite
+    norm is no majority (`scheduler.coordinator.nonfinite`): before, the job failed
+    (`NonFiniteStep`), one volunteer's word ending another submitter's job. Its own reports of
+    the very average it took back (r·S and ‖S‖ of every part, finite) say its NaN is its own:
+    it is left out, never banned, and the job ends at `swarm local`'s parameters."""
+    job = write_job(tmp_path, training={"steps": 3, "target_batch_size": 16})
+    servers = Servers(job, [2, 1, 1, 1], [Fault("s0r1", Point.LIE_NORM, 1)], tmp_path)
+    state, registry, said = train_logged(servers, caplog)
+    assert_equal_to_local(job, state, tol=1e-9)
+    assert counted(registry, "swarm_coordinator_bans_total") == 0
+    assert any("leaving s0r1 out" in m and "its own reports" in m for m in said), said
+    assert not any("leaving s0r0 out" in m for m in said), said

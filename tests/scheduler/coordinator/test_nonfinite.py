@@ -15,9 +15,12 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.coordinator.commit import NonFiniteStep
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
+from scheduler.coordinator.trust.own_norms import OwnWords, contradicted
+from scheduler.coordinator.trust.sum_checks import Checksums
 from swarm.errors import NonFiniteGradient, PeerUnavailable, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.model import checkpoint
+from swarm.proto import stage_pb2 as pb
 from tests.support.coordinator import Harness, MakeHarness, job_of, until
 from tests.support.replicas import FakeReplica, FakeSwarm
 
@@ -181,3 +184,33 @@ async def test_a_refusal_beside_a_failed_apply_is_no_majority_and_fails_the_job(
     await _each_lands_on(h, ["a", "b", "d"])
     await until(lambda: h.coordinator.finished.is_set())
     assert isinstance(h.coordinator.error, NonFiniteStep), h.coordinator.error
+
+
+def _words(
+    *checks: tuple[int, float, float], parts: frozenset[int] = frozenset({0, 1})
+) -> OwnWords:
+    """A member's checksums whose reports of each part are `(part, r·S, ‖S‖)`."""
+    asked = Checksums(seed=1)
+    asked.reports = [pb.SumCheck(part=k, sum_dot=d, sum_norm=n) for k, d, n in checks]
+    return asked, parts
+
+
+def test_a_non_finite_norm_against_its_own_finite_reports_is_its_own() -> None:
+    """A member's own words about the average it took back (r·S and ‖S‖ of every part) say
+    whether its NaN or infinite norm of that average can be honest (`contradicted`)."""
+    finite = _words((0, 0.5, 2.0), (1, -0.25, 3.0))
+    assert contradicted(math.nan, finite)
+    assert contradicted(math.inf, finite)
+    assert not contradicted(13.0, finite)  # a finite norm is never read so
+    # its ‖S‖ NaN while its r·S are finite: no finite sum has one
+    assert contradicted(math.inf, _words((0, 0.5, math.nan), (1, 0.1, 3.0)))
+    # a NaN or infinity in the average, by its own r·S: the majority rule's to read
+    assert not contradicted(math.nan, _words((0, math.nan, math.nan), (1, 0.1, 3.0)))
+    assert not contradicted(math.inf, _words((0, math.inf, math.inf), (1, 0.1, 3.0)))
+    # an honest overflow: ‖S‖ too large to square within float64 (or infinite)
+    assert not contradicted(math.inf, _words((0, 1.0, 1e200), (1, 1.0, 3.0)))
+    assert not contradicted(math.inf, _words((0, 1.0, math.inf), (1, 1.0, 3.0)))
+    assert contradicted(math.nan, _words((0, 1.0, 1e200), (1, 1.0, 3.0)))  # never NaN
+    # not every part's sum reported: nothing to read (a pool of one asks for no checks)
+    assert not contradicted(math.nan, _words((0, 0.5, 2.0)))
+    assert not contradicted(math.nan, (None, frozenset()))
