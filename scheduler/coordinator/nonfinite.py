@@ -16,7 +16,11 @@ stage's pool of one, unchecked.
 
 A member's own words can say it too, majority or not (a pool of two has none): its round's
 reports of the very average it took back, which a NaN or infinite norm of that average can
-contradict (`scheduler.coordinator.trust.own_norms`). It is left out alone."""
+contradict (`scheduler.coordinator.trust.own_norms`). It is left out alone. And an APPLY is sent
+only where every member answered a finite norm (or was left out): a member refusing it as NaN
+contradicts its own PREPARE (an honest replica applies the very sums it answered the norm of),
+and is dropped wherever another member of its stage applied it, majority or not; a stage none of
+whose members applied it cannot move on exactly, and the job fails."""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ def split(
     answers: Iterable[tuple[int, str, float | None]],
 ) -> tuple[dict[int, list[str]], list[tuple[int, str]]]:
     """Of each member's answer `(stage, peer, value)` (a norm; None: not NaN, nothing to
-    compare, as an APPLY that went through): the stages whose NaN or infinite answers cannot be
+    compare): the stages whose NaN or infinite answers cannot be
     read as their members' own (stage -> those members: the job fails), and the members whose
     can, a strict majority of their stage having answered one and the same finite value
     (`(stage, peer)`: left out alone)."""
@@ -125,23 +129,21 @@ class NonFinite:
         self, step: int, where: Sequence[tuple[int, Replica]], results: Sequence[object]
     ) -> set[tuple[int, str]]:
         """APPLY's results, in `where`'s order: drop each member that refused it as NaN or
-        infinite where a strict majority of its stage applied it (a step behind, it rejoins by
-        copying one of them); else raise `NonFiniteStep` (its sums are not what its norm said:
-        the stage cannot move on exactly). A failure of another kind applied nothing: it counts
-        for neither side. The members that refused."""
+        infinite where another member of its stage applied it (its refusal is against its own
+        finite PREPARE norm; a step behind, it rejoins by copying one that applied); raise
+        `NonFiniteStep` where none of a stage's members applied it and one refused (its sums
+        are not what its norm said: the stage cannot move on exactly). A failure of another
+        kind applied nothing. The members that refused."""
         refused = {
             (stage, r.peer): result
             for (stage, r), result in zip(where, results, strict=True)
             if isinstance(result, NonFiniteGradient)
         }
-        diverged, alone = split(
-            (k, r.peer, math.nan if (k, r.peer) in refused else None)
-            for (k, r), result in zip(where, results, strict=True)
-            if (k, r.peer) in refused or not isinstance(result, BaseException)
-        )
+        moved = {k for (k, _), result in zip(where, results, strict=True) if _applied(result)}
         for stage in sorted({stage for stage, _ in refused}):
             self.metrics.nonfinite(stage)
-        if diverged:
+        alone = [(k, p) for k, p in sorted(refused) if k in moved]
+        if len(alone) < len(refused):
             raise NonFiniteStep(
                 f"step {step}: APPLY refused as NaN or infinite by "
                 + "; ".join(f"stage {k} {p}: {refused[(k, p)]}" for k, p in sorted(refused))
@@ -149,8 +151,9 @@ class NonFinite:
             )
         for stage, peer in alone:
             log.warning(
-                "step %d: stage %d: %s refused its APPLY as NaN or infinite (%s) while its "
-                "pool's others applied it: dropped; it rejoins by copying one of them",
+                "step %d: stage %d: %s refused its APPLY as NaN or infinite (%s), against its "
+                "own finite PREPARE norm, while another of its pool applied it: dropped; it "
+                "rejoins by copying one that applied",
                 step,
                 stage,
                 peer,
@@ -158,3 +161,8 @@ class NonFinite:
             )
             self.membership.drop(peer)
         return set(refused)
+
+
+def _applied(result: object) -> bool:
+    """Whether an APPLY's result says it applied (or had: a retried commit's)."""
+    return not isinstance(result, BaseException)

@@ -4,13 +4,16 @@ average is its own, majority or not (`scheduler.coordinator.nonfinite` leaves it
 A pool of two has no majority: one member answering a NaN norm beside the other's finite one
 failed the job. But each member of a checked round also reports, for every part of the average
 it took back, r·S (`SumCheck.sum_dot`) and ‖S‖ (`sum_norm`). r·S finite for every part says the
-average is finite (r has no zero: a NaN or an infinity in S makes r·S one); the squares of
+average is finite (a NaN or an infinity in S makes r·S NaN or infinite, even where r is 0:
+0·inf is NaN); the squares of
 finite values summed in float64 (`swarm.model.optim.grad_sq_norm`, as every replica computes
 its norm) are then never NaN, nor is a finite sum's ‖S‖, and infinite only past float64's
 range, which its ‖S‖ would show. A NaN or infinite norm against such reports is its answerer's
 lie, or its own device's fault. A NaN in the average itself shows in the member's own r·S of
 the part it came in, and the majority rule stands; a member asked for no checks (a pool of one,
-local steps) is read by that rule alone."""
+local steps) is read by that rule alone. A member asked for them that withheld its reports of a
+part another member of its stage reported (every member takes back every part's sum, cut alike)
+has its NaN read as its own as well: else it would answer nothing to be read by."""
 
 from __future__ import annotations
 
@@ -53,10 +56,19 @@ def contradicted(sq_norm: float, words: OwnWords) -> bool:
 def own_lies(
     reported: Iterable[tuple[int, str, float]], words: Mapping[tuple[int, str], OwnWords]
 ) -> set[tuple[int, str]]:
-    """Of PREPARE's `(stage, peer, squared norm)` answers, the members whose norm their own
-    `words` contradict (`contradicted`)."""
-    return {
-        (stage, peer)
-        for stage, peer, sq_norm in reported
-        if contradicted(sq_norm, words.get((stage, peer), NO_WORDS))
-    }
+    """Of PREPARE's `(stage, peer, squared norm)` answers, the members whose NaN or infinite
+    norm their own `words` contradict (`contradicted`), or that withheld reports of a part
+    another member of their stage reported."""
+    told: dict[int, dict[str, set[int]]] = {}  # stage -> member asked -> the parts it reported
+    for (stage, peer), (asked, _) in words.items():
+        if asked is not None:
+            told.setdefault(stage, {})[peer] = {c.part for c in asked.reports}
+    lies = set()
+    for stage, peer, sq_norm in reported:
+        if math.isfinite(sq_norm) or peer not in told.get(stage, {}):
+            continue
+        mine = told[stage][peer]
+        others = set().union(*(p for q, p in told[stage].items() if q != peer))
+        if others - mine or contradicted(sq_norm, words[stage, peer]):
+            lies.add((stage, peer))
+    return lies

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler.coordinator.commit import NonFiniteStep
 from scheduler.coordinator.metrics import CoordinatorFamilies, CoordinatorMetrics
-from scheduler.coordinator.trust.own_norms import OwnWords, contradicted
+from scheduler.coordinator.trust.own_norms import OwnWords, contradicted, own_lies
 from scheduler.coordinator.trust.sum_checks import Checksums
 from swarm.errors import NonFiniteGradient, PeerUnavailable, SwarmError
 from swarm.job.fingerprint import fingerprint
@@ -103,17 +103,27 @@ async def test_a_replica_that_refuses_to_apply_a_non_finite_gradient_fails_the_j
     assert registry.get_sample_value(_COUNTER, {"job": swarm.job_id, "stage": "1"}) == 1.0
 
 
-async def _pool_of_three(
-    tmp_path: Path, make_harness: MakeHarness, **training: float
-) -> tuple[Harness, tuple[FakeReplica, ...]]:
-    """A started coordinator over stage 0's pool of three (a, b, d) and stage 1's one replica
-    (c)."""
+async def _pool_of(
+    tmp_path: Path, make_harness: MakeHarness, stage0: tuple[str, ...], **training: float
+) -> tuple[Harness, dict[str, FakeReplica]]:
+    """A started coordinator over stage 0's pool (`stage0`: its peers, the third and later
+    added after stage 1's) and stage 1's one replica (c)."""
     job = job_of(tmp_path, **training)
     swarm = FakeSwarm(fingerprint(job), 2)
-    replicas = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c"), swarm.add(0, "d")
+    replicas = {peer: swarm.add(0, peer) for peer in stage0[:2]}
+    replicas["c"] = swarm.add(1, "c")
+    replicas.update({peer: swarm.add(0, peer) for peer in stage0[2:]})
     h = make_harness(job, swarm)
     await h.coordinator.start()
     return h, replicas
+
+
+async def _pool_of_three(
+    tmp_path: Path, make_harness: MakeHarness, **training: float
+) -> tuple[Harness, tuple[FakeReplica, ...]]:
+    """Stage 0's pool of three (a, b, d) and stage 1's one replica (c): `_pool_of`."""
+    h, r = await _pool_of(tmp_path, make_harness, ("a", "b", "d"), **training)
+    return h, (r["a"], r["b"], r["c"], r["d"])
 
 
 async def _each_lands_on(h: Harness, peers: list[str]) -> None:
@@ -173,17 +183,60 @@ async def test_one_member_refusing_its_apply_beside_its_pools_others_is_dropped(
     assert any(said in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
 
 
-async def test_a_refusal_beside_a_failed_apply_is_no_majority_and_fails_the_job(
-    tmp_path: Path, make_harness: MakeHarness
+async def test_a_refusal_beside_one_that_applied_is_dropped_whatever_the_others_did(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An APPLY that failed otherwise applied nothing: one applied, one refused as NaN, one
-    gone is no majority that applied, and the job fails as it always did."""
-    h, (_, b, _, d) = await _pool_of_three(tmp_path, make_harness)
+    """An APPLY that failed otherwise applied nothing, and counts for no side: one applied, one
+    refused as NaN, one gone. The refusal is against its own finite PREPARE norm: dropped (it
+    rejoins by copying a); the gone one is left behind a step as any lost APPLY's replica is.
+    Before, no majority had applied, and the job failed."""
+    h, (a, b, c, d) = await _pool_of_three(tmp_path, make_harness)
     b.fail("apply", NonFiniteGradient("stage 0 step 0: the prepared gradient is NaN"))
     d.fail("apply", PeerUnavailable("UNAVAILABLE: connection refused"))
     await _each_lands_on(h, ["a", "b", "d"])
-    await until(lambda: h.coordinator.finished.is_set())
-    assert isinstance(h.coordinator.error, NonFiniteStep), h.coordinator.error
+    await _went_on_without_b(h, (a, c), caplog)
+
+
+@pytest.mark.attack("nan-norm")
+async def test_in_a_pool_of_two_a_member_refusing_its_apply_is_dropped(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hostile member answers PREPARE a finite norm, then refuses its APPLY as NaN: one
+    applied and one refused is no majority, and before, the job failed. Its refusal is against
+    its own PREPARE: dropped, and the job goes on with the one that applied."""
+    h, r = await _pool_of(tmp_path, make_harness, ("a", "b"))
+    a, b, c = r["a"], r["b"], r["c"]
+    b.fail("apply", NonFiniteGradient("stage 0 step 0: the prepared gradient is NaN"))
+    await _each_lands_on(h, ["a", "b"])
+    await _went_on_without_b(h, (a, c), caplog)
+
+
+async def _went_on_without_b(
+    h: Harness, applied: tuple[FakeReplica, ...], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 0 committed on `applied`, b dropped for refusing its APPLY (it may rejoin at once,
+    by copying one that applied: the fake's copy is instant)."""
+    await until(lambda: not h.steps.empty() or h.coordinator.error is not None)
+    assert h.coordinator.error is None, h.coordinator.error
+    assert [r.called("apply") for r in applied] == [[0]] * len(applied)
+    said = "b refused its APPLY as NaN or infinite (stage 0 step 0: the prepared gradient"
+    assert any(said in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.attack("nan-norm")
+def test_a_member_that_withholds_its_reports_has_its_nan_read_as_its_own() -> None:
+    """Asked for checks, it reports none of a part its pool's other member reported: it would
+    answer nothing to be read by, and a pool of two has no majority (`own_lies`)."""
+    honest = _words((0, 0.5, 2.0), (1, -0.25, 3.0))
+    withheld = {(0, "a"): honest, (0, "b"): _words((0, 0.5, 2.0))}
+    assert own_lies([(0, "a", 0.3), (0, "b", math.nan)], withheld) == {(0, "b")}
+    silent = {(0, "a"): honest, (0, "b"): _words()}
+    assert own_lies([(0, "a", 0.3), (0, "b", math.nan)], silent) == {(0, "b")}
+    # the honest one's NaN, with the NaN in its own r·S, is not read so; nor a finite norm
+    nan_average = {(0, "a"): _words((0, math.nan, math.nan), (1, 1.0, 3.0)), (0, "b"): honest}
+    assert own_lies([(0, "a", math.nan), (0, "b", 0.3)], nan_average) == set()
+    # asked for no checks (a pool of one): nothing to read
+    assert own_lies([(0, "a", math.nan)], {(0, "a"): (None, frozenset())}) == set()
 
 
 def _words(
