@@ -87,7 +87,7 @@ class TwoPhaseCommit:
         # same step leaves it out (`_prepare`)
         self._refused: set[tuple[int, str]] = set()
         # (stage, peer) -> its reports of the last PREPARE's round, and its group's parts: what
-        # its own words say of the average it answered the norm of (`nonfinite.contradicted`)
+        # its own words say of the average it answered the norm of (`trust.own_norms`)
         self._words: dict[tuple[int, str], OwnWords] = {}
         self.grad_norm: float | None = None  # the whole model's, of the last step applied
         self.failure: RoundFailure | None = None  # the last attempt's PREPARE round, if it failed
@@ -273,7 +273,7 @@ class TwoPhaseCommit:
                 if check is not None:
                     checks.setdefault(stage, {})[index] = check
                     taken.setdefault(stage, {})[index] = len(holdings.get(r.peer, []))
-                    self._words[stage, r.peer] = (check, owners(round_group))
+                    self._words[stage, r.peer] = OwnWords(check, owners(round_group))
                 prepare = self.clients.get(stage, r).prepare(
                     ledger.step,
                     holdings.get(r.peer, []),

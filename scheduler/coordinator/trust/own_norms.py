@@ -5,30 +5,40 @@ A pool of two has no majority: one member answering a NaN norm beside the other'
 failed the job. But each member of a checked round also reports, for every part of the average
 it took back, r·S (`SumCheck.sum_dot`) and ‖S‖ (`sum_norm`). r·S finite for every part says the
 average is finite (a NaN or an infinity in S makes r·S NaN or infinite, even where r is 0:
-0·inf is NaN); the squares of
-finite values summed in float64 (`swarm.model.optim.grad_sq_norm`, as every replica computes
-its norm) are then never NaN, nor is a finite sum's ‖S‖, and infinite only past float64's
-range, which its ‖S‖ would show. A NaN or infinite norm against such reports is its answerer's
-lie, or its own device's fault. A NaN in the average itself shows in the member's own r·S of
-the part it came in, and the majority rule stands; a member asked for no checks (a pool of one,
-local steps) is read by that rule alone. A member asked for them that withheld its reports of a
-part another member of its stage reported (every member takes back every part's sum, cut alike)
-has its NaN read as its own as well: else it would answer nothing to be read by."""
+0·inf is NaN); the squares of finite values summed in float64 (`swarm.model.optim.
+grad_sq_norm`, as every replica computes its norm) are then never NaN, nor is a finite sum's
+‖S‖, and infinite only past float64's range, which its ‖S‖ would show. A NaN or infinite norm
+against such reports is its answerer's lie, or its own device's fault.
+
+A NaN in the average itself shows in the member's own r·S of the part it came in, and the
+majority rule stands; a member asked for no checks (a pool of one, local steps) is read by that
+rule alone. A member asked for them that withheld its reports of a part another member of its
+stage reported (every member takes back every part's sum, cut alike) has its NaN read as its
+own as well: else it would answer nothing to be read by."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from scheduler.coordinator.trust.sum_checks import Checksums
 from scheduler.coordinator.trust.totals import reported_sum
 
 __all__ = ["NO_WORDS", "OwnWords", "contradicted", "own_lies"]
 
-# A member's checksums of its PREPARE's round (their reports filled in with its answer), and
-# the places of the parts' owners in its group: the parts whose sums it took back.
-OwnWords = tuple[Checksums | None, frozenset[int]]
-NO_WORDS: OwnWords = (None, frozenset())  # no checks asked (a pool of one, local steps)
+
+@dataclass(frozen=True)
+class OwnWords:
+    """A member's checksums of its PREPARE's round (`asked`: their reports filled in with its
+    answer; None: none asked), and `parts`, the places of the parts' owners in its group: the
+    parts whose sums it took back."""
+
+    asked: Checksums | None
+    parts: frozenset[int]
+
+
+NO_WORDS = OwnWords(None, frozenset())  # no checks asked (a pool of one, local steps)
 # Past this, a sum of squares may be the float64 rounding of an honest overflow: not read as a
 # contradiction (an honest norm this large is a diverged model's anyway).
 _FINITE_ENOUGH = 1e300
@@ -39,8 +49,8 @@ def contradicted(sq_norm: float, words: OwnWords) -> bool:
     reports of that average: r·S of every part's sum finite, and its ‖S‖ NaN somewhere (no
     finite sum's is), or the norm NaN, or every ‖S‖ finite and their squares within float64's
     range (an honest overflow allowed for: `_FINITE_ENOUGH`)."""
-    asked, parts = words
-    checks = asked.reports if asked is not None else []
+    parts = words.parts
+    checks = words.asked.reports if words.asked is not None else []
     if math.isfinite(sq_norm) or not parts or {c.part for c in checks} != parts:
         return False
     if not all(math.isfinite(c.sum_dot) for c in checks):
@@ -60,9 +70,9 @@ def own_lies(
     norm their own `words` contradict (`contradicted`), or that withheld reports of a part
     another member of their stage reported."""
     told: dict[int, dict[str, set[int]]] = {}  # stage -> member asked -> the parts it reported
-    for (stage, peer), (asked, _) in words.items():
-        if asked is not None:
-            told.setdefault(stage, {})[peer] = {c.part for c in asked.reports}
+    for (stage, peer), said in words.items():
+        if said.asked is not None:
+            told.setdefault(stage, {})[peer] = {c.part for c in said.asked.reports}
     lies = set()
     for stage, peer, sq_norm in reported:
         if math.isfinite(sq_norm) or peer not in told.get(stage, {}):

@@ -236,7 +236,7 @@ def test_a_member_that_withholds_its_reports_has_its_nan_read_as_its_own() -> No
     nan_average = {(0, "a"): _words((0, math.nan, math.nan), (1, 1.0, 3.0)), (0, "b"): honest}
     assert own_lies([(0, "a", math.nan), (0, "b", 0.3)], nan_average) == set()
     # asked for no checks (a pool of one): nothing to read
-    assert own_lies([(0, "a", math.nan)], {(0, "a"): (None, frozenset())}) == set()
+    assert own_lies([(0, "a", math.nan)], {(0, "a"): OwnWords(None, frozenset())}) == set()
 
 
 def _words(
@@ -245,7 +245,7 @@ def _words(
     """A member's checksums whose reports of each part are `(part, r·S, ‖S‖)`."""
     asked = Checksums(seed=1)
     asked.reports = [pb.SumCheck(part=k, sum_dot=d, sum_norm=n) for k, d, n in checks]
-    return asked, parts
+    return OwnWords(asked, parts)
 
 
 def test_a_non_finite_norm_against_its_own_finite_reports_is_its_own() -> None:
@@ -266,4 +266,4 @@ def test_a_non_finite_norm_against_its_own_finite_reports_is_its_own() -> None:
     assert contradicted(math.nan, _words((0, 1.0, 1e200), (1, 1.0, 3.0)))  # never NaN
     # not every part's sum reported: nothing to read (a pool of one asks for no checks)
     assert not contradicted(math.nan, _words((0, 0.5, 2.0)))
-    assert not contradicted(math.nan, (None, frozenset()))
+    assert not contradicted(math.nan, OwnWords(None, frozenset()))
