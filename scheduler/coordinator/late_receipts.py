@@ -1,19 +1,21 @@
 """The coordinator's late-receipt check: before microbatches given back are leased again, a
-Backward that timed out at its trainer may still have landed on a replica. A receipt for a
-microbatch the ledger still needs at that stage is adopted (that replica holds it, exactly as a
-replay would make it), so the late receipt is neither replayed elsewhere nor voids its replica.
-One check runs at a time."""
+Backward that timed out at its trainer may still have landed on a replica. Under the plain rules
+a receipt for a microbatch the ledger still needs at that stage is adopted (that replica holds
+it, exactly as a replay would make it), so the late receipt is neither replayed elsewhere nor
+voids its replica. Where a receipt cannot be taken on trust (local rounds' route records, an
+audited push plane's runs: it names none) its replica is voided at once instead, before the
+replay goes out: a replay landing on that same replica would be answered as a duplicate, and
+the stray gradient would stand in the step. One check runs at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.live_steps import LiveSteps
 from scheduler.coordinator.replicas import ReplicaClients
-from scheduler.coordinator.round_strategy import Rounds
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 
@@ -28,16 +30,20 @@ class LateReceipts:
         clients: ReplicaClients,
         replicas: Callable[[], list[list[Replica]]],
         window: LiveSteps,
-        rounds: Rounds,
+        adopts: bool,
         microbatch_size: int,
         *,
+        void: Callable[[StepLedger, int, str], Awaitable[None]],
         wake: Callable[[], None],
         checked: Callable[[StepLedger], None],
     ) -> None:
-        """`replicas()`: the members, per stage; `wake()` once a check ends (leases look
-        again); `checked(ledger)` once `ledger`'s check is done (its step may be complete)."""
-        self.clients, self.replicas, self.window, self.rounds = clients, replicas, window, rounds
-        self.size, self.wake, self.checked = microbatch_size, wake, checked
+        """`replicas()`: the members, per stage; `adopts`: whether a late receipt is adopted
+        where it landed (`Rounds.adopts_late_receipts`, and not where the job's pushes keep
+        records for audits), else its replica is `void(ledger, stage, peer)`ed; `wake()` once a
+        check ends (leases look again); `checked(ledger)` once `ledger`'s check is done (its
+        step may be complete)."""
+        self.clients, self.replicas, self.window, self.adopts = clients, replicas, window, adopts
+        self.size, self.void, self.wake, self.checked = microbatch_size, void, wake, checked
         self._task: asyncio.Task[None] | None = None  # the check in flight
 
     def check(self, ledger: StepLedger, returned: list[int]) -> None:
@@ -58,13 +64,29 @@ class LateReceipts:
             )
             if ledger not in self.window.ledgers():
                 return
-            if self.rounds.adopts_late_receipts:
+            if self.adopts:
                 self._adopt(ledger, returned, pairs, infos)
+            else:
+                await self._void(ledger, returned, pairs, infos)
             ledger.checked(returned)
         finally:
             self._task = None
             self.wake()
         self.checked(ledger)
+
+    def _receipts(
+        self,
+        ledger: StepLedger,
+        pairs: list[tuple[int, Replica]],
+        infos: list[pb.StageInfoResponse | BaseException],
+    ) -> Iterator[tuple[int, Replica, Sequence[int]]]:
+        """(stage, replica, its receipts of `ledger`'s step) for each member that answered of
+        that step: one gone, or elsewhere, is the commit's own checks' to deal with."""
+        for (stage, r), info in zip(pairs, infos, strict=True):
+            if not isinstance(info, BaseException):
+                receipts = self.window.receipts(info, ledger.step)
+                if receipts is not None:
+                    yield stage, r, receipts
 
     def _adopt(
         self,
@@ -73,12 +95,7 @@ class LateReceipts:
         pairs: list[tuple[int, Replica]],
         infos: list[pb.StageInfoResponse | BaseException],
     ) -> None:
-        for (stage, r), info in zip(pairs, infos, strict=True):
-            if isinstance(info, BaseException):
-                continue  # gone: the commit's own checks deal with it
-            receipts = self.window.receipts(info, ledger.step)
-            if receipts is None:
-                continue  # elsewhere: the commit's own checks deal with it
+        for stage, r, receipts in self._receipts(ledger, pairs, infos):
             adopted = ledger.adopt(stage, r.peer, receipts, set(returned), self.size)
             if adopted:
                 log.info(
@@ -88,3 +105,24 @@ class LateReceipts:
                     adopted,
                     stage,
                 )
+
+    async def _void(
+        self,
+        ledger: StepLedger,
+        returned: list[int],
+        pairs: list[tuple[int, Replica]],
+        infos: list[pb.StageInfoResponse | BaseException],
+    ) -> None:
+        # The replicas' receipts were gathered first: a void awaited below changes none of them.
+        for stage, r, receipts in list(self._receipts(ledger, pairs, infos)):
+            stray = ledger.unclaimed(stage, receipts, set(returned))
+            if stray:
+                log.warning(
+                    "step %d: %s holds late receipts %s at stage %d that name no run: voided, "
+                    "its step there replayed",
+                    ledger.step,
+                    r.peer,
+                    stray,
+                    stage,
+                )
+                await self.void(ledger, stage, r.peer)

@@ -236,21 +236,25 @@ class StepLedger:
         """`peer` holds receipts at `stage` for `receipts`: each one of `among` that the ledger
         still needs there, with no live lease, becomes `peer`'s holding (its gradient is the one
         a replay would add there, so accepting it is exact). Returns the indices adopted."""
-        now, adopted = self.clock.now(), []
-        for index in receipts:
-            held = self._leases.get(index)
-            if (
-                index not in among
-                or stage not in self._needed.get(index, ())
-                or (held is not None and held.expires > now)
-            ):
-                continue
+        adopted = self.unclaimed(stage, receipts, among)
+        for index in adopted:
             self._set_holder(index, stage, peer)
             self._got(index, stage)
             self._samples.setdefault(index, samples)
-            adopted.append(index)
         self.suspect = self.suspect or bool(adopted)
         return adopted
+
+    def unclaimed(self, stage: int, receipts: Iterable[int], among: Collection[int]) -> list[int]:
+        """Which of a replica's `receipts` at `stage` are of microbatches of `among` that the
+        ledger still needs there, with no live lease: what `adopt` would take."""
+        now = self.clock.now()
+        return [
+            index
+            for index in receipts
+            if index in among
+            and stage in self._needed.get(index, ())
+            and not ((held := self._leases.get(index)) is not None and held.expires > now)
+        ]
 
     def report(
         self,

@@ -31,8 +31,8 @@ class Rounds(Protocol):
 
     @property
     def adopts_late_receipts(self) -> bool:
-        """Whether a late receipt is adopted where it landed (else the microbatch is replayed:
-        it names no run for the route record, and the commit voids the replica holding it)."""
+        """Whether a late receipt is adopted where it landed (else it names no run for the
+        route record: the replica holding it is voided before the microbatch is replayed)."""
         ...
 
     async def started(self, step: int, members: list[list[Replica]]) -> None:

@@ -22,13 +22,14 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.store import JobStore
 from swarm.clock import FakeClock
 from swarm.errors import PeerUnavailable
+from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.api import start_api
-from tests.support.coordinator import LEASE_S, MakeHarness, job_of
+from tests.support.coordinator import LEASE_S, Harness, MakeHarness, job_of
 from tests.support.jobs import BASE, make_job, render
 from tests.support.ports import free_address
-from tests.support.replicas import FakeSwarm
+from tests.support.replicas import FakeReplica, FakeSwarm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,21 +211,28 @@ async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
     assert (a.step, b.step, c_.step) == (1, 1, 1)
 
 
-async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_replayed(
-    tmp_path: Path, make_harness: MakeHarness
-) -> None:
-    job = job_of(tmp_path)
+async def _stray_at_stage_1(
+    job: JobConfig, make_harness: MakeHarness
+) -> tuple[Harness, FakeReplica, FakeReplica, FakeReplica]:
+    """Stage 0: a and b; stage 1: c alone. Microbatch 0 lands (a, c); microbatch 1 is given
+    back with a receipt of it on c (its ForwardBackward at stage 1 landed, its hop at stage 0
+    failed on every try). Returns (harness, a, b, c)."""
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = make_harness(job, swarm)
-    c = h.coordinator
-    await c.start()
-    await _leased(c)
+    await h.coordinator.start()
+    await _leased(h.coordinator)
     await h.land(0, 0, {0: "a", 1: "c"})
-    # Microbatch 1 failed at stage 0 on every try and was given back; its ForwardBackward at
-    # stage 1 had landed on c.
     c_.accumulate(1)
-    await c.release("t", [1])
+    await h.coordinator.release("t", [1])
+    return h, a, b, c_
+
+
+async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_replayed(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    h, a, b, c_ = await _stray_at_stage_1(job_of(tmp_path), make_harness)
+    c = h.coordinator
     replay = await _leased(c, "u")
     assert replay == [Task(0, 1, frozenset({0}))]  # stage 1 adopted: stage 0 alone is replayed
     await h.land(0, 1, {0: "b"}, trainer="u")
@@ -234,6 +242,43 @@ async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_rep
         await asyncio.sleep(0.01)
     assert (a.step, b.step, c_.step) == (1, 1, 1)
     assert not any(r.called("discard") for r in (a, b, c_))  # no replica voided
+    assert c_.called("prepare")[-1].microbatches == [0, 1]
+
+
+@pytest.mark.attack("late-receipt-adopted")
+@pytest.mark.parametrize("rule", ["audited-push", "local-rounds"])
+async def test_a_late_receipt_that_names_no_run_voids_its_replica_before_the_replay(
+    tmp_path: Path, make_harness: MakeHarness, rule: str
+) -> None:
+    # On the push plane with audits, a member ahead on a push's route holds the lessee's run and
+    # the later stage's ticket: it may push first, with inputs of its own, and where the honest
+    # push then fails there the microbatch is given back with the stray receipt in place. That
+    # receipt names no run an audit could redo: adopted, a gradient of the member's choosing
+    # would stand in the step. Here it voids its replica, which replays the step's work there.
+    settings = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3}
+    # (Under local rounds a late receipt names no run for the route record either.)
+    if rule == "audited-push":
+        runtime = {"lease_timeout_s": LEASE_S, "data_plane": "push"}
+        job = make_job(tmp_path, training=settings, runtime=runtime, trust={"audit_fraction": 0.5})
+    else:
+        runtime = {"lease_timeout_s": LEASE_S}
+        pool = {"mode": "local", "sync_every": 2}
+        job = make_job(tmp_path, training=settings, runtime=runtime, pool=pool)
+    h, a, b, c_ = await _stray_at_stage_1(job, make_harness)  # the stray: c's receipt of 1
+    c = h.coordinator
+    replay = await _leased(c, "u")
+    replay += await _leased(c, "v")  # u's fair share is one of the two
+    # Stage 1 is not adopted: c is voided before the replay goes out (a replay landing there
+    # would be answered as a duplicate and the stray kept), so what it held is replayed too.
+    assert c_.called("discard") and not a.called("discard") and not b.called("discard")
+    assert sorted((t.index, sorted(t.stages)) for t in replay) == [(0, [1]), (1, [0, 1])]
+    await h.land(0, 0, {1: "c"}, trainer="u")
+    await h.land(0, 1, {0: "b", 1: "c"}, trainer="v")
+    for _ in range(500):
+        if c_.step == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert (a.step, b.step, c_.step) == (1, 1, 1)
     assert c_.called("prepare")[-1].microbatches == [0, 1]
 
 
