@@ -142,11 +142,10 @@ ATTACKS: dict[str, str] = {
     "lease-run": "a replica ahead of a stage on a push's route accumulates there first under a "
     "run of its own with that stage's ticket: the honest push is answered as a duplicate, and "
     "that replica's record of the honest run, not what it accumulated, frames it at its audit",
-    # docs/decisions.md, "A late receipt of an audited push voids its replica"
-    "late-receipt-adopted": "a replica ahead on a push's route pushes the lessee's own run first "
-    "with inputs of its own; the honest hop then fails there, and its receipt, adopted at the "
-    "late-receipt check (or kept when the replay is answered as a duplicate), stands in the step "
-    "unaudited",
+    # docs/decisions.md, "Under local rounds a late receipt voids its replica before the replay"
+    "late-receipt-duplicate": "under local rounds a microbatch is given back with a stray "
+    "receipt at a later stage's pool of one (a member ahead pushed there first); its replay "
+    "lands there as a duplicate, is reported held, and the stray gradient stands in the round",
     # docs/decisions.md, "A push record is made once a run"
     "push-record": "a member of a push's path pushes the same run again with other inputs to an "
     "honest replica it went through: the record audited is not what that replica accumulated",

@@ -139,10 +139,7 @@ class LocalCoordinator:
             self.clients,
             self.replicas,
             self._window,
-            # Where pushes keep records for audits, a late receipt names no run an audit could
-            # redo: it may be a member ahead's race with inputs of its own (docs/decisions.md,
-            # "A late receipt of an audited push voids its replica"), so its replica is voided.
-            self.rounds.adopts_late_receipts and not records,
+            self.rounds.adopts_late_receipts,
             job.training.microbatch_size,
             void=self.voids.void_duplicate,
             wake=self._wake,

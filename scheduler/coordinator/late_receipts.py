@@ -2,10 +2,10 @@
 Backward that timed out at its trainer may still have landed on a replica. Under the plain rules
 a receipt for a microbatch the ledger still needs at that stage is adopted (that replica holds
 it, exactly as a replay would make it), so the late receipt is neither replayed elsewhere nor
-voids its replica. Where a receipt cannot be taken on trust (local rounds' route records, an
-audited push plane's runs: it names none) its replica is voided at once instead, before the
-replay goes out: a replay landing on that same replica would be answered as a duplicate, and
-the stray gradient would stand in the step. One check runs at a time."""
+voids its replica. Under local rounds a receipt names no run for the route record: its replica
+is voided at once instead, before the replay goes out, since a replay landing on that same
+replica would be answered as a duplicate and the stray gradient would stand in the step. One
+check runs at a time."""
 
 from __future__ import annotations
 
@@ -38,10 +38,9 @@ class LateReceipts:
         checked: Callable[[StepLedger], None],
     ) -> None:
         """`replicas()`: the members, per stage; `adopts`: whether a late receipt is adopted
-        where it landed (`Rounds.adopts_late_receipts`, and not where the job's pushes keep
-        records for audits), else its replica is `void(ledger, stage, peer)`ed; `wake()` once a
-        check ends (leases look again); `checked(ledger)` once `ledger`'s check is done (its
-        step may be complete)."""
+        where it landed (`Rounds.adopts_late_receipts`), else its replica is
+        `void(ledger, stage, peer)`ed; `wake()` once a check ends (leases look again);
+        `checked(ledger)` once `ledger`'s check is done (its step may be complete)."""
         self.clients, self.replicas, self.window, self.adopts = clients, replicas, window, adopts
         self.size, self.void, self.wake, self.checked = microbatch_size, void, wake, checked
         self._task: asyncio.Task[None] | None = None  # the check in flight
@@ -113,16 +112,21 @@ class LateReceipts:
         pairs: list[tuple[int, Replica]],
         infos: list[pb.StageInfoResponse | BaseException],
     ) -> None:
-        # The replicas' receipts were gathered first: a void awaited below changes none of them.
-        for stage, r, receipts in list(self._receipts(ledger, pairs, infos)):
-            stray = ledger.unclaimed(stage, receipts, set(returned))
-            if stray:
-                log.warning(
-                    "step %d: %s holds late receipts %s at stage %d that name no run: voided, "
-                    "its step there replayed",
-                    ledger.step,
-                    r.peer,
-                    stray,
-                    stage,
-                )
-                await self.void(ledger, stage, r.peer)
+        # Every replica's strays first: a void below makes what its replica held leasable
+        # while its Discard is awaited, and a lease then would hide another replica's stray of
+        # the same microbatch from `unclaimed`.
+        strays = [
+            (stage, r, stray)
+            for stage, r, receipts in self._receipts(ledger, pairs, infos)
+            if (stray := ledger.unclaimed(stage, receipts, set(returned)))
+        ]
+        for stage, r, stray in strays:
+            log.warning(
+                "step %d: %s holds late receipts %s at stage %d that name no run: voided, "
+                "its step there replayed",
+                ledger.step,
+                r.peer,
+                stray,
+                stage,
+            )
+            await self.void(ledger, stage, r.peer)

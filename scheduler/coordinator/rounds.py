@@ -81,8 +81,8 @@ class PoolRounds:
     each pool, in two phases."""
 
     # A member left out mid-round holds a round its pool ended without it: not the stage's
-    # state. A late receipt names no run for the route record: the microbatch is replayed, and
-    # the commit voids the replica that holds it.
+    # state. A late receipt names no run for the route record: the replica that holds it is
+    # voided before the microbatch is replayed (`late_receipts`).
     readmits = False
     adopts_late_receipts = False
 

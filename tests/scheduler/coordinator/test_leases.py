@@ -245,25 +245,19 @@ async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_rep
     assert c_.called("prepare")[-1].microbatches == [0, 1]
 
 
-@pytest.mark.attack("late-receipt-adopted")
-@pytest.mark.parametrize("rule", ["audited-push", "local-rounds"])
-async def test_a_late_receipt_that_names_no_run_voids_its_replica_before_the_replay(
-    tmp_path: Path, make_harness: MakeHarness, rule: str
+@pytest.mark.attack("late-receipt-duplicate")
+async def test_under_local_rounds_a_late_receipt_voids_its_replica_before_the_replay(
+    tmp_path: Path, make_harness: MakeHarness
 ) -> None:
-    # On the push plane with audits, a member ahead on a push's route holds the lessee's run and
-    # the later stage's ticket: it may push first, with inputs of its own, and where the honest
-    # push then fails there the microbatch is given back with the stray receipt in place. That
-    # receipt names no run an audit could redo: adopted, a gradient of the member's choosing
-    # would stand in the step. Here it voids its replica, which replays the step's work there.
+    # Local rounds never adopt a late receipt (it names no run for the route record). The
+    # replay went to the stage again; landing on the replica holding the stray (here a pool of
+    # one) it was answered as a duplicate (a replica accumulates a microbatch once a step), the
+    # trainer reported that replica its holder, the receipts matched at the commit, and the
+    # stray stood: a gradient of whoever pushed first, a member ahead on the route, say.
     settings = {"stages": 2, "microbatch_size": 4, "target_batch_size": 8, "steps": 3}
-    # (Under local rounds a late receipt names no run for the route record either.)
-    if rule == "audited-push":
-        runtime = {"lease_timeout_s": LEASE_S, "data_plane": "push"}
-        job = make_job(tmp_path, training=settings, runtime=runtime, trust={"audit_fraction": 0.5})
-    else:
-        runtime = {"lease_timeout_s": LEASE_S}
-        pool = {"mode": "local", "sync_every": 2}
-        job = make_job(tmp_path, training=settings, runtime=runtime, pool=pool)
+    runtime = {"lease_timeout_s": LEASE_S}
+    pool = {"mode": "local", "sync_every": 2}
+    job = make_job(tmp_path, training=settings, runtime=runtime, pool=pool)
     h, a, b, c_ = await _stray_at_stage_1(job, make_harness)  # the stray: c's receipt of 1
     c = h.coordinator
     replay = await _leased(c, "u")
