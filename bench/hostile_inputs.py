@@ -146,6 +146,11 @@ ATTACKS: dict[str, str] = {
     "late-receipt-duplicate": "under local rounds a microbatch is given back with a stray "
     "receipt at a later stage's pool of one (a member ahead pushed there first); its replay "
     "lands there as a duplicate, is reported held, and the stray gradient stands in the round",
+    # docs/decisions.md, "A late receipt is adopted only under its lease's run"
+    "late-receipt-run": "a member ahead fails the honest hop, waits out the late-receipt check, "
+    "then pushes the lessee's old run to a later stage with inputs of its own: the replay is "
+    "answered there as a duplicate (or its receipt adopted at the next check) and the stray "
+    "gradient stands",
     # docs/decisions.md, "A push record is made once a run"
     "push-record": "a member of a push's path pushes the same run again with other inputs to an "
     "honest replica it went through: the record audited is not what that replica accumulated",

@@ -260,6 +260,11 @@ OVERSIZE: dict[str, str] = {
         "the orchestrator of a stage server under a scheduler: each state of the peer's life "
         "(announced, measured, assigned, moving, serving, released) is one step of one loop"
     ),
+    "scheduler.coordinator.ledger": (
+        "one step's book of its microbatches: what each still needs, who leased it and as which "
+        "run, who holds it where, what was given back; every method reads and keeps the same "
+        "few maps together, and its neighbours (free tasks, late receipts, voids) are modules"
+    ),
     "scheduler.coordinator.membership": (
         "who counts as a replica of each stage: admitted by a copy, re-admitted, dropped; each "
         "rule reads the same few sets (members, those left, joiners, standbys), and its "

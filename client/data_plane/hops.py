@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from client.metrics import TrainerMetrics
 from swarm.errors import SwarmError
-from swarm.rpc.hop import HopFailed, Hopped, hop
+from swarm.rpc.hop import HopFailed, Hopped, hop, may_have_landed
 from swarm.rpc.routes import Routes
 from swarm.rpc.stage_client import StageClient
 
@@ -45,14 +45,14 @@ class StageHops:
         *,
         accumulate: bool,
         need_result: bool,
+        landed: Callable[[SwarmError], bool] = may_have_landed,
     ) -> tuple[str | None, T | None]:
         """Run `call(client, accumulate)` on a replica of `stage`, retrying on others. Returns
         the replica that accumulated the microbatch there (None when it did not, or when a call
-        may have accumulated it but did not say so: see `swarm.rpc.hop`) and the answer (None
-        when none was needed after such a call)."""
-        done = await self.hopped(
-            stage, call, prefer, accumulate=accumulate, need_result=need_result
-        )
+        may have accumulated it but did not say so: see `swarm.rpc.hop`, whose `landed` rule
+        says which failures may have) and the answer (None when none was needed after such a
+        call)."""
+        done = await self._hop(stage, call, prefer, accumulate, need_result, landed)
         return (done.peer if done.accumulated else None), done.result
 
     async def hopped(
@@ -75,6 +75,7 @@ class StageHops:
         prefer: str | None,
         accumulate: bool = False,
         need_result: bool = True,
+        landed: Callable[[SwarmError], bool] = may_have_landed,
     ) -> Hopped[T]:
         try:
             return await hop(
@@ -85,6 +86,7 @@ class StageHops:
                 prefer=prefer,
                 accumulate=accumulate,
                 need_result=need_result,
+                landed=landed,
                 observer=self,
             )
         except HopFailed as e:

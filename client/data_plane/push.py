@@ -19,6 +19,7 @@ from swarm.job.rule import rule_of
 from swarm.model.boundary import boundary_of
 from swarm.model.data import DataSource
 from swarm.proto import stage_pb2 as pb
+from swarm.rpc.hop import any_error
 from swarm.rpc.lease import (
     ContributionAudit,
     GradientDigest,
@@ -205,6 +206,10 @@ class PushPlane:
             lambda c, a: c.push(call.trying(a), timeout=timeout),
             accumulate=True,
             need_result=False,
+            # A push passes its work on before stage 0's backward may refuse it (a stale epoch,
+            # a run held there under another): the stages after may hold it, as a replica's
+            # own push on reads it (`next_hop`). Given back, not pushed again elsewhere.
+            landed=any_error,
         )
         if result is None:  # counted by the hop, once for the whole path
             return MicrobatchResult(step, index, {}, None, int(ids.shape[0]))

@@ -324,7 +324,9 @@ class LocalCoordinator:
                 # Signed with their audits: a task whose contribution is audited is pushed as a
                 # run of its own, whose records its audit redoes (`LeaseSigner`).
                 audited = self.bans.audited(ledger, leased, members)
-                return Lease(ledger.step, self._tickets.signed(audited, members), members)
+                signed = self._tickets.signed(audited, members)
+                ledger.pushed_as(signed)  # a late receipt is adopted only under its lease's run
+                return Lease(ledger.step, signed, members)
         return Lease(newest, [], members)
 
     def _open_next_early(self) -> None:

@@ -1,17 +1,21 @@
 """The coordinator's late-receipt check: before microbatches given back are leased again, a
 Backward that timed out at its trainer may still have landed on a replica. Under the plain rules
-a receipt for a microbatch the ledger still needs at that stage is adopted (that replica holds
-it, exactly as a replay would make it), so the late receipt is neither replayed elsewhere nor
-voids its replica. Under local rounds a receipt names no run for the route record: its replica
-is voided at once instead, before the replay goes out, since a replay landing on that same
-replica would be answered as a duplicate and the stray gradient would stand in the step. One
-check runs at a time."""
+a receipt for a microbatch the ledger still needs at that stage is adopted where it names the run
+of the lease given back (that replica holds it, exactly as a replay would make it), so the late
+receipt is neither replayed elsewhere nor voids its replica. A receipt under another run is a
+push that lease did not send: a member ahead on the route, holding the stage's ticket, can fail
+the honest hop, wait for this check to pass, and push the lessee's old run with inputs of its
+own; the replay, under a new run, is then refused there (`StepSums.check_run`) and given back
+again, and its replica is voided here before the next replay goes out. Under local rounds a
+receipt names no run for the route record: its replica is voided at once, before the replay goes
+out, since a replay landing on that same replica would be answered as a duplicate and the stray
+gradient would stand in the step. One check runs at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.live_steps import LiveSteps
@@ -37,9 +41,10 @@ class LateReceipts:
         wake: Callable[[], None],
         checked: Callable[[StepLedger], None],
     ) -> None:
-        """`replicas()`: the members, per stage; `adopts`: whether a late receipt is adopted
-        where it landed (`Rounds.adopts_late_receipts`), else its replica is
-        `void(ledger, stage, peer)`ed; `wake()` once a check ends (leases look again);
+        """`replicas()`: the members, per stage; `adopts`: whether a late receipt under its
+        lease's run is adopted where it landed (`Rounds.adopts_late_receipts`), else its replica
+        is `void(ledger, stage, peer)`ed, as one under another run always is; `wake()` once a
+        check ends (leases look again);
         `checked(ledger)` once `ledger`'s check is done (its step may be complete)."""
         self.clients, self.replicas, self.window, self.adopts = clients, replicas, window, adopts
         self.size, self.void, self.wake, self.checked = microbatch_size, void, wake, checked
@@ -63,10 +68,7 @@ class LateReceipts:
             )
             if ledger not in self.window.ledgers():
                 return
-            if self.adopts:
-                self._adopt(ledger, returned, pairs, infos)
-            else:
-                await self._void(ledger, returned, pairs, infos)
+            await self._sort(ledger, returned, pairs, infos)
             ledger.checked(returned)
         finally:
             self._task = None
@@ -78,55 +80,71 @@ class LateReceipts:
         ledger: StepLedger,
         pairs: list[tuple[int, Replica]],
         infos: list[pb.StageInfoResponse | BaseException],
-    ) -> Iterator[tuple[int, Replica, Sequence[int]]]:
-        """(stage, replica, its receipts of `ledger`'s step) for each member that answered of
-        that step: one gone, or elsewhere, is the commit's own checks' to deal with."""
+    ) -> Iterator[tuple[int, Replica, dict[int, int]]]:
+        """(stage, replica, its receipts of `ledger`'s step: index -> run) for each member that
+        answered of that step: one gone, or elsewhere, is the commit's own checks' to deal
+        with."""
         for (stage, r), info in zip(pairs, infos, strict=True):
             if not isinstance(info, BaseException):
                 receipts = self.window.receipts(info, ledger.step)
                 if receipts is not None:
                     yield stage, r, receipts
 
-    def _adopt(
+    async def _sort(
         self,
         ledger: StepLedger,
         returned: list[int],
         pairs: list[tuple[int, Replica]],
         infos: list[pb.StageInfoResponse | BaseException],
     ) -> None:
-        for stage, r, receipts in self._receipts(ledger, pairs, infos):
-            adopted = ledger.adopt(stage, r.peer, receipts, set(returned), self.size)
-            if adopted:
-                log.info(
-                    "step %d: %s's late receipts %s at stage %d adopted",
-                    ledger.step,
-                    r.peer,
-                    adopted,
-                    stage,
-                )
-
-    async def _void(
-        self,
-        ledger: StepLedger,
-        returned: list[int],
-        pairs: list[tuple[int, Replica]],
-        infos: list[pb.StageInfoResponse | BaseException],
-    ) -> None:
+        """Adopt each replica's late receipts of `returned` under their leases' runs (where the
+        rules adopt), and void every replica holding one under another run (or any, where they
+        do not)."""
+        among, held = set(returned), list(self._receipts(ledger, pairs, infos))
         # Every replica's strays first: a void below makes what its replica held leasable
         # while its Discard is awaited, and a lease then would hide another replica's stray of
         # the same microbatch from `unclaimed`.
         strays = [
             (stage, r, stray)
-            for stage, r, receipts in self._receipts(ledger, pairs, infos)
-            if (stray := ledger.unclaimed(stage, receipts, set(returned)))
+            for stage, r, runs in held
+            if (stray := ledger.unclaimed(stage, self._strays(ledger, runs), among))
         ]
+        voided = {(stage, r.peer) for stage, r, _ in strays}
+        for stage, r, runs in held:
+            if self.adopts and (stage, r.peer) not in voided:  # one voided anyway adopts none
+                never = self._strays(ledger, runs)
+                self._adopt(ledger, stage, r, [i for i in runs if i not in never], among)
         for stage, r, stray in strays:
             log.warning(
-                "step %d: %s holds late receipts %s at stage %d that name no run: voided, "
-                "its step there replayed",
+                "step %d: %s holds late receipts %s at stage %d %s: voided, its step there "
+                "replayed",
                 ledger.step,
                 r.peer,
                 stray,
                 stage,
+                "under another run than their leases'" if self.adopts else "that name no run",
             )
             await self.void(ledger, stage, r.peer)
+
+    def _strays(self, ledger: StepLedger, runs: dict[int, int]) -> list[int]:
+        """Of a replica's receipts (index -> run), those never adopted: under another run than
+        the one their microbatch's last lease was signed with (a push that lease did not send;
+        an unsigned lease's run is its trainer's, any), or any where the rules adopt none."""
+        return [
+            i
+            for i, run in runs.items()
+            if not self.adopts or ((leased := ledger.run_of(i)) is not None and run != leased)
+        ]
+
+    def _adopt(
+        self, ledger: StepLedger, stage: int, r: Replica, receipts: list[int], among: set[int]
+    ) -> None:
+        adopted = ledger.adopt(stage, r.peer, receipts, among, self.size)
+        if adopted:
+            log.info(
+                "step %d: %s's late receipts %s at stage %d adopted",
+                ledger.step,
+                r.peer,
+                adopted,
+                stage,
+            )

@@ -95,6 +95,10 @@ class StepLedger:
         # change, so a lease call's fair share costs no scan of the step.
         self._held: Counter[str] = Counter()
         self._returned: set[int] = set()  # given back since their receipts were last checked
+        # The push-plane run each microbatch was last leased as, where the scheduler signed it
+        # (`Task.run`; 0: none drawn): a late receipt is adopted only under the run of the
+        # lease given back (`LateReceipts`). An unsigned task's run is its trainer's own.
+        self._pushed_as: dict[int, int] = {}
         self._loss: dict[int, float] = {}
         self._samples: dict[int, int] = {}
         self._val_loss: dict[int, tuple[float, int]] = {}  # index -> (loss sum, samples)
@@ -225,6 +229,14 @@ class StepLedger:
             if self._needed[index]
             and not ((held := self._leases.get(index)) and held.expires > now)
         )
+
+    def pushed_as(self, tasks: Iterable[Task]) -> None:
+        """`tasks`, just leased, are pushed as their runs where their tickets name them."""
+        self._pushed_as.update((t.index, t.run) for t in tasks if t.tickets and not t.evaluate)
+
+    def run_of(self, index: int) -> int | None:
+        """The run microbatch `index` was last leased as (None: unknown, its trainer's own)."""
+        return self._pushed_as.get(index)
 
     def checked(self, indices: Iterable[int]) -> None:
         """The members' receipts of these were looked at: they may be leased again."""

@@ -176,9 +176,12 @@ class LiveSteps:
         """The step to open once `ledger`'s commit is decided (its APPLYs sent), if any."""
         return None
 
-    def receipts(self, info: pb.StageInfoResponse, step: int) -> Sequence[int] | None:
-        """The receipts a replica's `info` holds for `step`; None where it is elsewhere."""
-        return info.receipts if info.step == step else None
+    def receipts(self, info: pb.StageInfoResponse, step: int) -> dict[int, int] | None:
+        """The receipts a replica's `info` holds for `step`, each with the run it names (index
+        -> run; 0 where it names none); None where it is elsewhere."""
+        if info.step != step:
+            return None
+        return _with_runs(info.receipts, info.receipt_runs)
 
     def progress(self) -> str:
         """Where the oldest open step is, in words (for a stall's message): its microbatches
@@ -223,11 +226,11 @@ class DelayedSteps(LiveSteps):
             return None  # the final evaluation opens after the last APPLY: of the trained model
         return ledger.step + 1 if ledger.leasable() == 0 else None
 
-    def receipts(self, info: pb.StageInfoResponse, step: int) -> Sequence[int] | None:
+    def receipts(self, info: pb.StageInfoResponse, step: int) -> dict[int, int] | None:
         """A replica at the step before `step` (its commit beside) holds `step`'s receipts
         apart."""
         if info.step + 1 == step:
-            return info.next_receipts
+            return _with_runs(info.next_receipts, info.next_receipt_runs)
         return super().receipts(info, step)
 
 
@@ -241,6 +244,12 @@ class SyncSteps(LiveSteps):
         if ledger.microbatches and step < self.steps and len(self._live) == 1:
             return step
         return None
+
+
+def _with_runs(receipts: Sequence[int], runs: Sequence[int]) -> dict[int, int]:
+    """index -> run of each receipt, its run read in the same place of `runs` (0 where the
+    replica named none there: an older replica, or a run made as its Info was read)."""
+    return {index: runs[k] if k < len(runs) else 0 for k, index in enumerate(receipts)}
 
 
 def window_of(rule: Rule, job: JobConfig, steps: int, clock: Clock) -> LiveSteps:

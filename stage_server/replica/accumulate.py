@@ -42,13 +42,15 @@ def backprop_into(
     want_x: bool,
     fail: str = "",
     low: LowCopies | None = None,
+    run: int = 0,
 ) -> torch.Tensor | None:
     """Backward of `out` adding `params`' gradients into `sums` (made like `shapes`, the
     module's parameters) in place, then the receipt of microbatch `index` (`samples`); the
     gradient of `x` when `want_x`. `fail` (a fault's name, `swarm.ops.faults`): raise an
     out-of-memory error inside the backward, once the first gradient reached the sums. `low`:
     the bf16-mixed weight copies `out` was computed with, whose gradients add into the sums
-    inside their casts' backward (`swarm.model.low_copies`), watched the same way."""
+    inside their casts' backward (`swarm.model.low_copies`), watched the same way. `run`: the
+    push-plane run the receipt is under (`StepSums.runs`)."""
     accum = sums.open(shapes)
     reached = False
 
@@ -85,5 +87,5 @@ def backprop_into(
             hook.remove()
         for p in params:
             p.grad = None
-    sums.received(index, samples)
+    sums.received(index, samples, run)
     return grad_x

@@ -379,6 +379,10 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
     """Where the replica is (for the coordinator: its step, its receipts, its last update)."""
     if rt is None:
         return pb.StageInfoResponse(peer=peer)
+    # The receipts first: each has its run set before it (`StepSums.received`), so the runs
+    # read after hold every receipt's (one read without would name run 0 and be voided).
+    receipts, following = sorted(rt.receipts()), sorted(rt.receipts(rt.step + 1))
+    runs, next_runs = rt.receipt_runs(), rt.receipt_runs(rt.step + 1)
     return pb.StageInfoResponse(
         peer=peer,
         job=job_id,
@@ -388,9 +392,11 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
         device=str(rt.device),
         num_parameters=rt.num_parameters(),
         layers=rt.layers,
-        pending_microbatches=len(rt.receipts()),
-        receipts=sorted(rt.receipts()),
-        next_receipts=sorted(rt.receipts(rt.step + 1)),
+        pending_microbatches=len(receipts),
+        receipts=receipts,
+        receipt_runs=[runs.get(index, 0) for index in receipts],
+        next_receipts=following,
+        next_receipt_runs=[next_runs.get(index, 0) for index in following],
         applied_step=rt.applied[0],
         applied_scale=rt.applied[1],
         round_synced=rt.round.synced,  # -1, 0 without a round (`stage_server.replica.no_round`)

@@ -109,7 +109,8 @@ class PushPlane:
         """From the header `h` of a push, before its body is read: Busy when `max_queue` pushed
         microbatches wait here already, or where this replica took a push of its run already
         (`PushRecords.check`); refused where it accumulates here without its lease's ticket
-        (`Answering.check_lease`), before any of its path's compute."""
+        (`Answering.check_lease`), and Busy where this replica holds the microbatch under
+        another run (`StepSums.check_run`), before any of its path's compute."""
         waiting = self.worker.waiting
         if waiting >= self.limits.max_queue:
             raise Busy(f"{self.peer}: {waiting} microbatches queued; try another replica")
@@ -119,6 +120,9 @@ class PushPlane:
             self.records.check(h.microbatch.step, h.microbatch.index, h.run)
         if self._runtime().stage in h.accumulate:
             self.answering.check_lease(h)
+            # held here under another run: to another replica before anything after this stage
+            # runs (the worker asks again as it accumulates)
+            self._runtime().sums.check_run(h.microbatch.step, h.microbatch.index, h.run)
 
     async def push(
         self,

@@ -25,7 +25,7 @@ from stage_server.replica.gradient_digest import backprop_apart
 from stage_server.replica.prior_params import PriorParams
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
-from stage_server.replica.step_sums import Receipt, Sent, Sums
+from stage_server.replica.step_sums import Receipt, Sent, Sums, another_run
 from stage_server.replica.tensor_checks import Given, TensorChecks
 from stage_server.replica.update_log import UpdateLog
 from swarm.device.compiled import CompiledRuns
@@ -187,10 +187,12 @@ class StageRuntime:
         need_grad_inputs: bool = True,
         digest_seed: int = 0,
         holder: str = "",
+        run: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
         """Backward of microbatch `(step, index)`. What crossed in (`given`, as for `forward`)
         may be None when this replica did the forward for the same `holder`: then its cached
-        activations must still be here."""
+        activations must still be here. `run`: the push-plane run it accumulates under
+        (`StepSums.check_run`)."""
         self._check_step(step, next_ok=True)
         cached = self._cache.take((step, index, holder))
         if cached is None and given is None:
@@ -208,7 +210,7 @@ class StageRuntime:
                 x, out = cached
             grad = self.checks.grad(grad_outputs, out)
             return self._backprop(
-                step, index, x, out, grad, accumulate, need_grad_inputs, digest_seed
+                step, index, x, out, grad, accumulate, need_grad_inputs, digest_seed, run
             )
 
     def forward_backward(
@@ -222,6 +224,7 @@ class StageRuntime:
         need_grad_inputs: bool = True,
         digest_seed: int = 0,
         holder: str = "",  # as `backward`'s: nothing is cached between two calls here
+        run: int = 0,
     ) -> tuple[float, torch.Tensor | None, Receipt]:
         del holder
         if not self.is_last:
@@ -236,7 +239,7 @@ class StageRuntime:
                 inject(Point.FORWARD_OOM, step)
                 loss = loss_sum(self._run(step, given.carrying(x)), y)
             grad_x, receipt = self._backprop(
-                step, index, x, loss, None, accumulate, need_grad_inputs, digest_seed
+                step, index, x, loss, None, accumulate, need_grad_inputs, digest_seed, run
             )
             return float(loss.detach()), grad_x, receipt
 
@@ -266,6 +269,7 @@ class StageRuntime:
         accumulate: bool,
         need_grad_inputs: bool,
         digest_seed: int = 0,
+        run: int = 0,
     ) -> tuple[torch.Tensor | None, Receipt]:
         if accumulate and not 0 <= index < self.job.training.microbatches_per_step:
             # a receipt for it would read to the coordinator as work the step never leased
@@ -277,12 +281,15 @@ class StageRuntime:
         params = self.copies.params_at(step, self.step)
         samples = int(x.shape[0])
         sums = self.copies.sums_of(self.sums, step, self.step, accumulate)
+        held = sums.other_run(index, run) if accumulate else None
+        if held is not None:  # its header was looked at before (Busy), this is now
+            raise FailedPrecondition(another_run(index, held, run))
         duplicate = index in sums.receipts
         receipt = Receipt(self.stage, step, index, samples, duplicate and accumulate)
         if accumulate and not duplicate:  # its receipt once the sums hold it whole
             fail = f"{Point.BACKWARD_OOM}@{step}" if due(Point.BACKWARD_OOM, step) else ""
             grad_x = backprop_into(
-                sums, index, samples, self.params, params, x, out, grad, want_x, fail, self.low
+                sums, index, samples, self.params, params, x, out, grad, want_x, fail, self.low, run
             )
             return grad_x, receipt
         # nothing accumulated (an audit's re-execution, or a duplicate's)
@@ -292,6 +299,10 @@ class StageRuntime:
     def receipts(self, step: int | None = None) -> dict[int, int]:
         """What this replica accumulated for `step` (its own step by default): index -> samples."""
         return self.sums.receipts(self.step if step is None else step)
+
+    def receipt_runs(self, step: int | None = None) -> dict[int, int]:
+        """The push-plane run each of `step`'s receipts was accumulated under: index -> run."""
+        return self.sums.runs(self.step if step is None else step)
 
     def commit(self, step: int, microbatches: list[int], total_samples: int) -> bool:
         """Prepare and apply step `step` from this replica's gradients alone (a pool of one).

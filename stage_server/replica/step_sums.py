@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from stage_server.averaging.spill import Spill, SpillFile
-from swarm.errors import FailedPrecondition
+from swarm.errors import Busy, FailedPrecondition
 from swarm.model.flat import flat_copy, flat_view
 from swarm.proto import tensor_pb2
 
-__all__ = ["Receipt", "Sent", "StepSums", "Sums"]
+__all__ = ["Receipt", "Sent", "StepSums", "Sums", "another_run"]
 
 # The pool's summed gradient as the averaging's lossy codec carried it: the flat sum's parts, the
 # bytes every replica decoded them from (`swarm.rpc.state_streams.Update.encoded`); none: as is.
@@ -53,6 +53,9 @@ class StepSums:
 
     accum: list[torch.Tensor] | None = None
     receipts: dict[int, int] = field(default_factory=dict)  # index -> samples
+    # index -> the push-plane run it was accumulated under (`swarm.rpc.lease.Task.run`; 0: none
+    # named): the coordinator adopts a late receipt only under the run of the lease given back
+    runs: dict[int, int] = field(default_factory=dict)
     lent: bool = False  # `accum` is a commit's now: a later Backward adds into a copy of it
     # what averaging `accum` in place overwrote, kept for a retry or a straggler (`Spill`)
     spill: Spill | None = None
@@ -79,9 +82,22 @@ class StepSums:
             self.accum, self.lent, self.spill = copy, False, None
         return self.accum
 
-    def received(self, index: int, samples: int) -> None:
-        """The sums hold microbatch `index` (its `samples`) whole now: its receipt."""
+    def received(self, index: int, samples: int, run: int = 0) -> None:
+        """The sums hold microbatch `index` (its `samples`, pushed as `run`) whole now: its
+        receipt. Its run first: a receipt Info reads from the event loop has its run."""
+        self.runs[index] = run
         self.receipts[index] = samples
+
+    def other_run(self, index: int, run: int) -> int | None:
+        """The run microbatch `index` is held under here, where it is held under another than
+        `run` (None: not held, or held under `run`). A duplicate under the same run is answered
+        as one (a retry); under another it is not the push that accumulated here: a member
+        ahead on the route may have pushed the lessee's run first, and the replay, answered as a
+        duplicate, would leave that stray standing. The replay is refused instead: it goes to
+        another replica, or fails, and the coordinator's late-receipt check voids this one
+        (`scheduler.coordinator.late_receipts`)."""
+        held = self.runs.get(index)
+        return held if index in self.receipts and held != run else None
 
     def withdraw(self) -> list[int]:
         """A microbatch's backward failed after adding part of its gradients here: the sums
@@ -89,8 +105,17 @@ class StepSums:
         (returned, for the log): a PREPARE that names them fails its receipt check, and the
         coordinator replays them. Sums that held none yet start again as they were: empty."""
         assert not self.lent and self.spill is None  # `open` made them this replica's own
-        withdrawn, self.receipts, self.accum = sorted(self.receipts), {}, None
+        withdrawn, self.receipts, self.runs, self.accum = sorted(self.receipts), {}, {}, None
         return withdrawn
+
+
+def another_run(index: int, held: int, run: int) -> str:
+    """Why a push of microbatch `index` under `run` is not accumulated where it is `held` under
+    another run."""
+    return (
+        f"microbatch {index} is held here under run {held}, not run {run}: not accumulated "
+        "again under another run"
+    )
 
 
 class Sums:
@@ -149,6 +174,22 @@ class Sums:
         """What this replica accumulated for `step`: index -> samples."""
         sums = self._steps.get(step)
         return dict(sums.receipts) if sums is not None else {}
+
+    def runs(self, step: int) -> dict[int, int]:
+        """The run each of `step`'s receipts was accumulated under: index -> run."""
+        sums = self._steps.get(step)
+        return dict(sums.runs) if sums is not None else {}
+
+    def check_run(self, step: int, index: int, run: int) -> None:
+        """Busy where `step`'s sums hold microbatch `index` under another run than `run`
+        (`StepSums.other_run`): from a push's header on the event loop (dict looks, each whole
+        under the GIL), before its body is read, so that the caller tries another replica
+        before anything after this stage ran. The worker looks again as it accumulates
+        (`another_run`): two pushes of one microbatch may both pass here first."""
+        sums = self._steps.get(step)
+        held = sums.other_run(index, run) if sums is not None else None
+        if held is not None:
+            raise Busy(another_run(index, held, run) + "; try another replica")
 
     def held(self) -> bool:
         """Whether this replica holds work of its own: a receipt, or a prepared step."""

@@ -5,7 +5,8 @@ stage on another replica: a second receipt there would void the first replica's 
 stage. The trainer goes on without accumulating (a non-accumulating call elsewhere for the input
 gradient it still needs) and reports the microbatch without that stage, which the coordinator then
 settles exactly (it adopts the late receipt, or replays the stage). A refusal (the replica says it
-did not take the call) is retried elsewhere with accumulation, as before.
+did not take the call) is retried elsewhere with accumulation, as before; but a push, which passes
+its work on before stage 0 may refuse it, may have landed whatever failed it.
 
 Fakes only: the shared fake stage (`tests.support.stages`) behind the trainer's client factory,
 and a lease source that records."""
@@ -68,17 +69,17 @@ class Recorder:
         self.released.append(list(indices))
 
 
-def _job(tmp_path: Path) -> JobConfig:
+def _job(tmp_path: Path, plane: str) -> JobConfig:
     # The relay plane: the trainer's own hops are what these tests drive.
-    return make_job(tmp_path, training={"stages": LAST + 1}, runtime={"data_plane": "relay"})
+    return make_job(tmp_path, training={"stages": LAST + 1}, runtime={"data_plane": plane})
 
 
 def _trainer(
-    tmp_path: Path, swarm: FakeCalls, pools: list[list[str]]
+    tmp_path: Path, swarm: FakeCalls, pools: list[list[str]], plane: str = "relay"
 ) -> tuple[PipelineTrainer, Recorder]:
     source = Recorder()
     trainer = PipelineTrainer(
-        _job(tmp_path),
+        _job(tmp_path, plane),
         source,
         seed=0,
         client_factory=swarm.factory(),  # type: ignore[arg-type]
@@ -198,3 +199,27 @@ async def test_a_failure_that_did_not_accumulate_is_retried_elsewhere_with_accum
     assert first.peer != second.peer and swarm.accumulated[1] == [second.peer]
     (report,) = source.reports
     assert report.holders == {0: "a", 1: second.peer, 2: "c"}
+
+
+async def test_a_push_refused_at_stage_0_after_passing_it_on_is_not_pushed_again(
+    tmp_path: Path,
+) -> None:
+    """On the push plane stage 0 passes the microbatch on before its own backward may refuse
+    it (a stale epoch; a run it holds the microbatch under already: `StepSums.other_run`), so
+    the stages after may hold it whatever the refusal says. Before, the refusal read as "took
+    nothing" and the trainer pushed it again, accumulating, through another replica of stage 0:
+    every stage after held it twice, and the commit voided each first holder's step there. Now
+    any failure of the push may have landed: it is not pushed again, and the microbatch is
+    reported without holders for the coordinator to settle (adopt, or replay)."""
+    swarm = FakeCalls()
+    refused = FailedPrecondition("microbatch 0 is held here under run 5, not run 7")
+    swarm.fail(0, refused, after=True)  # the stages after accumulated, then stage 0 refused
+    trainer, source = _trainer(tmp_path, swarm, [["a1", "a2"], ["b"], ["c"]], plane="push")
+    try:
+        await trainer._run_task(Task(0, 0, ALL))
+    finally:
+        await trainer.close()
+    (pushed,) = swarm.accumulating(0)  # one push accumulated, none after it
+    assert swarm.accumulated == {k: [pushed.peer] for k in ALL}
+    (report,) = source.reports
+    assert report.holders == {} and source.released == []

@@ -54,6 +54,7 @@ class FakeReplica:
         self.swarm, self.peer, self.stage, self.step = swarm, peer, stage, step
         self.address = f"fake:{peer}"
         self.receipts: set[int] = set()
+        self.runs: dict[int, int] = {}  # the run each receipt was accumulated under (none: 0)
         self.state: dict[str, torch.Tensor] = {"w": torch.tensor([float(step)])}
         self.prepared: Prepared | None = None
         self.calls: list[tuple[str, Any]] = []
@@ -113,9 +114,10 @@ class FakeReplica:
         if missing:
             raise Aborted(f"{self.peer}: round {round} aborted: cannot reach {missing}", missing)
 
-    def accumulate(self, index: int) -> None:
-        """A trainer's Backward added microbatch `index`'s gradient here."""
+    def accumulate(self, index: int, run: int = 0) -> None:
+        """A trainer's Backward added microbatch `index`'s gradient here (pushed as `run`)."""
         self.receipts.add(index)
+        self.runs[index] = run
 
     def called(self, method: str) -> list[Any]:
         return [args for name, args in self.calls if name == method]
@@ -158,6 +160,7 @@ class FakeReplica:
             step=self.step,
             pending_microbatches=len(self.receipts),
             receipts=sorted(self.receipts),
+            receipt_runs=[self.runs.get(index, 0) for index in sorted(self.receipts)],
             applied_step=self.applied[0],
             applied_scale=self.applied[1],
             round_synced=self.round_synced,

@@ -18,12 +18,14 @@ from client.cli import add_arguments
 from client.remote import RemoteCoordinator
 from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator
+from scheduler.coordinator.lease_signer import LeaseSigner
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.store import JobStore
 from swarm.clock import FakeClock
 from swarm.errors import PeerUnavailable
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
+from swarm.net.commit_auth import SchedulerKey
 from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
 from tests.support.api import start_api
 from tests.support.coordinator import LEASE_S, Harness, MakeHarness, job_of
@@ -212,20 +214,44 @@ async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
 
 
 async def _stray_at_stage_1(
-    job: JobConfig, make_harness: MakeHarness
+    job: JobConfig, make_harness: MakeHarness, signed: bool = False
 ) -> tuple[Harness, FakeReplica, FakeReplica, FakeReplica]:
     """Stage 0: a and b; stage 1: c alone. Microbatch 0 lands (a, c); microbatch 1 is given
     back with a receipt of it on c (its ForwardBackward at stage 1 landed, its hop at stage 0
-    failed on every try). Returns (harness, a, b, c)."""
+    failed on every try), under run 0. `signed`: the tasks go out with the scheduler's tickets
+    and runs, as a scheduler's coordinator signs them (a fake swarm's has no key). Returns
+    (harness, a, b, c)."""
     swarm = FakeSwarm(fingerprint(job), 2)
     a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
     h = make_harness(job, swarm)
+    if signed:  # runs drawn: stage 0 has a second replica, and the pushes keep records
+        h.coordinator._tickets = LeaseSigner(swarm.job_id, SchedulerKey.generate(), records=True)
     await h.coordinator.start()
     await _leased(h.coordinator)
     await h.land(0, 0, {0: "a", 1: "c"})
     c_.accumulate(1)
     await h.coordinator.release("t", [1])
     return h, a, b, c_
+
+
+async def _voided_and_replayed_whole(
+    h: Harness, a: FakeReplica, b: FakeReplica, c_: FakeReplica
+) -> None:
+    """After `_stray_at_stage_1`: c alone is voided before the replay goes out, what it held is
+    replayed with the rest (both microbatches at stage 1, the given-back one at stage 0 too),
+    and the step commits whole."""
+    replay = await _leased(h.coordinator, "u")
+    replay += await _leased(h.coordinator, "v")  # u's fair share is one of the two
+    assert c_.called("discard") and not a.called("discard") and not b.called("discard")
+    assert sorted((t.index, sorted(t.stages)) for t in replay) == [(0, [1]), (1, [0, 1])]
+    await h.land(0, 0, {1: "c"}, trainer="u")
+    await h.land(0, 1, {0: "b", 1: "c"}, trainer="v")
+    for _ in range(500):
+        if c_.step == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert (a.step, b.step, c_.step) == (1, 1, 1)
+    assert c_.called("prepare")[-1].microbatches == [0, 1]
 
 
 async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_replayed(
@@ -245,6 +271,38 @@ async def test_a_released_microbatchs_late_receipts_are_adopted_and_the_rest_rep
     assert c_.called("prepare")[-1].microbatches == [0, 1]
 
 
+@pytest.mark.attack("late-receipt-run")
+async def test_a_late_receipt_under_another_run_than_its_lease_voids_its_replica(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # A member ahead on the route failed the honest hop, waited for the late-receipt check to
+    # pass, then pushed the lessee's old run at c with inputs of its own; the replay (a new run)
+    # was refused there (`StepSums.check_run`) and given back. Before, c's receipt was adopted
+    # at the next check like an honest lost answer, and the stray stood. Now only a receipt
+    # under the run of the lease given back is adopted: c is voided, its step there replayed.
+    h, a, b, c_ = await _stray_at_stage_1(job_of(tmp_path), make_harness, signed=True)
+    ledger = h.coordinator.ledger
+    assert ledger is not None and ledger.run_of(1) not in (None, 0)  # the lease's own run
+    assert c_.runs[1] == 0  # what c holds of microbatch 1 is another run's
+    await _voided_and_replayed_whole(h, a, b, c_)
+
+
+async def test_a_late_receipt_under_its_leases_run_is_adopted(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """An honest answer lost on its way back: the receipt names the run of the lease given
+    back, and is adopted as before (stage 1 is not replayed, nobody voided)."""
+    h, a, b, c_ = await _stray_at_stage_1(job_of(tmp_path), make_harness, signed=True)
+    ledger = h.coordinator.ledger
+    assert ledger is not None
+    run = ledger.run_of(1)
+    assert run
+    c_.runs[1] = run
+    replay = await _leased(h.coordinator, "u")
+    assert [(t.index, sorted(t.stages)) for t in replay] == [(1, [0])]  # stage 1 adopted
+    assert not any(r.called("discard") for r in (a, b, c_))
+
+
 @pytest.mark.attack("late-receipt-duplicate")
 async def test_under_local_rounds_a_late_receipt_voids_its_replica_before_the_replay(
     tmp_path: Path, make_harness: MakeHarness
@@ -259,21 +317,9 @@ async def test_under_local_rounds_a_late_receipt_voids_its_replica_before_the_re
     pool = {"mode": "local", "sync_every": 2}
     job = make_job(tmp_path, training=settings, runtime=runtime, pool=pool)
     h, a, b, c_ = await _stray_at_stage_1(job, make_harness)  # the stray: c's receipt of 1
-    c = h.coordinator
-    replay = await _leased(c, "u")
-    replay += await _leased(c, "v")  # u's fair share is one of the two
     # Stage 1 is not adopted: c is voided before the replay goes out (a replay landing there
     # would be answered as a duplicate and the stray kept), so what it held is replayed too.
-    assert c_.called("discard") and not a.called("discard") and not b.called("discard")
-    assert sorted((t.index, sorted(t.stages)) for t in replay) == [(0, [1]), (1, [0, 1])]
-    await h.land(0, 0, {1: "c"}, trainer="u")
-    await h.land(0, 1, {0: "b", 1: "c"}, trainer="v")
-    for _ in range(500):
-        if c_.step == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert (a.step, b.step, c_.step) == (1, 1, 1)
-    assert c_.called("prepare")[-1].microbatches == [0, 1]
+    await _voided_and_replayed_whole(h, a, b, c_)
 
 
 # -- a scheduler outage -------------------------------------------------------------------------

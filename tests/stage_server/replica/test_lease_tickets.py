@@ -20,8 +20,9 @@ import torch
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.lease_signer import LeaseSigner
 from scheduler.coordinator.replicas import grpc_replicas
+from stage_server.replica.step_sums import Sums
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import PeerUnavailable, RemoteError
+from swarm.errors import Busy, PeerUnavailable, RemoteError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.commit_auth import SchedulerKey
@@ -343,3 +344,54 @@ async def test_a_push_accumulates_only_under_the_run_its_ticket_names(tmp_path: 
     finally:
         await client.close()
         await last.stop()
+
+
+@pytest.mark.attack("late-receipt-run")
+async def test_a_push_under_another_run_than_the_held_one_is_refused_not_a_duplicate(
+    tmp_path: Path,
+) -> None:
+    """A member ahead on the route holds this stage's ticket of the lessee's run: it can fail
+    the honest hop, wait for the coordinator's late-receipt check to pass, then push that old
+    run here with inputs of its own. Before, the replay (a new run, its own ticket) was answered
+    as a duplicate, the trainer reported this replica its holder, and the stray stood. Now the
+    replica keeps each receipt's run, refuses an accumulating push under another (Busy at its
+    header: the caller tries another replica), and Info names the runs for the coordinator's
+    check, which adopts only a receipt under the run of the lease given back."""
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    last = await _server(job, 1)
+    _placed(last, job_id, key)
+    targets = torch.randint(0, job.model.vocab_size, (4, 16))
+    client = StageClient(last.address, job, job_id, 1)
+    replay = RUN + 2
+    try:
+        _lease(b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 1, RUN))
+        stray: WirePush = PushCall(STEP, INDEX, Crossing(_x()), targets, (1,), run=RUN)
+        assert [r.duplicate for r in (await client.push(stray, timeout=30)).receipts] == [False]
+        info = await client.info()
+        assert (list(info.receipts), list(info.receipt_runs)) == ([INDEX], [RUN])
+        _lease(b"", key.lease_ticket(job_id, STEP, INDEX, EPOCH, 1, replay))
+        honest: WirePush = PushCall(STEP, INDEX, Crossing(_x()), targets, (1,), run=replay)
+        with pytest.raises(Busy, match=f"held here under run {RUN}, not run {replay}"):
+            await client.push(honest, timeout=30)
+        info = await client.info()  # what it holds is the first push's, named by its run
+        assert (list(info.receipts), list(info.receipt_runs)) == ([INDEX], [RUN])
+    finally:
+        await client.close()
+        await last.stop()
+
+
+def test_the_worker_refuses_another_run_too_where_the_header_looked_first() -> None:
+    """Two pushes of one microbatch under different runs may both pass the header's look
+    before either accumulates: the worker's own look, as it accumulates, refuses the second
+    (`StepSums.other_run`; FailedPrecondition there, since the body was read by then)."""
+    sums = Sums([torch.zeros(2)])
+    sums.check_run(STEP, INDEX, RUN)  # nothing held of the step
+    held = sums.of(STEP)
+    held.received(INDEX, 4, RUN)
+    assert held.other_run(INDEX, RUN) is None  # the same run: a duplicate, answered as one
+    assert held.other_run(INDEX + 1, RUN + 2) is None  # nothing held of it
+    assert held.other_run(INDEX, RUN + 2) == RUN
+    with pytest.raises(Busy, match=f"under run {RUN}, not run {RUN + 2}"):
+        sums.check_run(STEP, INDEX, RUN + 2)
+    assert held.withdraw() == [INDEX] and held.runs == {}

@@ -117,6 +117,24 @@ def test_duplicate_backward_is_not_counted_twice(tmp_path: Path) -> None:
     assert rt.receipts() == {0: 4}
 
 
+def test_a_duplicate_under_another_run_is_refused_and_the_sums_stay(tmp_path: Path) -> None:
+    """A push's run is its receipt's (`StepSums.runs`): a second accumulation of the microbatch
+    under the same run is a duplicate, as above; under another it is refused as it accumulates
+    (a replay behind a member's push of the lessee's run: `StepSums.other_run`)."""
+    job = make_job(tmp_path, training={"stages": 1})
+    rt = StageRuntime(job, 0)
+    x, y = make_data(job).microbatch(0, 0)
+    _, _, first = rt.forward_backward(0, 0, Crossing(x), y, run=7)
+    accum = [a.clone() for a in rt.sums[0].accum or []]
+    _, _, again = rt.forward_backward(0, 0, Crossing(x), y, run=7)
+    assert not first.duplicate and again.duplicate
+    with pytest.raises(FailedPrecondition, match="held here under run 7, not run 9"):
+        rt.forward_backward(0, 0, Crossing(x), y, run=9)
+    rt.forward_backward(0, 0, Crossing(x), y, accumulate=False, run=9)  # an audit's: not refused
+    assert all(torch.equal(a, b) for a, b in zip(accum, rt.sums[0].accum or [], strict=True))
+    assert (rt.receipts(), rt.receipt_runs()) == ({0: 4}, {0: 7})
+
+
 def test_an_accumulating_index_outside_the_step_is_refused_and_leaves_no_receipt(
     tmp_path: Path,
 ) -> None:

@@ -73,6 +73,9 @@ async def test_an_honest_answer_passes_and_counts_past_the_job_are_the_replicas_
             honest.info = pb.StageInfoResponse(receipts=range(10_000))
             with pytest.raises(BadReply, match="lists 10000 receipts, past the job's 4"):
                 await client.info()
+            honest.info = pb.StageInfoResponse(receipts=[0], receipt_runs=range(10_000))
+            with pytest.raises(BadReply, match="lists 10000 receipt_runs, past the job's 4"):
+                await client.info()
             honest.commit = pb.StageCommitResponse(sum_checks=[pb.SumCheck()] * 5)
             with pytest.raises(BadReply, match="holds 5 sum checks, past the round's 2"):
                 await _prepare(client, 2)
