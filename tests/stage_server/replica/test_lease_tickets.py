@@ -11,17 +11,20 @@ ports, driven as an outsider and as the lessee drive them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.lease_signer import LeaseSigner
 from scheduler.coordinator.replicas import grpc_replicas
 from stage_server.replica.step_sums import Sums
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
+from swarm.deadline import within
 from swarm.errors import Busy, PeerUnavailable, RemoteError
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
@@ -395,3 +398,61 @@ def test_the_worker_refuses_another_run_too_where_the_header_looked_first() -> N
     with pytest.raises(Busy, match=f"under run {RUN}, not run {RUN + 2}"):
         sums.check_run(STEP, INDEX, RUN + 2)
     assert held.withdraw() == [INDEX] and held.runs == {}
+
+
+@pytest.mark.attack("late-receipt-run")
+async def test_a_members_stray_after_the_check_is_voided_and_the_job_stays_exact(
+    tmp_path: Path, make_swarm: list[Swarm]
+) -> None:
+    """The race end to end, on real stage servers the scheduler placed: a member ahead on the
+    route (here the test, holding the lessee's tickets) fails the honest pushes of step 0, waits
+    for the late-receipt check to pass, then pushes one of them at the last stage, a pool of one,
+    under the lessee's old run with inputs of its own. The replay under a new run is refused
+    there, given back, and the replica voided by the next check: the job ends at `swarm
+    local`'s parameters. Before, the replay was answered as a duplicate, the trainer reported
+    that replica its holder, and the stray gradient stood in step 0."""
+    job = make_job(
+        tmp_path,
+        training={"stages": 3, "steps": 2},
+        runtime={"data_plane": "push"},
+        trust={"audit_fraction": 0.5},  # audited, as by default: pushes keep records
+    )
+    job_id, key = fingerprint(job), SchedulerKey.generate()
+    swarm = Swarm(job)
+    make_swarm.append(swarm)
+    await swarm.add_replicas(1)
+    await swarm.add(0)  # and a second replica somewhere: runs are drawn (`LeaseSigner`)
+    for stage in swarm.servers:
+        for server in stage:
+            _placed(server, job_id, key)
+    coordinator = LocalCoordinator(
+        job, job_id, swarm.members, connect=grpc_replicas(job, job_id, signing=key)
+    )
+    last = swarm.servers[2][0]
+    client = StageClient(last.address, job, job_id, 2)
+    trainer = PipelineTrainer(job, coordinator, seed=0)
+    try:
+        await coordinator.start()
+        tasks = (await coordinator.lease("member", 64)).tasks
+        stray = next(t for t in tasks if 2 in t.stages and not t.evaluate)
+        assert stray.run and stray.tickets[2]
+        await coordinator.release("member", [t.index for t in tasks])  # every hop "failed"
+        await coordinator.lease("member", 0)  # the check runs: nothing held anywhere
+        ledger = coordinator.ledger
+        assert ledger is not None
+        for _ in range(200):
+            if not ledger.returned():
+                break
+            await asyncio.sleep(0.05)
+        assert not ledger.returned(), "the late-receipt check did not pass"
+        epoch.leased_in(stray.epoch, stray.tickets)
+        targets = torch.randint(0, job.model.vocab_size, (4, 16))
+        own: WirePush = PushCall(0, stray.index, Crossing(_x()), targets, (2,), run=stray.run)
+        assert [r.duplicate for r in (await client.push(own, timeout=30)).receipts] == [False]
+        await within(asyncio.gather(trainer.run(), coordinator.finished.wait()), 120)
+        assert coordinator.error is None
+        assert_equal_to_local(job, await gather_state(coordinator), tol=1e-9)
+    finally:
+        await trainer.close()
+        await client.close()
+        await coordinator.close()
