@@ -5,7 +5,7 @@ of the lease given back (that replica holds it, exactly as a replay would make i
 receipt is neither replayed elsewhere nor voids its replica. A receipt under another run is a
 push that lease did not send: a member ahead on the route, holding the stage's ticket, can fail
 the honest hop, wait for this check to pass, and push the lessee's old run with inputs of its
-own; the replay, under a new run, is then refused there (`StepSums.check_run`) and given back
+own; the replay, under a new run, is then refused there (`StepSums.other_run`) and given back
 again, and its replica is voided here before the next replay goes out. Under local rounds a
 receipt names no run for the route record: its replica is voided at once, before the replay goes
 out, since a replay landing on that same replica would be answered as a duplicate and the stray

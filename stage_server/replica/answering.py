@@ -192,7 +192,7 @@ class Answering:
             # an audit of a contribution (`stage_server.replica.gradient_digest`)
             digest_seed=digest_seed,
             holder=holder,
-            # the push's run, which its receipt is held under (`StepSums.check_run`)
+            # the push's run, which its receipt is held under (`StepSums.other_run`)
             run=h.run if isinstance(h, pb.StagePushRequest) else 0,
         )
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered

@@ -110,7 +110,7 @@ class PushPlane:
         microbatches wait here already, or where this replica took a push of its run already
         (`PushRecords.check`); refused where it accumulates here without its lease's ticket
         (`Answering.check_lease`), and Busy where this replica holds the microbatch under
-        another run (`StepSums.check_run`), before any of its path's compute."""
+        another run (`Sums.check_run`), before any of its path's compute."""
         waiting = self.worker.waiting
         if waiting >= self.limits.max_queue:
             raise Busy(f"{self.peer}: {waiting} microbatches queued; try another replica")

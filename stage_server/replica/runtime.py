@@ -192,7 +192,7 @@ class StageRuntime:
         """Backward of microbatch `(step, index)`. What crossed in (`given`, as for `forward`)
         may be None when this replica did the forward for the same `holder`: then its cached
         activations must still be here. `run`: the push-plane run it accumulates under
-        (`StepSums.check_run`)."""
+        (`StepSums.other_run`)."""
         self._check_step(step, next_ok=True)
         cached = self._cache.take((step, index, holder))
         if cached is None and given is None:

@@ -277,7 +277,7 @@ async def test_a_late_receipt_under_another_run_than_its_lease_voids_its_replica
 ) -> None:
     # A member ahead on the route failed the honest hop, waited for the late-receipt check to
     # pass, then pushed the lessee's old run at c with inputs of its own; the replay (a new run)
-    # was refused there (`StepSums.check_run`) and given back. Before, c's receipt was adopted
+    # was refused there (`StepSums.other_run`) and given back. Before, c's receipt was adopted
     # at the next check like an honest lost answer, and the stray stood. Now only a receipt
     # under the run of the lease given back is adopted: c is voided, its step there replayed.
     h, a, b, c_ = await _stray_at_stage_1(job_of(tmp_path), make_harness, signed=True)
