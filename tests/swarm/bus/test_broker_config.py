@@ -140,6 +140,22 @@ async def test_real_mosquitto_checks_the_written_logins(
             await trainer.wait_connected(WAIT_S)
 
 
+async def test_a_started_tls_broker_has_had_no_connection_but_its_clients(
+    tmp_path: Path, broker_certs: Path
+) -> None:
+    """The tests wait for a Mosquitto they start by its own word that it runs, not by dialling
+    its TLS port: a dial closed before its handshake was logged, now and then, as an OpenSSL
+    error ("unexpected eof while reading", "Protocol error"), and a test that reads the broker's
+    log for errors (tests/system/test_deployment_docs.py) failed one run in many. One login,
+    logged after whatever came before it: the only connection the broker saw."""
+    with written_mosquitto(tmp_path, broker_certs, {"a": None}) as m:
+        async with login(m.url, "a", TOKEN) as a:
+            await a.wait_connected(WAIT_S)
+        said = m.log.read_text()
+    # "New connection from ...", or "Client connection from ... failed: ...": ours alone
+    assert " running" in said and said.lower().count("connection from") == 1, said
+
+
 # ------------------------------------------------------------------------------ refusals
 
 
