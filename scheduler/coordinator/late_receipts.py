@@ -100,20 +100,23 @@ class LateReceipts:
         """Adopt each replica's late receipts of `returned` under their leases' runs (where the
         rules adopt), and void every replica holding one under another run (or any, where they
         do not)."""
-        among, held = set(returned), list(self._receipts(ledger, pairs, infos))
+        among = set(returned)
+        split = [
+            (stage, r, *self._split(ledger, runs))
+            for stage, r, runs in self._receipts(ledger, pairs, infos)
+        ]
         # Every replica's strays first: a void below makes what its replica held leasable
         # while its Discard is awaited, and a lease then would hide another replica's stray of
         # the same microbatch from `unclaimed`.
         strays = [
             (stage, r, stray)
-            for stage, r, runs in held
-            if (stray := ledger.unclaimed(stage, self._strays(ledger, runs), among))
+            for stage, r, _, never in split
+            if (stray := ledger.unclaimed(stage, never, among))
         ]
         voided = {(stage, r.peer) for stage, r, _ in strays}
-        for stage, r, runs in held:
-            if self.adopts and (stage, r.peer) not in voided:  # one voided anyway adopts none
-                never = self._strays(ledger, runs)
-                self._adopt(ledger, stage, r, [i for i in runs if i not in never], among)
+        for stage, r, adoptable, _ in split:
+            if adoptable and (stage, r.peer) not in voided:  # one voided anyway adopts none
+                self._adopt(ledger, stage, r, adoptable, among)
         for stage, r, stray in strays:
             log.warning(
                 "step %d: %s holds late receipts %s at stage %d %s: voided, its step there "
@@ -126,15 +129,18 @@ class LateReceipts:
             )
             await self.void(ledger, stage, r.peer)
 
-    def _strays(self, ledger: StepLedger, runs: dict[int, int]) -> list[int]:
-        """Of a replica's receipts (index -> run), those never adopted: under another run than
-        the one their microbatch's last lease was signed with (a push that lease did not send;
-        an unsigned lease's run is its trainer's, any), or any where the rules adopt none."""
-        return [
-            i
-            for i, run in runs.items()
-            if not self.adopts or ((leased := ledger.run_of(i)) is not None and run != leased)
-        ]
+    def _split(self, ledger: StepLedger, runs: dict[int, int]) -> tuple[list[int], list[int]]:
+        """A replica's receipts (index -> run) as (those that may be adopted, those never
+        adopted): never one under another run than the one its microbatch's last lease was
+        signed with (a push that lease did not send; an unsigned lease's run is its trainer's,
+        any), nor any where the rules adopt none."""
+        adoptable: list[int] = []
+        never: list[int] = []
+        for index, run in runs.items():
+            leased = ledger.run_of(index)
+            other = leased is not None and run != leased
+            (never if not self.adopts or other else adoptable).append(index)
+        return adoptable, never
 
     def _adopt(
         self, ledger: StepLedger, stage: int, r: Replica, receipts: list[int], among: set[int]
