@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from tests.support.cli import ROOT
 
-__all__ = ["BASE", "Unavailable", "build", "ensure_podman", "podman", "podman_env"]
+__all__ = ["BASE", "Unavailable", "build", "ensure_podman", "pip_settings", "podman", "podman_env"]
 
 BASE = "localhost/swarm-base:bookworm"
 RELEASE = "bookworm"
@@ -79,7 +79,7 @@ def base_image() -> str:
     return BASE
 
 
-def _pip_config() -> dict[str, str]:
+def pip_settings() -> dict[str, str]:
     """This host's pip settings (`pip config list`, then PIP_* variables), by setting name."""
     found: dict[str, str] = {}
     listed = subprocess.run(
@@ -110,14 +110,17 @@ def _local_paths(value: str) -> list[Path]:
     return paths
 
 
-def pip_passthrough() -> list[str]:
-    """`podman build` arguments that give pip inside the build this host's settings, and mount
-    (read-only, at the same paths) the local folders and files those settings name."""
-    args: list[str] = []
-    mounts: set[Path] = set()
-    for name, value in sorted(_pip_config().items()):
-        args += ["--build-arg", f"PIP_{name.upper().replace('-', '_')}={value}"]
-        mounts.update(_local_paths(value))
+def pip_passthrough(work: Path) -> list[str]:
+    """`podman build` arguments that give pip inside the build this host's settings: a pip.conf
+    written under `work`, passed as the build secret the Containerfile's pip steps mount (in no
+    layer and no history, where build arguments would be in the history of the image every role
+    runs), and the local folders and files those settings name, mounted read-only at the same
+    paths."""
+    settings = sorted(pip_settings().items())
+    conf = work / "pip.conf"
+    conf.write_text("[global]\n" + "".join(f"{name} = {value}\n" for name, value in settings))
+    args = ["--secret", f"id=pip.conf,src={conf}"]
+    mounts = {path for _, value in settings for path in _local_paths(value)}
     for path in sorted(mounts):
         args += ["--volume", f"{path}:{path}:ro"]
     return args
@@ -131,7 +134,8 @@ def build(tag: str, base: str | None = None, target: str | None = None) -> float
     argv = ["build", "--format", "docker", "--network", "host", "-f", "Containerfile", "-t", tag]
     argv += ["--target", target] if target else []
     argv += ["--build-arg", f"BASE={base or base_image()}", "--build-arg", "TORCH_INDEX="]
-    podman(*argv, *pip_passthrough(), str(ROOT), timeout=1800)
+    with tempfile.TemporaryDirectory(prefix="swarm-pip-") as work:
+        podman(*argv, *pip_passthrough(Path(work)), str(ROOT), timeout=1800)
     return time.monotonic() - started
 
 

@@ -278,6 +278,20 @@ def test_a_secret_the_image_user_cannot_read_is_said_in_one_line(
     assert said == ["swarm: error: --token-file /tls/token: cannot read it (Permission denied)"]
 
 
+def test_the_images_history_names_none_of_pips_settings(built: str) -> None:
+    """pip's settings reach the build as a secret (a pip.conf mounted for each pip step), not as
+    build arguments: the image every role runs is built on the stage that installs the
+    dependencies, and a build argument's value would be in its history for anyone who pulls it
+    (an index's credentials). Read with this host's own settings, which the build was given."""
+    settings = image.pip_settings()
+    if not settings:
+        pytest.skip("this host gives pip no settings: the build had none to name")
+    history = image.podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", built).stdout
+    assert "--mount=type=secret,id=pip.conf" in history  # the steps that had them
+    named = {name: value for name, value in settings.items() if value in history}
+    assert named == {}, history
+
+
 def test_the_image_holds_this_trees_code(built: str) -> None:
     """Every module of the tree's packages is in the image, and each reads as in the tree: a
     build after a change installs the change. (The install's RUN mounts the wheel, and a RUN's
