@@ -12,6 +12,7 @@ module from Debian's packages) and reused."""
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import shutil
 import subprocess
@@ -80,7 +81,8 @@ def base_image() -> str:
 
 
 def pip_settings() -> dict[str, str]:
-    """This host's pip settings (`pip config list`, then PIP_* variables), by setting name."""
+    """This host's pip settings (`pip config list`, then PIP_* variables), by setting name, each
+    one's values on one line, apart by spaces (as pip reads several)."""
     found: dict[str, str] = {}
     listed = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
@@ -89,11 +91,12 @@ def pip_settings() -> dict[str, str]:
         key, _, value = line.partition("=")
         name = key.rpartition(".")[2]
         if name in PIP_SETTINGS:
-            found[name] = value.strip().strip("'\"")
+            # printed as Python's repr: a value of several lines holds "\n"s, not line breaks
+            found[name] = " ".join(str(ast.literal_eval(value.strip())).split())
     for name in PIP_SETTINGS:
         value = os.environ.get("PIP_" + name.upper().replace("-", "_"))
         if value:
-            found[name] = value
+            found[name] = " ".join(value.split())
     return found
 
 

@@ -278,18 +278,42 @@ def test_a_secret_the_image_user_cannot_read_is_said_in_one_line(
     assert said == ["swarm: error: --token-file /tls/token: cannot read it (Permission denied)"]
 
 
-def test_the_images_history_names_none_of_pips_settings(built: str) -> None:
-    """pip's settings reach the build as a secret (a pip.conf mounted for each pip step), not as
-    build arguments: the image every role runs is built on the stage that installs the
-    dependencies, and a build argument's value would be in its history for anyone who pulls it
-    (an index's credentials). Read with this host's own settings, which the build was given."""
+# pip's own settings the build may take as build arguments: none names an index or a secret
+PIP_ARGUMENTS = {
+    "PIP_NO_CACHE_DIR",
+    "PIP_DISABLE_PIP_VERSION_CHECK",
+    "PIP_DEFAULT_TIMEOUT",
+    "PIP_CONFIG_FILE",
+}
+
+
+def test_the_containerfile_takes_pips_settings_as_a_secret_not_as_build_arguments() -> None:
+    """The image every role runs is built on the stage that installs the dependencies: a build
+    argument of any stage it is built on is in its history, and an ENV in its environment, for
+    anyone who pulls it (an index's credentials). pip's settings come as a secret instead."""
+    text = (ROOT / "Containerfile").read_text()
+    arguments = set(re.findall(r"^ARG\s+(PIP_\w+)", text, re.MULTILINE))
+    assert arguments <= PIP_ARGUMENTS, sorted(arguments - PIP_ARGUMENTS)
+    assert not re.findall(r"^ENV\b.*\bPIP_", text, re.MULTILINE)
+    steps = [line for line in text.replace("\\\n", " ").splitlines() if line.startswith("RUN ")]
+    fetches = re.compile(r"pip (install|wheel) (?!--no-deps --no-index)")  # all but the wheel's
+    installs = [step for step in steps if fetches.search(step)]
+    assert len(installs) == 4, installs  # torch, the dependencies, the wheel, the test stage's
+    assert all("--mount=type=secret,id=pip.conf" in step for step in installs), installs
+
+
+def test_the_images_history_and_environment_name_none_of_pips_settings(built: str) -> None:
+    """Read with this host's own settings, which the build was given (as a secret)."""
+    history = image.podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", built).stdout
+    assert "--mount=type=secret,id=pip.conf" in history  # the steps that had them
+    env = image.podman("image", "inspect", "--format", "{{json .Config.Env}}", built).stdout
+    assert "PIP_" not in env, env
     settings = image.pip_settings()
     if not settings:
         pytest.skip("this host gives pip no settings: the build had none to name")
-    history = image.podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", built).stdout
-    assert "--mount=type=secret,id=pip.conf" in history  # the steps that had them
-    named = {name: value for name, value in settings.items() if value in history}
-    assert named == {}, history
+    values = {value for setting in settings.values() for value in setting.split()}
+    named = sorted(v for v in values if f"={v}" in history or v in env)
+    assert named == [], history
 
 
 def test_the_image_holds_this_trees_code(built: str) -> None:
