@@ -151,6 +151,9 @@ ATTACKS: dict[str, str] = {
     "then pushes the lessee's old run to a later stage with inputs of its own: the replay is "
     "answered there as a duplicate (or its receipt adopted at the next check) and the stray "
     "gradient stands",
+    # docs/decisions.md, "A late receipt's push still in flight is waited for"
+    "in-flight-forever": "a replica names a push of a microbatch given back as in flight and "
+    "never ends it: the late-receipt check would wait for it, and the step with it, for good",
     # docs/decisions.md, "A push record is made once a run"
     "push-record": "a member of a push's path pushes the same run again with other inputs to an "
     "honest replica it went through: the record audited is not what that replica accumulated",

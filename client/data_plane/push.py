@@ -28,7 +28,7 @@ from swarm.rpc.lease import (
     Task,
     Verdict,
 )
-from swarm.rpc.push_call import PushCall
+from swarm.rpc.push_call import PushCall, push_deadline_s
 from swarm.rpc.stage_client import WirePush, named
 from swarm.wire import codec
 from swarm.wire.crossing import Crossing
@@ -182,7 +182,7 @@ class PushPlane:
         return self.boundary.targets(labels)
 
     def _timeout(self) -> float:
-        return self.job.runtime.rpc_timeout_s * self.job.training.stages  # the whole path
+        return push_deadline_s(self.job)  # the whole path
 
     async def train(self, task: Task, data: DataSource) -> MicrobatchResult:
         step, index, stages = task.step, task.index, task.stages

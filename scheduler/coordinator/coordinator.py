@@ -58,6 +58,7 @@ from swarm.ops.progress import StepRecord
 from swarm.ops.rated import RatedLog
 from swarm.policy.backoff import Backoff
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Working
+from swarm.rpc.push_call import push_deadline_s
 
 __all__ = ["LocalCoordinator"]
 
@@ -144,6 +145,7 @@ class LocalCoordinator:
             void=self.voids.void_duplicate,
             wake=self._wake,
             checked=self._maybe_commit,
+            wait_s=push_deadline_s(job),  # a push in flight ends by its deadline
         )
         self._closed = False
 

@@ -9,7 +9,18 @@ own; the replay, under a new run, is then refused there (`StepSums.other_run`) a
 again, and its replica is voided here before the next replay goes out. Under local rounds a
 receipt names no run for the route record: its replica is voided at once, before the replay goes
 out, since a replay landing on that same replica would be answered as a duplicate and the stray
-gradient would stand in the step. One check runs at a time."""
+gradient would stand in the step. One check runs at a time.
+
+A microbatch given back whose push a replica names as still in flight under its lease's run
+(`StageInfoResponse.in_flight`: an overloaded replica's compute, still running after its caller's
+deadline passed) is not leased again until that push ends: its receipt is then adopted where it
+lands. Replayed at once, it would land after the replay went out under a new run, and void its
+replica (the late receipt under another run, above). The wait is once a microbatch a step, and at
+most the push's own deadline (`rpc_timeout_s`): a replica that names a push forever holds its
+microbatch up no longer than a member of its route could by holding the push itself. One named
+under another run is no push of the lease's: not waited for; nor any where the rules adopt no
+late receipt (local rounds: it voids its replica either way). Checks are `PACE_S` apart
+meanwhile (each asks every member's Info)."""
 
 from __future__ import annotations
 
@@ -23,9 +34,11 @@ from scheduler.coordinator.replicas import ReplicaClients
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 
-__all__ = ["LateReceipts"]
+__all__ = ["PACE_S", "LateReceipts"]
 
 log = logging.getLogger(__name__)
+
+PACE_S = 0.5  # between two checks while a push given back is still in flight somewhere
 
 
 class LateReceipts:
@@ -40,15 +53,22 @@ class LateReceipts:
         void: Callable[[StepLedger, int, str], Awaitable[None]],
         wake: Callable[[], None],
         checked: Callable[[StepLedger], None],
+        wait_s: float,
     ) -> None:
         """`replicas()`: the members, per stage; `adopts`: whether a late receipt under its
         lease's run is adopted where it landed (`Rounds.adopts_late_receipts`), else its replica
         is `void(ledger, stage, peer)`ed, as one under another run always is; `wake()` once a
         check ends (leases look again);
-        `checked(ledger)` once `ledger`'s check is done (its step may be complete)."""
+        `checked(ledger)` once `ledger`'s check is done (its step may be complete); `wait_s`: how
+        long a microbatch waits for its push still in flight (the push's deadline)."""
         self.clients, self.replicas, self.window, self.adopts = clients, replicas, window, adopts
         self.size, self.void, self.wake, self.checked = microbatch_size, void, wake, checked
+        self.wait_s = wait_s
         self._task: asyncio.Task[None] | None = None  # the check in flight
+        # (step, index) -> when its wait for a push in flight began: once a microbatch a step;
+        # `_ended`: those whose wait ran out (said once)
+        self._waits: dict[tuple[int, int], float] = {}
+        self._ended: set[tuple[int, int]] = set()
 
     def check(self, ledger: StepLedger, returned: list[int]) -> None:
         """Check the replicas for late receipts of `returned` (given back), unless a check is
@@ -69,7 +89,10 @@ class LateReceipts:
             if ledger not in self.window.ledgers():
                 return
             await self._sort(ledger, returned, pairs, infos)
-            ledger.checked(returned)
+            flying = self._flying(ledger, returned, pairs, infos)
+            ledger.checked([index for index in returned if index not in flying])
+            if flying:  # checked again at a lease after this pause: Info of every member
+                await asyncio.sleep(PACE_S)
         finally:
             self._task = None
             self.wake()
@@ -128,6 +151,57 @@ class LateReceipts:
                 "under another run than their leases'" if self.adopts else "that name no run",
             )
             await self.void(ledger, stage, r.peer)
+
+    def _flying(
+        self,
+        ledger: StepLedger,
+        returned: list[int],
+        pairs: list[tuple[int, Replica]],
+        infos: list[pb.StageInfoResponse | BaseException],
+    ) -> set[int]:
+        """Which of `returned` wait for a push in flight under their lease's run (any run where
+        the lease named none), within `wait_s` of their wait's start. None where the rules adopt
+        no late receipt: it would void its replica all the same, later."""
+        if not self.adopts:
+            return set()
+        among, now = set(returned), ledger.clock.now()
+        live = {open_.step for open_ in self.window.ledgers()}
+        self._waits = {key: t for key, t in self._waits.items() if key[0] in live}
+        self._ended = {key for key in self._ended if key[0] in live}
+        where: dict[int, set[str]] = {}
+        for (_, r), info in zip(pairs, infos, strict=True):
+            if isinstance(info, BaseException):
+                continue
+            for f in info.in_flight:
+                leased = ledger.run_of(f.index)
+                if f.step == ledger.step and f.index in among and leased in (None, f.run):
+                    where.setdefault(f.index, set()).add(r.peer)
+        flying = set()
+        for index, peers in sorted(where.items()):
+            key = (ledger.step, index)
+            if key not in self._waits:
+                self._waits[key] = now
+                log.info(
+                    "step %d: microbatch %d, given back, is still being pushed at %s: leased "
+                    "again once that push ends, or in %g s",
+                    ledger.step,
+                    index,
+                    ", ".join(sorted(peers)),
+                    self.wait_s,
+                )
+            if now - self._waits[key] < self.wait_s:
+                flying.add(index)
+            elif key not in self._ended:
+                self._ended.add(key)
+                log.warning(
+                    "step %d: microbatch %d is still being pushed at %s after %g s: leased "
+                    "again (a receipt that push leaves under its old run voids its replica)",
+                    ledger.step,
+                    index,
+                    ", ".join(sorted(peers)),
+                    self.wait_s,
+                )
+        return flying
 
     def _split(self, ledger: StepLedger, runs: dict[int, int]) -> tuple[list[int], list[int]]:
         """A replica's receipts (index -> run) as (those that may be adopted, those never

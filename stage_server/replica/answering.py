@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from stage_server.replica.in_flight import InFlight
 from stage_server.replica.messages import Messages
 from stage_server.replica.runtime import Receipt, StageRuntime
 from stage_server.replica.tensor_checks import Given
@@ -135,6 +136,29 @@ class Answering:
     def _receipt(self, r: Receipt) -> pb.Receipt:
         return self.messages.receipt(r, self.peer, len(self._runtime().receipts()))
 
+    def _admitted(
+        self, h: Any, fn: Callable[..., tuple[Any, ...]], flight: InFlight | None
+    ) -> Callable[..., tuple[Any, ...]]:
+        """`fn`, the compute of the call of header `h`, as the worker runs it: admitted under the
+        rollback epoch (`swarm.rpc.epoch`: work leased before a rollback that lands after its
+        state load is refused, not added to the replayed step), with its entry in flight held
+        while it runs."""
+        step, index = h.microbatch.step, h.microbatch.index
+        computed = self.computing(h, fn)
+
+        @functools.wraps(fn)  # named as `fn` is (the benches' timeline: `swarm.ops.timeline`)
+        def admitted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            if flight is not None:
+                flight.started()
+            try:
+                self._runtime().sums.admit(h.microbatch.epoch, step, index)
+                return computed(*args, **kwargs)
+            finally:
+                if flight is not None:
+                    flight.ended()
+
+        return admitted
+
     async def backward_here(
         self,
         fn: Callable[..., tuple[Any, ...]],
@@ -158,6 +182,7 @@ class Answering:
         the calls queued where it is an audit's re-execution (`run`). `holder`: whose Forward's
         activations it may use (`stage_server.replica.activation_cache`)."""
         step, index = h.microbatch.step, h.microbatch.index
+        run = h.run if isinstance(h, pb.StagePushRequest) else 0
         if accumulate:  # before it takes the worker
             self.check_lease(h)
 
@@ -171,30 +196,28 @@ class Answering:
             msg, filled = self.messages.encode_one(grad, "grad_inputs", reply, "backward", into)
             return loss, [msg], done, filled
 
-        computed = self.computing(h, fn)
-
-        @functools.wraps(fn)  # named as `fn` is (the benches' timeline: `swarm.ops.timeline`)
-        def admitted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
-            # On the worker, as a rollback's state load is: work leased before the rollback that
-            # lands after the load is refused, not added to the replayed step (`swarm.rpc.epoch`)
-            self._runtime().sums.admit(h.microbatch.epoch, step, index)
-            return computed(*args, **kwargs)
-
-        (loss, grad, done, filled), queued = await self.run(h)(
-            admitted,
-            on_host,
-            step,
-            index,
-            given,
-            grad_outputs,
-            accumulate=accumulate,
-            need_grad_inputs=h.need_grad_inputs,
-            # an audit of a contribution (`stage_server.replica.gradient_digest`)
-            digest_seed=digest_seed,
-            holder=holder,
-            # the push's run, which its receipt is held under (`StepSums.other_run`)
-            run=h.run if isinstance(h, pb.StagePushRequest) else 0,
-        )
+        # Named in Info until its compute has ended (`stage_server.replica.in_flight`): a late
+        # receipt's microbatch is not leased again meanwhile
+        flight = self._runtime().in_flight.enter(step, index, run) if accumulate else None
+        try:
+            (loss, grad, done, filled), queued = await self.run(h)(
+                self._admitted(h, fn, flight),
+                on_host,
+                step,
+                index,
+                given,
+                grad_outputs,
+                accumulate=accumulate,
+                need_grad_inputs=h.need_grad_inputs,
+                # an audit of a contribution (`stage_server.replica.gradient_digest`)
+                digest_seed=digest_seed,
+                holder=holder,
+                # the push's run, which its receipt is held under (`StepSums.other_run`)
+                run=run,
+            )
+        finally:
+            if flight is not None:
+                flight.abandoned()  # where its compute never started: it never will
         maybe_die(Point.BACKWARD, step)  # accumulated, not yet answered
         digest = done.digest  # an audit's (`stage_server.replica.gradient_digest`)
         return Answered(

@@ -379,8 +379,11 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
     """Where the replica is (for the coordinator: its step, its receipts, its last update)."""
     if rt is None:
         return pb.StageInfoResponse(peer=peer)
-    # The receipts first: each has its run set before it (`StepSums.received`), so the runs
-    # read after hold every receipt's (one read without would name run 0 and be voided).
+    # The calls in flight before the receipts: one that ends between the two reads is named in
+    # both, never in neither (`stage_server.replica.in_flight`). The receipts before their runs:
+    # each has its run set before it (`StepSums.received`), so the runs read after hold every
+    # receipt's (one read without would name run 0 and be voided).
+    flying = [pb.PushInFlight(step=s, index=i, run=r) for s, i, r in rt.in_flight.listed()]
     receipts, following = sorted(rt.receipts()), sorted(rt.receipts(rt.step + 1))
     runs, next_runs = rt.receipt_runs(), rt.receipt_runs(rt.step + 1)
     return pb.StageInfoResponse(
@@ -402,6 +405,7 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
         round_synced=rt.round.synced,  # -1, 0 without a round (`stage_server.replica.no_round`)
         round_samples=rt.round.samples,
         state_epoch=rt.sums.state_epoch,  # not the Join's: its copy may not have loaded
+        in_flight=flying,
     )
 
 

@@ -22,6 +22,7 @@ from stage_server.replica.accumulate import backprop_into
 from stage_server.replica.activation_cache import ActivationCache
 from stage_server.replica.following import Following
 from stage_server.replica.gradient_digest import backprop_apart
+from stage_server.replica.in_flight import PushesInFlight
 from stage_server.replica.prior_params import PriorParams
 from stage_server.replica.round_choice import ROUNDS
 from stage_server.replica.snapshot import Snapshot, Snapshots
@@ -73,6 +74,7 @@ class StageRuntime:
         # the parameters each step computes on: the module's, delayed_update's copies, an audit's
         self.copies = PriorParams.of(job, stage, self.module)
         self.sums = Sums(self.params)  # step -> its sums: `step`, and `step + 1` if delayed
+        self.in_flight = PushesInFlight()  # the accumulating calls not yet ended, for Info
         # (step, index) -> (leaf input, output with its graph), for a Backward on this replica.
         self._cache = ActivationCache()
         self.compiled: CompiledRuns | None = None  # eager unless the server compiles (CUDA)

@@ -435,7 +435,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts", "round_synced", "round_samples", "state_epoch", "receipt_runs", "next_receipt_runs")
+    __slots__ = ("peer", "job", "stage", "num_stages", "step", "device", "num_parameters", "layers", "pending_microbatches", "receipts", "applied_step", "applied_scale", "next_receipts", "round_synced", "round_samples", "state_epoch", "receipt_runs", "next_receipt_runs", "in_flight")
     PEER_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +454,7 @@ class StageInfoResponse(_message.Message):
     STATE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_RUNS_FIELD_NUMBER: _ClassVar[int]
     NEXT_RECEIPT_RUNS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     peer: str
     job: str
     stage: int
@@ -472,7 +473,18 @@ class StageInfoResponse(_message.Message):
     state_epoch: int
     receipt_runs: _containers.RepeatedScalarFieldContainer[int]
     next_receipt_runs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ..., round_synced: _Optional[int] = ..., round_samples: _Optional[int] = ..., state_epoch: _Optional[int] = ..., receipt_runs: _Optional[_Iterable[int]] = ..., next_receipt_runs: _Optional[_Iterable[int]] = ...) -> None: ...
+    in_flight: _containers.RepeatedCompositeFieldContainer[PushInFlight]
+    def __init__(self, peer: _Optional[str] = ..., job: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., device: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., pending_microbatches: _Optional[int] = ..., receipts: _Optional[_Iterable[int]] = ..., applied_step: _Optional[int] = ..., applied_scale: _Optional[float] = ..., next_receipts: _Optional[_Iterable[int]] = ..., round_synced: _Optional[int] = ..., round_samples: _Optional[int] = ..., state_epoch: _Optional[int] = ..., receipt_runs: _Optional[_Iterable[int]] = ..., next_receipt_runs: _Optional[_Iterable[int]] = ..., in_flight: _Optional[_Iterable[_Union[PushInFlight, _Mapping]]] = ...) -> None: ...
+
+class PushInFlight(_message.Message):
+    __slots__ = ("step", "index", "run")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    index: int
+    run: int
+    def __init__(self, step: _Optional[int] = ..., index: _Optional[int] = ..., run: _Optional[int] = ...) -> None: ...
 
 class StageDownloadStateRequest(_message.Message):
     __slots__ = ("job", "stage", "include_optimizer", "follower", "ticket")

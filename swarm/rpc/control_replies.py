@@ -50,17 +50,19 @@ class SplitStub:
 def control_reply_bytes(job: JobConfig) -> int:
     """The largest unary answer a replica of `job` may send the coordinator: never more than the
     job's own message bound."""
-    # the receipts of two steps and the run of each, and the layers
-    indices = 4 * job.training.microbatches_per_step + job.model.n_layers
+    # the receipts of two steps and the run of each, the calls in flight of two steps (each a
+    # step, an index and a run: about two indices' bytes), and the layers
+    indices = 8 * job.training.microbatches_per_step + job.model.n_layers
     return min(BASE_BYTES + PER_INDEX_BYTES * indices, job.runtime.max_message_bytes)
 
 
 def check_info(response: pb.StageInfoResponse, job: JobConfig) -> None:
     """Refuse an Info answer listing more receipts (or runs of them) than a step has
-    microbatches, or more layers than the job has."""
+    microbatches, more calls in flight than two steps have, or more layers than the job has."""
     most = job.training.microbatches_per_step
     for name, count, bound in (
         ("receipts", len(response.receipts), most),
+        ("calls in flight", len(response.in_flight), 2 * most),
         ("next_receipts", len(response.next_receipts), most),
         ("receipt_runs", len(response.receipt_runs), most),
         ("next_receipt_runs", len(response.next_receipt_runs), most),

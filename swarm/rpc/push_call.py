@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
+from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.crossing import Crossing
 
-__all__ = ["PushCall"]
+__all__ = ["PushCall", "push_deadline_s"]
 
 H = TypeVar("H", covariant=True)  # the form of the hidden state that crosses (read only)
 K = TypeVar("K", covariant=True)  # of the token ids and the targets
@@ -100,3 +101,10 @@ class PushCall(Generic[H, K]):
         """As a replica sends it on to one of `route[0]`'s replicas: the route after them, and
         accumulated as `trying` says."""
         return replace(self.trying(accumulating), route=self.route[1:])
+
+
+def push_deadline_s(job: JobConfig) -> float:
+    """A trainer's deadline for one push, its whole path: `rpc_timeout_s` a stage. Its replicas'
+    computes end by then or soon after (one running as it passes runs on: the late-receipt
+    check waits for it that long)."""
+    return job.runtime.rpc_timeout_s * job.training.stages

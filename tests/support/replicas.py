@@ -55,6 +55,8 @@ class FakeReplica:
         self.address = f"fake:{peer}"
         self.receipts: set[int] = set()
         self.runs: dict[int, int] = {}  # the run each receipt was accumulated under (none: 0)
+        # (step, index, run) of each accumulating push it names in flight (its compute running)
+        self.flying: list[tuple[int, int, int]] = []
         self.state: dict[str, torch.Tensor] = {"w": torch.tensor([float(step)])}
         self.prepared: Prepared | None = None
         self.calls: list[tuple[str, Any]] = []
@@ -166,6 +168,7 @@ class FakeReplica:
             round_synced=self.round_synced,
             round_samples=self.round_samples,
             state_epoch=self.state_epoch,
+            in_flight=[pb.PushInFlight(step=s, index=i, run=r) for s, i, r in self.flying],
         )
 
     async def prepare(

@@ -27,6 +27,7 @@ from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net.commit_auth import SchedulerKey
 from swarm.rpc.lease import Lease, MicrobatchResult, Task, Working
+from swarm.rpc.push_call import push_deadline_s
 from tests.support.api import start_api
 from tests.support.coordinator import LEASE_S, Harness, MakeHarness, job_of
 from tests.support.jobs import BASE, make_job, render
@@ -301,6 +302,74 @@ async def test_a_late_receipt_under_its_leases_run_is_adopted(
     replay = await _leased(h.coordinator, "u")
     assert [(t.index, sorted(t.stages)) for t in replay] == [(1, [0])]  # stage 1 adopted
     assert not any(r.called("discard") for r in (a, b, c_))
+
+
+async def _in_flight_at_stage_1(
+    job: JobConfig, make_harness: MakeHarness, in_flight_run: int | None = None
+) -> tuple[Harness, FakeReplica, FakeReplica, FakeReplica, int]:
+    """As `_stray_at_stage_1`, signed, but c's push of microbatch 1 is still being computed as
+    the microbatch is given back (an overloaded replica, its caller's deadline past): c names
+    it in flight under `in_flight_run` (default: the lease's own run), with no receipt yet.
+    Returns (harness, a, b, c, the lease's run)."""
+    swarm = FakeSwarm(fingerprint(job), 2)
+    a, b, c_ = swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    h.coordinator._tickets = LeaseSigner(swarm.job_id, SchedulerKey.generate(), records=True)
+    await h.coordinator.start()
+    await _leased(h.coordinator)
+    await h.land(0, 0, {0: "a", 1: "c"})
+    ledger = h.coordinator.ledger
+    assert ledger is not None
+    run = ledger.run_of(1)
+    assert run
+    c_.flying = [(0, 1, run if in_flight_run is None else in_flight_run)]
+    await h.coordinator.release("t", [1])
+    return h, a, b, c_, run
+
+
+async def test_a_microbatch_given_back_while_its_push_is_in_flight_waits_for_its_receipt(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    # Before, the check found no receipt and leased microbatch 1 again at once, under a new run;
+    # c's push then accumulated under the old run, and the next check voided c (a receipt under
+    # another run than its lease's): an honest, overloaded replica's step at stage 1 replayed.
+    h, a, b, c_, run = await _in_flight_at_stage_1(job_of(tmp_path), make_harness)
+    assert (await h.coordinator.lease("u", 8, wait_s=1.5)).tasks == []  # checked, waited for
+    c_.flying = []
+    c_.accumulate(1, run)  # the push ended: its receipt, under the lease's run
+    replay = await _leased(h.coordinator, "u")
+    assert [(t.index, sorted(t.stages)) for t in replay] == [(1, [0])]  # stage 1 adopted
+    assert not any(r.called("discard") for r in (a, b, c_))
+    assert len(c_.called("info")) >= 3  # looked again while it waited, at most PACE_S apart
+
+
+@pytest.mark.attack("in-flight-forever")
+async def test_a_push_named_in_flight_forever_holds_its_microbatch_only_for_its_deadline(
+    tmp_path: Path, make_harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica that names a push in flight and never ends it (a hostile one) holds the
+    microbatch up for the push's deadline (`rpc_timeout_s` a stage), once: then it is leased
+    again."""
+    job = job_of(tmp_path)
+    h, _, _, c_, _ = await _in_flight_at_stage_1(job, make_harness)
+    assert (await h.coordinator.lease("u", 8, wait_s=0.3)).tasks == []
+    h.clock.advance(push_deadline_s(job) - 0.1)
+    assert (await h.coordinator.lease("u", 8, wait_s=0.3)).tasks == []  # not yet
+    h.clock.advance(0.1)
+    replay = await _leased(h.coordinator, "u")
+    assert [(t.index, sorted(t.stages)) for t in replay] == [(1, [0, 1])]
+    assert "microbatch 1 is still being pushed at c after" in caplog.text
+    assert c_.flying  # still named: the wait was once, not renewed by it
+
+
+async def test_a_push_in_flight_under_another_run_is_not_waited_for(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A push of another run than the lease given back's is none of that lease's (a member
+    ahead racing the replay): the microbatch goes out again at once."""
+    h, *_ = await _in_flight_at_stage_1(job_of(tmp_path), make_harness, in_flight_run=12345)
+    replay = await _leased(h.coordinator, "u")
+    assert [(t.index, sorted(t.stages)) for t in replay] == [(1, [0, 1])]
 
 
 @pytest.mark.attack("late-receipt-duplicate")

@@ -76,6 +76,12 @@ async def test_an_honest_answer_passes_and_counts_past_the_job_are_the_replicas_
             honest.info = pb.StageInfoResponse(receipts=[0], receipt_runs=range(10_000))
             with pytest.raises(BadReply, match="lists 10000 receipt_runs, past the job's 4"):
                 await client.info()
+            flying = [pb.PushInFlight(step=0, index=i % 4, run=i) for i in range(8)]
+            honest.info = pb.StageInfoResponse(in_flight=flying)  # two steps' worth: honest
+            assert len((await client.info()).in_flight) == 8
+            honest.info = pb.StageInfoResponse(in_flight=flying * 1000)
+            with pytest.raises(BadReply, match="lists 8000 calls in flight, past the job's 8"):
+                await client.info()
             honest.commit = pb.StageCommitResponse(sum_checks=[pb.SumCheck()] * 5)
             with pytest.raises(BadReply, match="holds 5 sum checks, past the round's 2"):
                 await _prepare(client, 2)
