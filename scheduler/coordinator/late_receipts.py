@@ -14,13 +14,11 @@ gradient would stand in the step. One check runs at a time.
 A microbatch given back whose push a replica names as still in flight under its lease's run
 (`StageInfoResponse.in_flight`: an overloaded replica's compute, still running after its caller's
 deadline passed) is not leased again until that push ends: its receipt is then adopted where it
-lands. Replayed at once, it would land after the replay went out under a new run, and void its
-replica (the late receipt under another run, above). The wait is once a microbatch a step, and at
-most the push's own deadline (`rpc_timeout_s`): a replica that names a push forever holds its
-microbatch up no longer than a member of its route could by holding the push itself. One named
-under another run is no push of the lease's: not waited for; nor any where the rules adopt no
-late receipt (local rounds: it voids its replica either way). Checks are `PACE_S` apart
-meanwhile (each asks every member's Info)."""
+lands (`scheduler.coordinator.push_waits`, which bounds the wait). Replayed at once, it would
+land after the replay went out under a new run, and void its replica (the late receipt under
+another run, above). One named under another run is no push of the lease's, nor one at a stage
+the ledger no longer needs: not waited for; nor any where the rules adopt no late receipt (local
+rounds: it voids its replica either way)."""
 
 from __future__ import annotations
 
@@ -30,15 +28,14 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.live_steps import LiveSteps
+from scheduler.coordinator.push_waits import PACE_S, PushWaits
 from scheduler.coordinator.replicas import ReplicaClients
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Replica
 
-__all__ = ["PACE_S", "LateReceipts"]
+__all__ = ["LateReceipts"]
 
 log = logging.getLogger(__name__)
-
-PACE_S = 0.5  # between two checks while a push given back is still in flight somewhere
 
 
 class LateReceipts:
@@ -63,22 +60,22 @@ class LateReceipts:
         long a microbatch waits for its push still in flight (the push's deadline)."""
         self.clients, self.replicas, self.window, self.adopts = clients, replicas, window, adopts
         self.size, self.void, self.wake, self.checked = microbatch_size, void, wake, checked
-        self.wait_s = wait_s
+        self.waits = PushWaits(wait_s)
         self._task: asyncio.Task[None] | None = None  # the check in flight
-        # (step, index) -> when its wait for a push in flight began: once a microbatch a step;
-        # `_ended`: those whose wait ran out (said once)
-        self._waits: dict[tuple[int, int], float] = {}
-        self._ended: set[tuple[int, int]] = set()
+        self._again: asyncio.TimerHandle | None = None  # a paused ledger's next look
 
     def check(self, ledger: StepLedger, returned: list[int]) -> None:
         """Check the replicas for late receipts of `returned` (given back), unless a check is
-        running already (the next lease checks again)."""
-        if self._task is None:
+        running already or `ledger`'s waits for pushes in flight pause it (the next lease
+        checks again)."""
+        if self._task is None and not self.waits.paused(ledger):
             self._task = asyncio.create_task(self._check(ledger, returned))
 
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._again is not None:
+            self._again.cancel()
 
     async def _check(self, ledger: StepLedger, returned: list[int]) -> None:
         try:
@@ -88,11 +85,12 @@ class LateReceipts:
             )
             if ledger not in self.window.ledgers():
                 return
-            await self._sort(ledger, returned, pairs, infos)
-            flying = self._flying(ledger, returned, pairs, infos)
+            voided = await self._sort(ledger, returned, pairs, infos)
+            named = self._named(ledger, returned, pairs, infos, voided)
+            flying = self.waits.flying(ledger, named, self.window.ledgers())
             ledger.checked([index for index in returned if index not in flying])
-            if flying:  # checked again at a lease after this pause: Info of every member
-                await asyncio.sleep(PACE_S)
+            if flying:  # leases look again once the pause is over, and check it again
+                self._again = asyncio.get_running_loop().call_later(PACE_S, self.wake)
         finally:
             self._task = None
             self.wake()
@@ -119,10 +117,10 @@ class LateReceipts:
         returned: list[int],
         pairs: list[tuple[int, Replica]],
         infos: list[pb.StageInfoResponse | BaseException],
-    ) -> None:
+    ) -> set[tuple[int, str]]:
         """Adopt each replica's late receipts of `returned` under their leases' runs (where the
         rules adopt), and void every replica holding one under another run (or any, where they
-        do not)."""
+        do not): those voided, (stage, peer)."""
         among = set(returned)
         split = [
             (stage, r, *self._split(ledger, runs))
@@ -151,57 +149,31 @@ class LateReceipts:
                 "under another run than their leases'" if self.adopts else "that name no run",
             )
             await self.void(ledger, stage, r.peer)
+        return voided
 
-    def _flying(
+    def _named(
         self,
         ledger: StepLedger,
         returned: list[int],
         pairs: list[tuple[int, Replica]],
         infos: list[pb.StageInfoResponse | BaseException],
-    ) -> set[int]:
-        """Which of `returned` wait for a push in flight under their lease's run (any run where
-        the lease named none), within `wait_s` of their wait's start. None where the rules adopt
-        no late receipt: it would void its replica all the same, later."""
+        voided: set[tuple[int, str]],
+    ) -> dict[int, dict[int, set[str]]]:
+        """Which of `returned` members name in flight (index -> stage -> peers): pushes under
+        the run of the lease given back (any where it named none), at a stage the ledger still
+        needs them, of a replica not `voided` by this check; none where the rules adopt no late
+        receipt (it would void its replica all the same, later)."""
+        among, named = set(returned), dict[int, dict[int, set[str]]]()
         if not self.adopts:
-            return set()
-        among, now = set(returned), ledger.clock.now()
-        live = {open_.step for open_ in self.window.ledgers()}
-        self._waits = {key: t for key, t in self._waits.items() if key[0] in live}
-        self._ended = {key for key in self._ended if key[0] in live}
-        where: dict[int, set[str]] = {}
-        for (_, r), info in zip(pairs, infos, strict=True):
-            if isinstance(info, BaseException):
+            return named
+        for (stage, r), info in zip(pairs, infos, strict=True):
+            if isinstance(info, BaseException) or (stage, r.peer) in voided:
                 continue
             for f in info.in_flight:
-                leased = ledger.run_of(f.index)
-                if f.step == ledger.step and f.index in among and leased in (None, f.run):
-                    where.setdefault(f.index, set()).add(r.peer)
-        flying = set()
-        for index, peers in sorted(where.items()):
-            key = (ledger.step, index)
-            if key not in self._waits:
-                self._waits[key] = now
-                log.info(
-                    "step %d: microbatch %d, given back, is still being pushed at %s: leased "
-                    "again once that push ends, or in %g s",
-                    ledger.step,
-                    index,
-                    ", ".join(sorted(peers)),
-                    self.wait_s,
-                )
-            if now - self._waits[key] < self.wait_s:
-                flying.add(index)
-            elif key not in self._ended:
-                self._ended.add(key)
-                log.warning(
-                    "step %d: microbatch %d is still being pushed at %s after %g s: leased "
-                    "again (a receipt that push leaves under its old run voids its replica)",
-                    ledger.step,
-                    index,
-                    ", ".join(sorted(peers)),
-                    self.wait_s,
-                )
-        return flying
+                ours = f.step == ledger.step and ledger.run_of(f.index) in (None, f.run)
+                if ours and ledger.unclaimed(stage, [f.index], among):
+                    named.setdefault(f.index, {}).setdefault(stage, set()).add(r.peer)
+        return named
 
     def _split(self, ledger: StepLedger, runs: dict[int, int]) -> tuple[list[int], list[int]]:
         """A replica's receipts (index -> run) as (those that may be adopted, those never

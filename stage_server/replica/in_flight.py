@@ -8,11 +8,15 @@ whose caller's deadline passed) is not leased again until that push ends, so its
 adopted instead of landing after the replay went out under a new run, where it would void this
 replica.
 
-An entry is held from the call's admission until its compute on the worker has ended, receipt
-recorded, and not only while its handler waits: a caller that hangs up cancels the handler, but a
-compute already running on the worker runs to its end and accumulates all the same. One whose
-compute never started (still queued when its caller hung up: the worker drops it) leaves with its
-handler. The worker thread and the event loop both touch the entries: under a lock.
+An entry is held from the moment the call's backward here is asked for (at a stage before the
+last, once the stages after it have answered: the deepest stage names the push until then)
+until its compute on the worker has ended, receipt recorded, and not only while its handler
+waits: a caller that hangs up cancels the handler, but a compute already running on the worker
+runs to its end and accumulates all the same. One whose compute never started (still queued
+when its caller hung up: the worker drops it) leaves with its handler. The worker thread and the
+event loop both touch the entries: under a lock. (One gap is left: a call the worker has marked
+running, whose caller hangs up in the microseconds before its compute marks the entry started,
+is unnamed until it does.)
 
 Info reads the entries before the receipts, and an entry leaves only after its receipt is
 recorded: a push that ends between the two reads is named twice (in flight and received), never
@@ -62,7 +66,7 @@ class InFlight:
     def __init__(self, registry: PushesInFlight, key: Key) -> None:
         self.registry, self.key = registry, key
         self._lock = threading.Lock()
-        self._started, self._held = False, True  # held from admission
+        self._started, self._held = False, True  # held from `enter`
 
     def started(self) -> None:
         """On the worker, as the compute begins: held again where its handler gave up first (the

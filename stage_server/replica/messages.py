@@ -383,7 +383,14 @@ def info_reply(peer: str, job_id: str, rt: StageRuntime | None) -> pb.StageInfoR
     # both, never in neither (`stage_server.replica.in_flight`). The receipts before their runs:
     # each has its run set before it (`StepSums.received`), so the runs read after hold every
     # receipt's (one read without would name run 0 and be voided).
-    flying = [pb.PushInFlight(step=s, index=i, run=r) for s, i, r in rt.in_flight.listed()]
+    # Of the steps its receipts are (older pushes are nobody's concern), within the bound the
+    # coordinator holds Info to (`swarm.rpc.control_replies.check_info`): one past it refused
+    # the whole answer, and left this replica out
+    flying = [
+        pb.PushInFlight(step=s, index=i, run=r)
+        for s, i, r in rt.in_flight.listed()
+        if s in (rt.step, rt.step + 1)
+    ][: 2 * rt.job.training.microbatches_per_step]
     receipts, following = sorted(rt.receipts()), sorted(rt.receipts(rt.step + 1))
     runs, next_runs = rt.receipt_runs(), rt.receipt_runs(rt.step + 1)
     return pb.StageInfoResponse(

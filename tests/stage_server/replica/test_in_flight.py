@@ -22,6 +22,8 @@ from client.trainer import PipelineTrainer
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.replicas import grpc_replicas
 from stage_server.replica.in_flight import PushesInFlight
+from stage_server.replica.messages import info_reply
+from stage_server.replica.runtime import StageRuntime
 from stage_server.server import StageServerOptions, start_stage_server
 from swarm.deadline import within
 from swarm.errors import SwarmError
@@ -98,11 +100,15 @@ async def test_info_names_a_push_whose_compute_outlives_its_caller_until_its_rec
         await wait_until(computing.is_set, "the first push computes")
         pushes.append(asyncio.create_task(push(2)))  # queued behind it
         await asyncio.gather(*pushes)  # both callers gave up
+        # the first still computes and is named; the second was never taken by the worker (its
+        # handler's cancellation reaches the server a moment after its caller gave up)
+        await wait_until(
+            lambda: last.runtime.in_flight.listed() == [(STEP, 1, RUN)], "the queued one gone"
+        )
         info = await client.info()
-        # the first still computes and is named; the second was never taken by the worker
         assert flying(info) == [(STEP, 1, RUN)] and list(info.receipts) == []
         go.set()
-        await wait_until(lambda: last.runtime.receipts(STEP) != {}, "the receipt lands")
+        await wait_until(lambda: not last.runtime.in_flight.listed(), "the compute ends")
         info = await client.info()
         assert flying(info) == []
         assert (list(info.receipts), list(info.receipt_runs)) == ([1], [RUN])
@@ -133,6 +139,7 @@ async def test_an_overloaded_replicas_late_receipt_is_waited_for_not_voided(
         trust={"audit_fraction": 0.5},
     )
     caplog.set_level(logging.INFO, logger="scheduler.coordinator.late_receipts")
+    caplog.set_level(logging.INFO, logger="scheduler.coordinator.push_waits")
     job_id, key = fingerprint(job), SchedulerKey.generate()
     swarm = Swarm(job)
     make_swarm.append(swarm)
@@ -143,11 +150,16 @@ async def test_an_overloaded_replicas_late_receipt_is_waited_for_not_voided(
             server.servicer.trust(cpb.JobAnnouncement(job=job_id, scheduler_key=key.public))
     last = swarm.servers[2][0]
     plain, slow = last.runtime.forward_backward, []
+    seen = _Said("is still being pushed at")
+    logging.getLogger("scheduler.coordinator.late_receipts").addHandler(seen)
+    logging.getLogger("scheduler.coordinator.push_waits").addHandler(seen)
 
     def overloaded(step: int, *args: Any, **kwargs: Any) -> Any:  # on the worker thread
         if step == 0 and not slow:
             slow.append(step)
-            time.sleep(push_deadline_s(job) + 1.5)  # past its caller's deadline
+            time.sleep(push_deadline_s(job) + 0.5)  # past its caller's deadline
+            # and on until the check has seen it in flight, however loaded the machine
+            assert seen.said.wait(60), "the check never saw the push in flight"
         return plain(step, *args, **kwargs)
 
     monkeypatch.setattr(last.runtime, "forward_backward", overloaded)
@@ -161,8 +173,38 @@ async def test_an_overloaded_replicas_late_receipt_is_waited_for_not_voided(
         assert coordinator.error is None
         assert_equal_to_local(job, await gather_state(coordinator), tol=1e-9)
     finally:
+        seen.said.set()
+        for name in ("scheduler.coordinator.late_receipts", "scheduler.coordinator.push_waits"):
+            logging.getLogger(name).removeHandler(seen)
         await trainer.close()
         await coordinator.close()
     assert slow, "no push was slow"
     assert "is still being pushed at" in caplog.text
     assert "voided" not in caplog.text, caplog.text
+
+
+class _Said(logging.Handler):
+    """Sets `said` once a record holding `words` is logged (from any thread)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.INFO)
+        self.words, self.said = words, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.said.set()
+
+
+def test_info_names_the_calls_in_flight_of_its_two_steps_within_the_bound(tmp_path: Path) -> None:
+    """An honest replica names no more calls than the coordinator takes (`check_info`: two
+    steps' microbatches), or the whole Info was refused and the replica left out, and none of a
+    step its receipts are not of."""
+    job = make_job(tmp_path, training={"stages": 2})
+    rt = StageRuntime(job, 0)
+    most = job.training.microbatches_per_step
+    for index in range(3 * most):
+        rt.in_flight.enter(index % 2, index, RUN)
+    rt.in_flight.enter(5, 0, RUN)  # a step it is not at
+    listed = info_reply("p", "j", rt).in_flight
+    assert len(listed) == 2 * most
+    assert {f.step for f in listed} <= {0, 1}
