@@ -282,8 +282,11 @@ class LocalCoordinator:
         return self.clients.get(stage, replica)
 
     def progress(self) -> str:
-        """Where the oldest open step is, in words (for a stall's message)."""
-        return self._window.progress()
+        """Where the oldest open step is, in words (for a stall's message), and what of it waits
+        for pushes still in flight (`scheduler.coordinator.push_waits`)."""
+        ledgers = self._window.ledgers()
+        waiting = self._receipts.waits.said(ledgers[0]) if ledgers else ""
+        return self._window.progress() + waiting
 
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""

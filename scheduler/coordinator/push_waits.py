@@ -46,6 +46,22 @@ class PushWaits:
         waits = self._of.get(id(ledger))
         return waits is not None and asyncio.get_running_loop().time() < waits.paused_until
 
+    def said(self, ledger: StepLedger) -> str:
+        """`ledger`'s microbatches that wait for their pushes now, in words for a stall's message
+        ("" when none does): without them, a step waiting so reads as held by no trainer."""
+        waits = self._of.get(id(ledger))
+        if waits is None or waits.ledger is not ledger:
+            return ""
+        now = ledger.clock.now()
+        left = {i: self.wait_s - (now - t) for (i, _), t in waits.began.items()}
+        waiting = {i: s for i, s in left.items() if s > 0}
+        if not waiting:
+            return ""
+        return (
+            f"; microbatch(es) {sorted(waiting)} wait for their pushes still in flight "
+            f"(at most {max(waiting.values()):.0f} s more)"
+        )
+
     def flying(
         self, ledger: StepLedger, named: dict[int, dict[int, set[str]]], live: list[StepLedger]
     ) -> set[int]:

@@ -337,6 +337,8 @@ async def test_a_microbatch_given_back_while_its_push_is_in_flight_waits_for_its
     looked = len(c_.called("info"))
     assert (await h.coordinator.lease("u", 8, wait_s=1.5)).tasks == []  # checked, waited for
     assert len(c_.called("info")) >= looked + 2  # looked again while it waited, PACE_S apart
+    # a stall's message says why no trainer holds it (before: "0 trainer(s) hold leases")
+    assert "microbatch(es) [1] wait for their pushes still in flight" in h.coordinator.progress()
     c_.flying = []
     c_.accumulate(1, run)  # the push ended: its receipt, under the lease's run
     replay = await _leased(h.coordinator, "u")
