@@ -49,17 +49,17 @@ class PushWaits:
     def said(self, ledger: StepLedger) -> str:
         """`ledger`'s microbatches that wait for their pushes now, in words for a stall's message
         ("" when none does): without them, a step waiting so reads as held by no trainer."""
-        waits = self._of.get(id(ledger))
-        if waits is None or waits.ledger is not ledger:
+        waits = self._of.get(id(ledger))  # (held with its ledger: an id is never another's)
+        if waits is None:
             return ""
         now = ledger.clock.now()
-        left = {i: self.wait_s - (now - t) for (i, _), t in waits.began.items()}
-        waiting = {i: s for i, s in left.items() if s > 0}
+        left = [(i, self.wait_s - (now - t)) for (i, _), t in waits.began.items()]
+        waiting = [(i, s) for i, s in left if s > 0]  # an index may wait at several stages
         if not waiting:
             return ""
         return (
-            f"; microbatch(es) {sorted(waiting)} wait for their pushes still in flight "
-            f"(at most {max(waiting.values()):.0f} s more)"
+            f"; microbatch(es) {sorted({i for i, _ in waiting})} wait for their pushes still in "
+            f"flight (at most {max(s for _, s in waiting):.0f} s more)"
         )
 
     def flying(
