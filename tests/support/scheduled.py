@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import io
 import os
 import warnings
 from collections.abc import AsyncIterator
@@ -37,6 +38,8 @@ from tests.support.waiting import wait_until
 __all__ = ["AMQTT_LEAKS", "LONG_SPEC", "Peer", "ScheduledSwarm", "scheduled_swarm"]
 
 WAIT_S = 60.0  # a join under load may take many steps: copies are admitted between commits
+CANCEL_WAIT_S = 60.0
+"""How long the teardown waits for a cancelled job's task to end before it fails the test."""
 LONG_SPEC = render({**BASE, "training": {**BASE["training"], "stages": 2, "steps": 100_000}})
 """Two stages, and steps enough to outlast the test (it is cancelled at the end)."""
 AMQTT_LEAKS = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -172,6 +175,15 @@ async def scheduled_swarm(tmp_path: Path, **options: object) -> AsyncIterator[Sc
             os.environ["SWARM_CACHE_DIR"] = cache
 
 
+def _outlived(tasks: set[asyncio.Task[None]]) -> str:
+    """What each cancelled job's task was awaiting when the teardown's wait ran out."""
+    stacks = io.StringIO()
+    for task in tasks:
+        task.print_stack(file=stacks)
+    ran = f"{len(tasks)} cancelled job task(s) still ran {CANCEL_WAIT_S:g} s"
+    return f"{ran} on:\n{stacks.getvalue()}"
+
+
 @contextlib.asynccontextmanager
 async def _scheduled(tmp_path: Path, options: dict[str, object]) -> AsyncIterator[ScheduledSwarm]:
     settings: dict[str, object] = {"placement_grace_s": 0.2, "retry_pause_s": 0.2}
@@ -193,12 +205,15 @@ async def _scheduled(tmp_path: Path, options: dict[str, object]) -> AsyncIterato
                             store.set_state(job.id, "cancelled", message="test over")
                             scheduler.cancelled(job.id)
                     tasks = list(scheduler._tasks.values())
+                    outlived: set[asyncio.Task[None]] = set()
                     if tasks:  # the jobs' trainers stop before the peers they call
-                        await asyncio.wait(tasks, timeout=WAIT_S)
+                        _, outlived = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
                     await swarm.close()
                     stop.set()
                     async with asyncio.timeout(WAIT_S):
                         await running
+                    if outlived:  # a product fault: a cancelled job must stop, not time out
+                        raise AssertionError(_outlived(outlived))
     # amqtt's broker leaks a socket when a client's UNSUBSCRIBE and DISCONNECT arrive together
     # (tests/system/test_job_end.py): collected here, not in whichever later test gc runs in.
     with warnings.catch_warnings():
