@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import io
 import os
 import warnings
 from collections.abc import AsyncIterator
@@ -176,12 +175,18 @@ async def scheduled_swarm(tmp_path: Path, **options: object) -> AsyncIterator[Sc
 
 
 def _outlived(tasks: set[asyncio.Task[None]]) -> str:
-    """What each cancelled job's task was awaiting when the teardown's wait ran out."""
-    stacks = io.StringIO()
+    """What each cancelled job's task was awaiting when the teardown's wait ran out: its chain of
+    awaits, innermost last (a task's own stack stops at its outermost coroutine)."""
+    said = [f"{len(tasks)} cancelled job task(s) still ran {CANCEL_WAIT_S:g} s on:"]
     for task in tasks:
-        task.print_stack(file=stacks)
-    ran = f"{len(tasks)} cancelled job task(s) still ran {CANCEL_WAIT_S:g} s"
-    return f"{ran} on:\n{stacks.getvalue()}"
+        said.append(f"{task.get_name()}:")
+        awaited: object = task.get_coro()
+        while frame := getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None):
+            said.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        if awaited is not None:
+            said.append(f"  awaiting {awaited!r}")
+    return "\n".join(said)
 
 
 @contextlib.asynccontextmanager
@@ -205,15 +210,16 @@ async def _scheduled(tmp_path: Path, options: dict[str, object]) -> AsyncIterato
                             store.set_state(job.id, "cancelled", message="test over")
                             scheduler.cancelled(job.id)
                     tasks = list(scheduler._tasks.values())
-                    outlived: set[asyncio.Task[None]] = set()
+                    outlived = ""  # their stacks, read before the scheduler's stop cancels them
                     if tasks:  # the jobs' trainers stop before the peers they call
-                        _, outlived = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+                        _, running_on = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+                        outlived = _outlived(running_on) if running_on else ""
                     await swarm.close()
                     stop.set()
                     async with asyncio.timeout(WAIT_S):
                         await running
                     if outlived:  # a product fault: a cancelled job must stop, not time out
-                        raise AssertionError(_outlived(outlived))
+                        raise AssertionError(outlived)
     # amqtt's broker leaks a socket when a client's UNSUBSCRIBE and DISCONNECT arrive together
     # (tests/system/test_job_end.py): collected here, not in whichever later test gc runs in.
     with warnings.catch_warnings():
