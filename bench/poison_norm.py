@@ -13,11 +13,11 @@ bound, the lies it lets through by design: sums bent within it (element i times 
 `poison-bent`) and wrong activations and input gradients (`poison-outputs` and
 `poison-grad-inputs`, `swarm.ops.poison`), which only the audits catch. Printed: each run's
 validation loss of its final model, against the honest run's (a ratio measured in the same
-run), and how many times the bound left a replica out: the coordinator's own counter
-(`swarm_coordinator_dropped_replicas_total`; nothing else leaves a replica out here).
+run), and how many contributions the bound refused: the coordinator's own counter
+(`swarm_coordinator_refused_contributions_total`).
 
 The target (issue 55): the x`--scale` run with the bound within 2% of the honest run's loss,
-the bound having left a replica out (a run it never judged backs nothing); at least 100 steps
+the bound having refused a contribution (a run it never judged backs nothing); at least 100 steps
 (`--quick`: fewer, a smoke run that is judged the same way and says so). The exit status is 1
 when it is missed, 0 when met. The other rows are what the bound lets through by design (the
 audits' to catch, docs/jobs.md): printed, not judged.
@@ -83,7 +83,7 @@ def _computing(lies: str) -> Poison:
 
 
 async def _run(job: JobConfig, hostile: Hostile | Poison | None) -> tuple[float, int]:
-    """The final model's validation loss, and the times a replica was left out (the
+    """The final model's validation loss, and the contributions the norm bound refused (the
     coordinator's counter), of one run of `job`."""
     swarm = Swarm(job)
     try:
@@ -94,9 +94,9 @@ async def _run(job: JobConfig, hostile: Hostile | Poison | None) -> tuple[float,
         await swarm.train(coordinator, trainers=2)
         model = build_model(job, "cpu")
         model.load_state_dict(await gather_state(coordinator))
-        left = int(coordinator.metrics.dropped._value.get())
+        refused = int(coordinator.metrics.refused._value.get())
         await coordinator.close()
-        return evaluate(job, model, make_val_data(job), "cpu"), left
+        return evaluate(job, model, make_val_data(job), "cpu"), refused
     finally:
         await swarm.close()
 
@@ -107,16 +107,16 @@ def bounded(scale: float) -> str:
 
 
 def judge(results: dict[str, tuple[float, int]], scale: float, steps: int) -> list[str]:
-    """The targets `results` (row -> (validation loss, times left out)) missed: the x`scale`
-    row with the bound more than 2% above the honest run's loss, or never left out (the bound
-    judged nothing), or a run under 100 steps. Empty: every one met."""
-    loss, left = results[bounded(scale)]
+    """The targets `results` (row -> (validation loss, contributions refused)) missed: the
+    x`scale` row with the bound more than 2% above the honest run's loss, or none refused (the
+    bound judged nothing), or a run under 100 steps. Empty: every one met."""
+    loss, refused = results[bounded(scale)]
     base = results["honest"][0]
     missed = []
     if not loss / base - 1 <= TARGET:  # NaN fails too
         missed.append(f"{bounded(scale)}: {loss / base:.4f}x the honest loss, past {1 + TARGET}x")
-    if left < 1:
-        missed.append(f"{bounded(scale)}: the bound left nobody out (it judged nothing)")
+    if refused < 1:
+        missed.append(f"{bounded(scale)}: the bound refused nothing (it judged nothing)")
     if steps < MIN_STEPS:
         missed.append(f"{steps} steps: under the {MIN_STEPS} the target is read at (a smoke run)")
     return missed
@@ -143,9 +143,9 @@ async def main(steps: int, scale: float) -> dict[str, tuple[float, int]]:
         results = {name: await _run(job, hostile) for name, (job, hostile) in runs.items()}
     base = results["honest"][0]
     print(f"\n4 stages x 3 replicas, float64, {steps} steps, audits off; 1 hostile replica a stage")
-    print(f"{'run':<22} {'val loss':>12} {'vs honest':>10} {'left out':>9}")
-    for name, (loss, left) in results.items():
-        print(f"{name:<22} {loss:>12.6f} {loss / base:>10.4f} {left:>9}")
+    print(f"{'run':<22} {'val loss':>12} {'vs honest':>10} {'refused':>9}")
+    for name, (loss, refused) in results.items():
+        print(f"{name:<22} {loss:>12.6f} {loss / base:>10.4f} {refused:>9}")
     return results
 
 

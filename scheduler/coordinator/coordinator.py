@@ -315,6 +315,13 @@ class LocalCoordinator:
         if any(not stage for stage in members):
             self._rollback.maybe()
             return Lease(newest, [], members)  # no work while a stage has no replica
+        # Routed around a replica whose work of a step a yardstick refused, until that step
+        # commits: its replays are judged on another replica (`StepLedger.routes`), and with
+        # delayed_update the step beside it sees the same stages (a trainer follows the view of
+        # its last lease).
+        routes = members
+        for live in self._window.working():
+            routes = live.ledger.routes(routes)
         for live in self._window.working():  # the oldest first: replays hold up the next
             ledger = live.ledger
             returned = ledger.returned()
@@ -328,10 +335,10 @@ class LocalCoordinator:
                 self._open_next_early()
                 # Signed with their audits: a task whose contribution is audited is pushed as a
                 # run of its own, whose records its audit redoes (`LeaseSigner`).
-                audited = self.bans.audited(ledger, leased, members)
-                signed = self._tickets.signed(audited, members)
+                audited = self.bans.audited(ledger, leased, routes)
+                signed = self._tickets.signed(audited, routes)
                 ledger.pushed_as(signed)  # a late receipt is adopted only under its lease's run
-                return Lease(ledger.step, signed, members)
+                return Lease(ledger.step, signed, routes)
         return Lease(newest, [], members)
 
     def _open_next_early(self) -> None:

@@ -27,7 +27,7 @@ from scheduler.coordinator.free_tasks import FreeTasks
 from swarm.clock import Clock, MonotonicClock
 from swarm.errors import InvalidArgument
 from swarm.model.routes import Run
-from swarm.rpc.lease import Task
+from swarm.rpc.lease import Replica, Task
 
 __all__ = ["EVALUATED", "LEASE_LIFE_TIMEOUTS", "Holding", "StepLedger"]
 
@@ -107,6 +107,11 @@ class StepLedger:
         # a duplicate, a loss or an adoption. A step without any is clean: its commit needs no
         # look at every replica's receipts before PREPARE (which checks them itself).
         self.suspect = False
+        # Per stage, the replicas whose gradients of this step a yardstick refused (the norm
+        # bound: `trust.round_checks`): voided, they stay in their pool, and the step's replays
+        # are routed to the others (`routes`), so an honest one's microbatches are judged again
+        # on another replica rather than on it.
+        self._routed_around: dict[int, set[str]] = {}
 
     # -- trainers -------------------------------------------------------------------------------
     def lease(self, trainer: str, count: int, exclude: Collection[int] = ()) -> list[Task]:
@@ -371,6 +376,23 @@ class StepLedger:
                 said.add(trainer)
         self.suspect = True
         return said
+
+    def route_around(self, stage: int, peer: str) -> None:
+        """This step's replays at `stage` go to its other replicas, not to `peer`."""
+        self._routed_around.setdefault(stage, set()).add(peer)
+
+    def routed_around(self, stage: int, peer: str) -> bool:
+        return peer in self._routed_around.get(stage, ())
+
+    def routes(self, members: list[list[Replica]]) -> list[list[Replica]]:
+        """`members` as this step's tasks may be routed: without those routed around, unless
+        that would leave their stage none."""
+        out = []
+        for stage, replicas in enumerate(members):
+            around = self._routed_around.get(stage, set())
+            kept = [r for r in replicas if r.peer not in around]
+            out.append(kept or replicas)
+        return out
 
     def holdings(self, stage: int) -> dict[str, list[int]]:
         """Per replica of `stage` (in name order), the microbatches whose gradient it holds."""

@@ -73,6 +73,11 @@ class CoordinatorFamilies:
             "swarm_coordinator_dropped_replicas_total",
             "Replicas left out after they stopped answering",
         )
+        self.refused = _counter(
+            registry,
+            "swarm_coordinator_refused_contributions_total",
+            "Contributions to a stage's averaging past the norm bound, replayed on the others",
+        )
         self.rollbacks = _counter(
             registry,
             "swarm_coordinator_rollbacks_total",
@@ -146,6 +151,7 @@ class CoordinatorFamilies:
             self.replays,
             self.aborted_rounds,
             self.dropped,
+            self.refused,
             self.rollbacks,
             self.bans,
             self.stage_runs,
@@ -180,6 +186,7 @@ class CoordinatorMetrics:
         self.replays = f.replays.labels(job=job)
         self.aborted_rounds = f.aborted_rounds.labels(job=job)
         self.dropped = f.dropped.labels(job=job)
+        self.refused = f.refused.labels(job=job)
         self.rollbacks = f.rollbacks.labels(job=job)
         self.bans = f.bans.labels(job=job)
         self.stage_runs = f.stage_runs.labels(job=job)

@@ -1,5 +1,6 @@
 """A failed PREPARE round's account: why it failed, and which replicas were left out of their
-stage for it (`LeftOut`), as `TwoPhaseCommit` records it and `swarm status` shows it."""
+stage for it, or had their work of the step replayed by the others (`LeftOut`), as
+`TwoPhaseCommit` records it and `swarm status` shows it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class LeftOut(NamedTuple):
     peer: str
     named_by: list[str]  # the peers (or the rule) that named it
     why: str  # what it did
+    # its work of the step is replayed on the others, and it stays a member (the norm bound's
+    # first refusal at a step: `trust.round_checks`)
+    stays: bool = False
 
 
 @dataclass
@@ -32,8 +36,10 @@ class RoundFailure:
     def status(self, step: int) -> str:
         """One line for `swarm status` about those left out ("" when none was)."""
         return "; ".join(
-            f"step {step}: stage {o.stage}: {o.peer} left out until it rejoins: {o.why} (named by "
-            f"{', '.join(o.named_by)}); its microbatches are replayed"
+            f"step {step}: stage {o.stage}: {o.peer} "
+            + ("stays in its pool" if o.stays else "left out until it rejoins")
+            + f": {o.why} (named by {', '.join(o.named_by)}); its microbatches are replayed"
+            + (" on the others" if o.stays else "")
             for o in self.left_out
         )
 

@@ -23,10 +23,11 @@ class TrustConfig(Section):
     """`[trust]`: how each step's contributions are held to the pool's. "norm_bound": a
     replica whose contribution to a step's averaging (its gradient sum, per microbatch it
     took) is more than `norm_bound` times the median of its stage's others' is refused: the
-    round fails, the replica is left out and its microbatches are replayed by the others, so
-    the step stays exact. On by default: any holder of the swarm's token may serve a job, so
-    its peers are untrusted unless the operator knows every one of them (a closed swarm under
-    `--tls-mutual`, say), where "off" saves the check."""
+    round fails and its microbatches are replayed by the others, so the step stays exact (it
+    stays in its pool; refused again at the same step, it is left out). On by default: any
+    holder of the swarm's token may serve a job, so its peers are untrusted unless the operator
+    knows every one of them (a closed swarm under `--tls-mutual`, say), where "off" saves the
+    check."""
 
     section: ClassVar[str] = "trust"
     #: share of the microbatches each stage re-executes on another replica and compares (either

@@ -3,9 +3,9 @@
 1 on (the contribution liar from step 0), and the job still ends with `swarm local`'s
 parameters (float64, within 1e-9): its round fails and its microbatches are replayed by the
 honest two. The sum liar's own sums convict it (`scheduler.coordinator.trust.sum_liars`): it is
-banned, with the evidence, and never rejoins a round; the contribution liar is only left out
-(the norm bound is a yardstick an honest gradient may pass: docs/decisions.md, "Sum liars
-banned")."""
+banned, with the evidence, and never rejoins a round; the contribution liar is only refused, its
+work replayed by the others (the norm bound is a yardstick an honest gradient may pass:
+docs/decisions.md, "Sum liars banned")."""
 
 from __future__ import annotations
 
@@ -60,9 +60,11 @@ def test_a_hostile_replica_process_cannot_poison_its_pool(
 ) -> None:
     """`poison-sum`: it answers its own part's sums plus 1e4 (the checksum names it, its sum's
     norm convicts it: banned); `poison-grad`: it contributes its gradient times 1e4 (the norm
-    bound refuses it: left out); `poison-nan`: a NaN in its contribution (before: every
-    member's average was NaN, and the job failed; now the norm bound refuses it beside the
-    finite others: left out)."""
+    bound refuses it: its work is replayed on the others, and it stays in its pool, as an
+    honest replica whose microbatches were the step's largest must); `poison-nan`: a NaN in its
+    contribution (before: every member's average was NaN, and the job failed; now the norm
+    bound refuses it beside the finite others, and again with none of the step's microbatches
+    left to it: left out)."""
     registry, said = _poisoned_pool(tmp_path, caplog, point, steps=4)
     assert counted(registry, "swarm_coordinator_aborted_rounds_total") >= 1
     banned = [m for m in said if "banned s0r2" in m]
@@ -75,11 +77,15 @@ def test_a_hostile_replica_process_cannot_poison_its_pool(
         failed = [m for m in said if "fails its checksum" in m]
         assert len(failed) == 1, failed
         assert any("rolled every stage back to step 0: before a banned peer" in m for m in said)
-    else:  # refused by a bound an honest gradient may pass: left out, never banned
+    else:  # refused by a bound an honest gradient may pass: replayed elsewhere, never banned
         assert counted(registry, "swarm_coordinator_bans_total") == 0, banned
-        assert any("leaving s0r2 out" in m and "norm bound" in m for m in said), said
-        if point == Point.POISON_NAN:
-            assert any("leaving s0r2 out" in m and "not finite" in m for m in said), said
+        stays = "s0r2's microbatches are replayed on the others, and it stays in its pool"
+        assert any(stays in m and "norm bound" in m for m in said), said
+        left = [m for m in said if "leaving s0r2 out" in m]
+        if point == Point.POISON_NAN:  # its zeros NaN too: refused again at the step
+            assert any("norm bound" in m and "not finite" in m for m in left), said
+        else:  # with none of the step's microbatches, it sends zeros: no state copied
+            assert not left, left
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ Each norm is taken per microbatch (a replica that took more of the step's microb
 larger sum) and held to `bound` times the median of the other contributors' (those that took
 some; with two, the other's: a hostile one's large norm never excuses itself; one that took
 every microbatch of the step, `bound`² times the median of its stage's last round that passed).
-One past it is refused: the round fails, the replica is left out and its microbatches are
-replayed by the others. No value
+One past it is refused: the round fails and its microbatches are replayed by the others
+(`round_checks`: it stays in its pool unless refused again at the step). No value
 is ever scaled, so a step with the rule on equals `swarm local` of the job, a false alarm included
 (it costs a replay, never exactness); and an error large enough to matter (the 1e4 of issue 55's
 opening case, under Adam an inflated second moment for thousands of steps) is refused whole.

@@ -9,8 +9,11 @@ retry's PREPARE replaces what each replica prepared) and says whom it named:
   evidence in the log and the job's history, and the job rolled back past its first step); one
   that is only named (one disagreement, one accuser) is left out, its microbatches replayed by
   the others (`replicas_to_leave_out`);
-- a replica past the norm bound is left out (the bound is a yardstick an honest gradient may
-  pass: docs/decisions.md, "Sum liars banned");
+- a replica past the norm bound has its gradients of the step voided and stays in its pool,
+  the step's replays routed to the others (`StepLedger.routes`); refused again at the same step
+  (a replay reached it all the same), it is left out. The bound is a yardstick an honest gradient
+  may pass (docs/decisions.md, "Sum liars banned"): an honest replica whose microbatches were
+  the step's largest costs their replay elsewhere, not a state copy;
 - a contribution that is not its microbatches' is banned.
 """
 
@@ -31,13 +34,15 @@ from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_
 from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.rpc.lease import Replica
 
-__all__ = ["LeaveOut", "RoundAnswers", "RoundChecks"]
+__all__ = ["LeaveOut", "RoundAnswers", "RoundChecks", "Void"]
 
 log = logging.getLogger(__name__)
 
 NORM_BOUND = "the norm bound"  # who named a replica past it, in the log and `swarm status`
 # (ledger, stage, culprit, named by, why): leave `culprit` out of its stage, its work replayed
 LeaveOut = Callable[[StepLedger, int, Replica, list[str], str], Awaitable[None]]
+# (ledger, stage, peer): `peer`'s gradients of the step are replayed elsewhere; it stays a member
+Void = Callable[[StepLedger, int, str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,14 @@ class RoundAnswers:
 
 
 class RoundChecks:
-    def __init__(self, context: RoundContext, bans: Bans | None, leave_out: LeaveOut) -> None:
+    def __init__(
+        self, context: RoundContext, bans: Bans | None, leave_out: LeaveOut, void: Void
+    ) -> None:
         """`context`: the job's rounds' (its metrics, groups and `[trust]`); `bans`: the job's
-        (None: nobody is banned, a sum liar is left out); `leave_out`: the commit's."""
+        (None: nobody is banned, a sum liar is left out); `leave_out`: the commit's; `void`: the
+        job's (`Voids.void`)."""
         self.metrics, self.groups, self.job = context.metrics, context.groups, context.job
-        self.bans, self.leave_out = bans, leave_out
+        self.bans, self.leave_out, self.void = bans, leave_out, void
         # Per stage, the median contribution per microbatch of its last round that passed: the
         # norm bound's yardstick for a replica that took every microbatch of a step.
         self._medians: dict[int, float] = {}
@@ -136,8 +144,9 @@ class RoundChecks:
 
     async def _norms(self, answers: RoundAnswers) -> bool:
         """Whether every contribution is within the job's norm bound (`norm_bound`; `[trust]`).
-        Else the round fails and each replica past it is left out, its microbatches replayed by
-        the others (exact: nothing is scaled), with the evidence in the log and the history."""
+        Else the round fails, and each replica past it has its microbatches replayed by the
+        others (exact: nothing is scaled), with the evidence in the log and the history: voided
+        and routed around for the rest of the step, or left out when it was already."""
         trust = self.job.trust
         if trust.clip != "norm_bound":
             return True
@@ -156,6 +165,7 @@ class RoundChecks:
             self._medians |= medians  # a round that passed: the next ones' yardstick
             return True
         self.metrics.aborted_rounds.inc(sum(1 for f in found.values() if f))
+        self.metrics.refused.inc(sum(len(f) for f in found.values()))
         lines = [
             f"stage {stage}: {members[stage][j].peer}: {why} ({NORM_BOUND})"
             for stage, refused in sorted(found.items())
@@ -167,6 +177,21 @@ class RoundChecks:
         for stage, refused in sorted(found.items()):
             for j, why in sorted(refused.items()):
                 culprit = members[stage][j]
-                await self.leave_out(ledger, stage, culprit, [NORM_BOUND], why)
-                failure.left_out.append(LeftOut(stage, culprit.peer, [NORM_BOUND], why))
+                if ledger.routed_around(stage, culprit.peer):  # refused again, its replays too
+                    await self.leave_out(ledger, stage, culprit, [NORM_BOUND], why)
+                    failure.left_out.append(LeftOut(stage, culprit.peer, [NORM_BOUND], why))
+                    continue
+                # A yardstick, no proof: its work is judged again on another replica, and it
+                # keeps its state (a replica left out copies a member's to come back).
+                log.warning(
+                    "step %d: stage %d: %s's microbatches are replayed on the others, and it "
+                    "stays in its pool: the norm bound named it (%s)",
+                    ledger.step,
+                    stage,
+                    culprit.peer,
+                    why,
+                )
+                ledger.route_around(stage, culprit.peer)
+                await self.void(ledger, stage, culprit.peer)
+                failure.left_out.append(LeftOut(stage, culprit.peer, [NORM_BOUND], why, stays=True))
         return False

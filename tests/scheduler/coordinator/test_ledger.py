@@ -10,7 +10,7 @@ import pytest
 from scheduler.coordinator.ledger import Holding, StepLedger
 from swarm.clock import FakeClock
 from swarm.errors import InvalidArgument
-from swarm.rpc.lease import Task
+from swarm.rpc.lease import Replica, Task
 
 
 def _ledger(m: int = 4, stages: int = 3) -> tuple[StepLedger, FakeClock]:
@@ -55,6 +55,21 @@ def test_lost_replica_needs_replay_at_its_stage_only() -> None:
         ledger.report("b", 7, task.index, {1: "q1"}, loss_sum=None, samples=4)
     assert ledger.complete and ledger.holdings(1) == {"q1": [0, 1, 2]}
     assert ledger.loss() == 6.0 / 12  # losses kept from the first run, not counted again
+
+
+def test_a_step_s_tasks_are_routed_around_a_replica_the_norm_bound_refused() -> None:
+    """The replicas a step's tasks may be routed to: without one its work was refused at (its
+    replays are judged on another), and never none at a stage. Another step's are its own."""
+    ledger, _ = _ledger(stages=2)
+    members = [[Replica("a", "h:1")], [Replica("b", "h:2"), Replica("c", "h:3")]]
+    assert ledger.routes(members) == members
+    ledger.route_around(1, "c")
+    assert ledger.routed_around(1, "c") and not ledger.routed_around(0, "c")
+    assert ledger.routes(members) == [members[0], [Replica("b", "h:2")]]
+    ledger.route_around(1, "b")  # every replica of the stage: the stage keeps them all
+    ledger.route_around(0, "a")
+    assert ledger.routes(members) == members
+    assert _ledger(stages=2)[0].routes(members) == members  # another step's ledger
 
 
 def test_race_between_two_trainers_leaves_the_extra_holder_to_the_receipts() -> None:

@@ -6,13 +6,14 @@ pool stays bitwise identical and no comparison among its members can see it; the
 naming the owner, which is banned (its sum's norm convicts it:
 `scheduler.coordinator.trust.sum_liars`) and its work replayed away, so the job equals `swarm
 local`. Another contributes its gradient times 1e4 (every sum checks out): the norm bound refuses
-it, it is left out (never banned: an honest gradient may pass the bound) and its microbatches are
-replayed. Real stage servers on real ports, in this process (so one's averager or commit can
-lie)."""
+it (never banned: an honest gradient may pass the bound), its microbatches are replayed by the
+others and it stays in its pool; refused again at the same step, it is left out. Real stage
+servers on real ports, in this process (so one's averager or commit can lie)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,41 +102,83 @@ async def test_a_replica_owner_s_wrong_sum_fails_its_round_and_the_job_stays_exa
 
 @pytest.mark.attack("55-norm")
 @pytest.mark.timeout(180)
-async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(
+async def test_a_replica_s_finite_wrong_gradient_is_refused_by_the_norm_bound(bent: Bent) -> None:
+    """Issue 55, item 4: a replica of stage 1 multiplies the gradient sums it contributes by
+    1e4 (finite; every part it sends, its own part's too, so every sum checks out). With the
+    norm bound on (the default), its contribution is far past the others' per microbatch: the
+    round fails, its microbatches are replayed by the others (the step's replays routed around
+    it), and the job equals `swarm local` within 1e-9 (the bound refuses, it never scales).
+    It stays in its pool, as an honest replica whose microbatches were the step's largest
+    must (before: left out, it copied a member's state to come back, every such step): with
+    none of the step's microbatches left, it sends zeros, which pass."""
+    liar, poisoned, coordinator, said = await bent(lambda t: t.mul_(1e4))
+    # named once, and said to be a yardstick an honest gradient spike can pass too
+    named = [m for m in said if "named it" in m]
+    assert any(liar.address in m and "stays in its pool" in m for m in named), named
+    assert all(m.count("norm bound") == 1 for m in named), named
+    assert all("honest gradient spike" in m for m in named), named
+    assert not any(liar.address not in m for m in named), named  # no honest replica named
+    assert not [m for m in said if "leaving" in m]  # nobody left out: no state copied
+    assert coordinator.metrics.dropped._value.get() == 0
+    assert coordinator.metrics.refused._value.get() == len(set(poisoned)), poisoned  # a step each
+    assert coordinator.job.trust.clip == "norm_bound"  # the default
+    await coordinator.close()
+
+
+@pytest.mark.attack("55-norm")
+@pytest.mark.timeout(180)
+async def test_a_replica_past_the_norm_bound_again_at_the_same_step_is_left_out(bent: Bent) -> None:
+    """A replica of stage 1 adds 1e4 to every gradient sum it contributes, so that even with
+    none of the step's microbatches (voided, the replays routed around it) it is past the bound
+    again: refused twice at one step, it is left out (never banned), and the job equals `swarm
+    local` within 1e-9."""
+    liar, _, coordinator, said = await bent(lambda t: t.add_(1e4))
+    stays = [m for m in said if "stays in its pool" in m and "named it" in m]
+    left = [m for m in said if "leaving" in m and "named it" in m]
+    assert any(liar.address in m for m in stays), stays  # refused once: voided
+    assert any(liar.address in m and "norm bound" in m for m in left), left  # and again
+    assert not any(liar.address not in m for m in stays + left), stays + left
+    assert not coordinator.bans.banned
+    await coordinator.close()
+
+
+# (bend) -> the liar, the steps it bent at (a round each), the coordinator (to close), the log
+Bent = Callable[
+    [Callable[[torch.Tensor], object]],
+    Awaitable[tuple[Any, list[int], LocalCoordinator, list[str]]],
+]
+
+
+@pytest.fixture
+def bent(
     tmp_path: Path,
     make_swarm: list[Swarm],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Issue 55, item 4: a replica of stage 1 multiplies the gradient sums it contributes by
-    1e4 (finite; every part it sends, its own part's too, so every sum checks out). With the
-    norm bound on (the default), its contribution is far past the others' per microbatch: the
-    round fails, it is left out and its microbatches are replayed by the others, and the job
-    equals `swarm local` within 1e-9 (the bound refuses, it never scales)."""
-    job, swarm = await _pool(tmp_path, make_swarm, 3)
-    liar = swarm.servers[1][2]
-    committer = liar.servicer._commits
-    honest, poisoned = committer._average, []
+) -> Bent:
+    """A 3-step job on three replicas a stage, the last of stage 1 bending the gradient sums it
+    contributes by `bend` before it averages them (every part it sends, its own part's too, so
+    every sum checks out), trained to `swarm local`'s parameters within 1e-9."""
 
-    async def scaled(c: Any, sums: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        for t in sums:
-            t.mul_(1e4)
-        poisoned.append(c.step)
-        return await honest(c, sums, *args, **kwargs)
+    async def run(bend: Callable[[torch.Tensor], object]) -> Any:
+        job, swarm = await _pool(tmp_path, make_swarm, 3)
+        liar = swarm.servers[1][2]
+        committer = liar.servicer._commits
+        honest, poisoned = committer._average, []
 
-    monkeypatch.setattr(committer, "_average", scaled)
-    coordinator, routes = await _trained(job, swarm, caplog)
-    assert poisoned, "the liar contributed to a round"
-    assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
-    left = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
-    assert any(liar.address in m and "norm bound" in m for m in left), left
-    # named once, and said to be a yardstick an honest gradient spike can pass too
-    named = [m for m in left if "named it" in m]
-    assert named and all(m.count("norm bound") == 1 for m in named), named
-    assert all("honest gradient spike" in m for m in named), named
-    assert not any(liar.address not in m for m in left), left  # no honest replica named
-    assert job.trust.clip == "norm_bound"  # the default
-    await coordinator.close()
+        async def bent(c: Any, sums: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            for t in sums:
+                bend(t)
+            poisoned.append(c.step)
+            return await honest(c, sums, *args, **kwargs)
+
+        monkeypatch.setattr(committer, "_average", bent)
+        coordinator, routes = await _trained(job, swarm, caplog)
+        assert poisoned, "the liar contributed to a round"
+        assert_equal_to_reference(job, await gather_state(coordinator), routes, tol=1e-9)
+        return liar, poisoned, coordinator, [r.getMessage() for r in caplog.records]
+
+    return run
 
 
 @pytest.mark.attack("55-report")

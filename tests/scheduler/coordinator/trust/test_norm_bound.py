@@ -42,8 +42,12 @@ def test_a_contribution_far_past_the_others_is_refused_and_honest_spread_is_not(
     assert found[2].endswith(": a bound an honest gradient spike can pass too"), found
     assert "norm bound" not in found[2]
     # as `swarm status` and the job's history say it: the rule named once, by the caller
-    said = RoundFailure("", [LeftOut(1, "c", [NORM_BOUND], found[2])]).status(3)
-    assert said.count("norm bound") == 1 and said.startswith("step 3: stage 1: c left out"), said
+    said = RoundFailure("", [LeftOut(1, "c", [NORM_BOUND], found[2], stays=True)]).status(3)
+    assert said.count("norm bound") == 1, said
+    assert said.startswith("step 3: stage 1: c stays in its pool: its contribution"), said
+    assert said.endswith("its microbatches are replayed on the others"), said
+    said = RoundFailure("", [LeftOut(1, "c", [NORM_BOUND], found[2])]).status(3)  # again
+    assert said.startswith("step 3: stage 1: c left out until it rejoins: its"), said
     assert median is not None and 0.4 < median < 0.7  # the honest ones', per microbatch
     # Per microbatch: a replica that took 6 microbatches sends a sum 6 times larger.
     found, _ = outliers(GROUP, _checks([1.0, 1.0, 6.0]), {0: 1, 1: 1, 2: 6}, 8.0)
