@@ -315,13 +315,13 @@ class LocalCoordinator:
         if any(not stage for stage in members):
             self._rollback.maybe()
             return Lease(newest, [], members)  # no work while a stage has no replica
-        # Routed around a replica whose work of a step a yardstick refused, until that step
-        # commits: its replays are judged on another replica (`StepLedger.routes`), and with
-        # delayed_update the step beside it sees the same stages (a trainer follows the view of
-        # its last lease).
+        # Every lease's view (a trainer routes by its last one's) without a replica whose work
+        # of a step a yardstick refused, until that step is applied: its replays are judged on
+        # another replica (`StepLedger.routes`), and with delayed_update the step beside it sees
+        # the same stages.
         routes = members
-        for live in self._window.working():
-            routes = live.ledger.routes(routes)
+        for unapplied in self._window.ledgers():
+            routes = unapplied.routes(routes)
         for live in self._window.working():  # the oldest first: replays hold up the next
             ledger = live.ledger
             returned = ledger.returned()
@@ -335,11 +335,11 @@ class LocalCoordinator:
                 self._open_next_early()
                 # Signed with their audits: a task whose contribution is audited is pushed as a
                 # run of its own, whose records its audit redoes (`LeaseSigner`).
-                audited = self.bans.audited(ledger, leased, routes)
-                signed = self._tickets.signed(audited, routes)
+                audited = self.bans.audited(ledger, leased, members)
+                signed = self._tickets.signed(audited, members)
                 ledger.pushed_as(signed)  # a late receipt is adopted only under its lease's run
                 return Lease(ledger.step, signed, routes)
-        return Lease(newest, [], members)
+        return Lease(newest, [], routes)
 
     def _open_next_early(self) -> None:
         """delayed_update: the next step opens before this one completes (`live_steps`)."""
@@ -470,7 +470,10 @@ class LocalCoordinator:
                 return True
             failure = self.two_phase.failure
             if failure is not None:
-                commit.failed_rounds += 1
+                # A round that only voided replicas past the norm bound is not counted: each
+                # is voided so at most once a step (`trust.round_checks`), and one owner's word
+                # must not spend two of the step's rounds on every honest sender it names.
+                commit.failed_rounds += 0 if failure.voided_only else 1
                 if self.on_status and failure.left_out:
                     await _maybe_await(self.on_status(failure.status(ledger.step)))
                 bound = self.job.runtime.max_commit_rounds

@@ -33,6 +33,12 @@ class RoundFailure:
     reason: str
     left_out: list[LeftOut] = field(default_factory=list)
 
+    @property
+    def voided_only(self) -> bool:
+        """Whether it named replicas and every one stays in its pool, its step's work replayed
+        (a norm bound's first refusals: at most one a replica a step)."""
+        return bool(self.left_out) and all(o.stays for o in self.left_out)
+
     def status(self, step: int) -> str:
         """One line for `swarm status` about those left out ("" when none was)."""
         return "; ".join(

@@ -348,7 +348,8 @@ class RuntimeConfig(Section):
     activation_cache: int = _f(64, GE0)  #: microbatches whose activations a server keeps (count)
     #: a pool round waits this long for a replica (s)
     averaging_timeout_s: float = _f(60.0, DEADLINE)
-    #: averaging rounds one step may fail (no commit between) before the job fails (count)
+    #: averaging rounds one step may fail (no commit between) before the job fails (count; a
+    #: round that only voided replicas past the norm bound, once each a step, is not counted)
     max_commit_rounds: int = _f(10, GE1)
     #: unreported leased microbatches go elsewhere (s)
     lease_timeout_s: float = _f(60.0, LEASE_TIMEOUT)

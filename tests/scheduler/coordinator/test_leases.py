@@ -214,6 +214,33 @@ async def test_a_late_receipt_for_a_microbatch_still_needed_is_adopted(
     assert (a.step, b.step, c_.step) == (1, 1, 1)
 
 
+async def test_every_lease_is_routed_around_a_refused_replica_until_its_step_is_applied(
+    tmp_path: Path, make_harness: MakeHarness
+) -> None:
+    """A replica whose work of a step the norm bound refused (`StepLedger.route_around`) is in
+    no lease's view until that step is applied, a lease with no task included (a trainer routes
+    every hop by its last lease's view: a long poll that ran out, a renewal or a report's lease
+    carried it back before, and a replay's next hop went to it); then it is back."""
+    job = job_of(tmp_path)
+    swarm = FakeSwarm(fingerprint(job), 2)
+    swarm.add(0, "a"), swarm.add(0, "b"), swarm.add(1, "c")
+    h = make_harness(job, swarm)
+    c = h.coordinator
+    await c.start()
+    assert [t.index for t in await _leased(c)] == [0, 1]
+    assert c.ledger is not None
+    c.ledger.route_around(0, "b")
+
+    def view(lease: Lease) -> list[list[str]]:
+        return [[r.peer for r in stage] for stage in lease.replicas]
+
+    assert view(await c.lease("u", 8)) == [["a"], ["c"]]  # nothing to lease: the view alone
+    await h.land(0, 0, {0: "a", 1: "c"})
+    await h.land(0, 1, {0: "a", 1: "c"})
+    assert {t.step for t in await _leased(c, "u")} == {1}  # step 0 applied
+    assert view(await c.lease("v", 8)) == [["a", "b"], ["c"]]
+
+
 async def _stray_at_stage_1(
     job: JobConfig, make_harness: MakeHarness, signed: bool = False
 ) -> tuple[Harness, FakeReplica, FakeReplica, FakeReplica]:
