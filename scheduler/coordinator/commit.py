@@ -76,9 +76,8 @@ class TwoPhaseCommit:
         self.metrics, self.groups, self.rounds = context.metrics, context.groups, rounds
         self.grad_clip = context.job.training.grad_clip  # 0: no clipping
         self.voids, self.void, self.bans = voids, voids.void, bans
-        self.checks = RoundChecks(
-            context, bans, self._leave_out, self.void
-        )  # each PREPARE's answers
+        # of each PREPARE's answers
+        self.checks = RoundChecks(context, bans, self._leave_out, self.void)
         # whose NaN or infinite answer fails the job, and whose leaves its replica out
         self.nonfinite = NonFinite(self.metrics, self.membership, self._leave_out)
         self._tried: StepLedger | None = None  # the ledger of the last attempt

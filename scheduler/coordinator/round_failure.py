@@ -40,7 +40,8 @@ class RoundFailure:
         return bool(self.left_out) and all(o.stays for o in self.left_out)
 
     def status(self, step: int) -> str:
-        """One line for `swarm status` about those left out ("" when none was)."""
+        """One line for `swarm status` about those it named, left out or kept in their pool
+        ("" when none was)."""
         return "; ".join(
             f"step {step}: stage {o.stage}: {o.peer} "
             + ("stays in its pool" if o.stays else "left out until it rejoins")
