@@ -163,6 +163,9 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A NaN norm against its own reports is its own"
     "nan-norm": "one replica of a pool of two answers PREPARE with a NaN norm of its pool's "
     "average: no majority, and another submitter's job fails",
+    # docs/decisions.md, "A NaN sent under finite words is one word against another"
+    "nan-hidden": "one replica of a pool sends one owner a NaN and reports finite values of "
+    "what it sent: the honest owners are left out one by one and the job fails",
     # docs/decisions.md, "A report of infinities fails nothing"
     "inf-report": "a lessee reports two digests, +inf and -inf: the coordinator's sum of them "
     "raises, and the job fails as a bug",

@@ -21,12 +21,17 @@ checks refuse, in processes of their own. Nothing here runs unless such a fault 
   it sent against its owners' about what they received;
 - `lie-norm@S`: likewise, it averages and reports honestly but answers PREPARE with a NaN
   squared norm of its pool's average (what it keeps to apply is honest): its word alone
-  against its pool's, which in a pool of two is no majority.
+  against its pool's, which in a pool of two is no majority;
+- `lie-nan@S`: likewise, one element of what it sends the next owner's part (the member after
+  it in the group) NaN, while its reports of that part say finite values (r·x and q·x 0, its
+  norm that of its own part): the NaN is seen by that one owner, whose word is then against
+  the sender's, and every member's sum of that part is NaN.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -58,10 +63,12 @@ def _lying(honest: Summer, forge: bool) -> Summer:
     return summer
 
 
-def poison(flat: torch.Tensor, averager: Averager, step: int) -> None:
+def poison(
+    flat: torch.Tensor, averager: Averager, step: int, parts: Sequence[slice], own: int
+) -> None:
     """Act hostile in step `step`'s round as this process's faults say: scale `flat` (this
-    replica's contribution) in place, and make `averager` lie in this round (or stop lying, at
-    a step its period skips)."""
+    replica's contribution, in the round's `parts`, its own the `own`th) in place, and make
+    `averager` lie in this round (or stop lying, at a step its period skips)."""
     if poisoning(Point.POISON_GRAD, step):
         log.warning("fault injected: %s@%d; contributing x%g", Point.POISON_GRAD, step, SCALE)
         flat.mul_(SCALE)
@@ -72,6 +79,10 @@ def poison(flat: torch.Tensor, averager: Averager, step: int) -> None:
     if poisoning(Point.POISON_NAN, step):
         log.warning("fault injected: %s@%d; contributing a NaN", Point.POISON_NAN, step)
         flat[flat.numel() // 2] = float("nan")
+    if poisoning(Point.LIE_NAN, step) and len(parts) > 1:
+        k = (own + 1) % len(parts)
+        log.warning("fault injected: %s@%d; sending a NaN to part %d", Point.LIE_NAN, step, k)
+        flat[parts[k].start] = float("nan")
     honest = getattr(averager.summer, "honest", None)
     lying = [p for p in (Point.POISON_SUM, Point.POISON_FORGE) if poisoning(p, step)]
     if lying and honest is None:
@@ -85,15 +96,20 @@ def misreport(checks: Sequence[pb.SumCheck], own: int, step: int) -> tuple[pb.Su
     """`checks` (this replica's reports of step `step`'s round, `own` its place in the group) as
     a `lie-report` fault has it say them: r·x of each part it sent to another owner moved by
     `LIE` of its magnitude (the values it sent were honest)."""
-    if not poisoning(Point.LIE_REPORT, step):
+    reporting, hiding = poisoning(Point.LIE_REPORT, step), poisoning(Point.LIE_NAN, step)
+    if not reporting and not hiding:
         return tuple(checks)
-    log.warning("fault injected: %s@%d; reporting what it sent wrong", Point.LIE_REPORT, step)
+    if reporting:
+        log.warning("fault injected: %s@%d; reporting what it sent wrong", Point.LIE_REPORT, step)
+    own_norm = next((c.norm for c in checks if c.part == own), 0.0)
     out = []
     for check in checks:
         lied = pb.SumCheck()
         lied.CopyFrom(check)
-        if check.part != own:
+        if check.part != own and reporting:
             lied.dot += LIE * (check.magnitude + 1.0)
+        if check.part != own and hiding and not math.isfinite(check.dot + check.norm):
+            lied.dot, lied.magnitude, lied.norm = 0.0, 0.0, own_norm  # as if nothing were amiss
         out.append(lied)
     return tuple(out)
 

@@ -447,7 +447,9 @@ class Committer:
         maybe_die(Point.AVERAGING, c.step)
         inject(Point.AVERAGING_OOM, c.step, self.peer)  # before this replica sends a byte
         flat = flatten(sums)  # a view of the part (or, of tensors apart, a copy of it)
-        poison(flat, self.averager, c.step)  # only where a hostile fault is armed (tests)
+        n = len(c.group)
+        # Only where a hostile fault is armed (tests); the parts as the butterfly cuts them.
+        poison(flat, self.averager, c.step, c.parts.bounds(flat.numel(), n), c.group_index)
         keep = None
         if spill is not None:
 

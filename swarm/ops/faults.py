@@ -83,6 +83,10 @@ class Point(enum.StrEnum):
     # a replica averages and reports honestly but answers PREPARE with a NaN squared norm of
     # its pool's average: one member's word to end another submitter's job
     LIE_NORM = "lie-norm"
+    # a replica sends a NaN in the values of one other owner's part but reports finite words of
+    # what it sent there (r·x, its norm): the NaN seen by that owner alone, its word against the
+    # sender's, and every member's sum of that part NaN
+    LIE_NAN = "lie-nan"
     # Refusing: this process refuses every tensor handed over to it, as a handle it cannot open
     # (b8f54b2's CUDA handover did, for torch 2.11's; issue 63): what the sender and the
     # trainer must survive, or at least name (`refuses_handover`). Its step is not read (a
@@ -104,6 +108,7 @@ HOSTILE = frozenset(
         Point.POISON_DIGEST,
         Point.LIE_REPORT,
         Point.LIE_NORM,
+        Point.LIE_NAN,
     }
 )
 

@@ -133,3 +133,33 @@ def test_a_nan_norm_from_one_of_a_pool_of_two_leaves_it_out_and_the_job_goes_on(
     assert counted(registry, "swarm_coordinator_bans_total") == 0
     assert any("leaving s0r1 out" in m and "its own reports" in m for m in said), said
     assert not any("leaving s0r0 out" in m for m in said), said
+
+
+@pytest.mark.attack("nan-hidden")
+def test_a_nan_sent_under_finite_words_fails_no_job_and_frames_no_one_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`lie-nan`: one replica of a pool of three sends the next owner's part a NaN from step 1
+    on, while its own reports of that part say finite values. Only that owner saw the NaN, and
+    every member's sum of the part is NaN. Before: its finite words were the part's expected
+    sum, so both honest replicas' r·S named the honest owner, left out alone; then the next
+    owner; then the job failed (`NonFiniteStep`). Now the NaN sum is what its owner says it
+    summed, and the liar's word against that owner's is one disagreement: the two are left
+    out together at each step it lies (a liar never removes an honest member without going
+    itself), nobody is banned on one word, and the job ends at `swarm local`'s parameters."""
+    job = write_job(tmp_path, training={"steps": 3, "target_batch_size": 16})
+    servers = Servers(job, [3, 1, 1, 1], [Fault("s0r2", Point.LIE_NAN, 1)], tmp_path)
+    state, registry, said = train_logged(servers, caplog)
+    assert_equal_to_local(job, state, tol=1e-9)
+    log = next(tmp_path.glob("s0r2-*.log"), None)
+    assert log is not None and "fault injected: lie-nan" in log.read_text()
+    assert counted(registry, "swarm_coordinator_bans_total") == 0
+    assert not any("fails its checksum at" in m for m in said), said  # no r·S named anyone
+    assert any("disagree" in m and "(nan)" in m for m in said), said
+    # Wherever an honest owner went, the liar went with it (it lies again at each step it
+    # has rejoined by; a copy may take longer than a step here).
+    left = [m for m in said if ": stage 0: leaving s0r" in m]
+    by_step: dict[str, set[str]] = {}
+    for m in left:
+        by_step.setdefault(m.split(":")[0], set()).add(m.split("leaving ")[1].split(" out")[0])
+    assert by_step and all("s0r2" in out and len(out) == 2 for out in by_step.values()), left

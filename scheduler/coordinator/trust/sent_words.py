@@ -19,6 +19,12 @@ honest pair agrees up to the dots' own rounding (`agree`). So:
   pool, framing an honest one takes two. A single disagreement convicts no one: the round
   fails, and both are left out (`judged`, as `sum_checks.replicas_to_leave_out` leaves out an
   owner and its lone accuser), their microbatches replayed.
+- **A NaN is a word too.** A member that says it sent finite values where its owner says it
+  summed a NaN or an infinity from it (or the other way round) disagrees with it, as over any
+  other value; both saying so is no disagreement (the sender's own NaN: `norm_bound` refuses
+  it). The part's NaN sum is then what its owner says it summed, and is not held to the
+  members' words (`sum_checks.mismatches`): before, a member that sent one owner a NaN under
+  finite words had every member's r·S name that honest owner, left out alone, then the next.
 - **The contributions' audit reads them too** (`contributions`): q·x_jk of an audited j's
   share of another's part is that owner's word, which no member's lie moves.
 An owner that reports no words (an aggregator, or a replica that did not say them) leaves the
@@ -38,7 +44,7 @@ from scheduler.coordinator.trust.sum_checks import (
     Accusations,
     Checksums,
     encoding_allowed,
-    owner_words,
+    said_words,
     verify,
 )
 from scheduler.coordinator.trust.totals import reported_sum
@@ -124,14 +130,19 @@ def disagreements(
             for check in checks:
                 by_part.setdefault(check.part, {})[j] = check
         for part, of in sorted(by_part.items()):
-            words = owner_words(of, part, m)
+            words = said_words(of, part, m)
             if words is None:
                 continue
             for j, c in sorted(of.items()):
                 if j == part or not 0 <= j < m:
                     continue
                 received, magnitude = words[j]
-                if not agree(c.dot, c.magnitude, received, magnitude):
+                sent_finite = math.isfinite(c.dot + c.magnitude)
+                if sent_finite != math.isfinite(received + magnitude):
+                    # One says a NaN or an infinity went over, the other finite values: the
+                    # sender's word against the owner's, as any other disagreement is.
+                    found.append(Disagreement(j, part, c.dot, received, seed))
+                elif sent_finite and not agree(c.dot, c.magnitude, received, magnitude):
                     found.append(Disagreement(j, part, c.dot, received, seed))
     return found
 

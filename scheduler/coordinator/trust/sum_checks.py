@@ -73,9 +73,11 @@ __all__ = [
     "encoding_allowed",
     "mismatches",
     "new_seed",
+    "nonfinite_senders",
     "norm_ceiling",
     "owner_words",
     "replicas_to_leave_out",
+    "said_words",
     "tolerance",
     "verify",
 ]
@@ -127,7 +129,7 @@ class Mismatch:
     got: float  # its r·S (or its ‖S‖)
     expected: float  # Σ_j r·x_j (or the most ‖S‖ may be: `norm_ceiling`)
     tolerance: float
-    what: str = "r·S"  # which check it fails
+    what: str = "r·S"  # which check it fails ("‖S‖", "x·S"; "own x": its owner's two words)
 
 
 def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
@@ -155,27 +157,47 @@ def encoding_allowed(reports: Iterable[pb.SumCheck], norms: float) -> float:
     return min(reported, 1.01 * ERROR_SHARE * norms)
 
 
-def owner_words(
+def said_words(
     of: Mapping[int, pb.SumCheck], part: int, m: int
 ) -> list[tuple[float, float]] | None:
     """Replica `part`'s words about what each of the `m` contributors sent its part, in sender
-    order: (r·x, Σ|r·x|) each; None where it said none, or some not finite."""
+    order: (r·x, Σ|r·x|) each, NaN or infinite ones included; None where it said none."""
     own = of.get(part)
     if own is None or part >= m:
         return None
     if len(own.received_dots) != m or len(own.received_magnitudes) != m:
         return None  # checked before copying: a report's lists are sized by its sender
-    dots, magnitudes = list(own.received_dots), list(own.received_magnitudes)
-    if not all(math.isfinite(v) for v in dots + magnitudes):
+    return list(zip(own.received_dots, own.received_magnitudes, strict=True))
+
+
+def owner_words(
+    of: Mapping[int, pb.SumCheck], part: int, m: int
+) -> list[tuple[float, float]] | None:
+    """Replica `part`'s words about what each of the `m` contributors sent its part, in sender
+    order: (r·x, Σ|r·x|) each; None where it said none, or some not finite."""
+    words = said_words(of, part, m)
+    if words is None or not all(math.isfinite(d + a) for d, a in words):
         return None
-    return list(zip(dots, magnitudes, strict=True))
+    return words
+
+
+def nonfinite_senders(of: Mapping[int, pb.SumCheck], part: int, m: int) -> list[int]:
+    """The contributors replica `part` says sent its part a NaN or an infinity (its words of
+    what it summed: `said_words`). Its sum is then NaN by what it summed, whatever the senders
+    say they sent: one that says otherwise is in disagreement with it (`sent_words`)."""
+    words = said_words(of, part, m) or []
+    return [j for j, (dot, magnitude) in enumerate(words) if not math.isfinite(dot + magnitude)]
 
 
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
     """The sums that fail their checksum, given each contributor's reports (contributor index ->
     its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
     reported it, with finite contributions (a NaN or infinite gradient is the norm bound's and
-    the commit's: `nonfinite`); a NaN or infinite sum of finite contributions is a mismatch."""
+    the commit's: `nonfinite`); a NaN or infinite sum of finite contributions is a mismatch.
+    Where the owner says a sender sent it a NaN or an infinity (`nonfinite_senders`), its sum
+    is not judged here: the sender's word against the owner's is `sent_words`'; an owner that
+    says so of its own contribution, against its own report of it, is named by every other
+    contributor ("own x")."""
     if len(reports) < contributors or contributors < 2:
         return []
     by_part: dict[int, dict[int, pb.SumCheck]] = {}
@@ -188,6 +210,20 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
             continue
         checks = list(of.values())
         if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
+            continue
+        named = nonfinite_senders(of, part, contributors)
+        if named:
+            # Its owner says a sender sent it a NaN or an infinity: a NaN sum is what it summed,
+            # and who sent it is the senders' word against the owner's (`sent_words`). Before,
+            # the senders' finite words were its expected sum, and a member that sent one owner
+            # a NaN while saying finite values had that honest owner left out, then the next.
+            if part in named:  # its own contribution, by its word, against its own report
+                own = of[part]
+                found += [
+                    Mismatch(part, j, float("nan"), own.dot, 0.0, "own x")
+                    for j in sorted(of)
+                    if j != part
+                ]
             continue
         # The owner's words about what each sent it, where it said them: a member's word
         # about its own contribution is held to them (`sent_words`), never summed here.
@@ -294,6 +330,9 @@ def verify(
             if bad.what == "r·S":
                 said = f"r·S = {bad.got!r}, the contributions' Σ r·x = {bad.expected!r}, within "
                 said += f"{bad.tolerance:.3g}"
+            elif bad.what == "own x":
+                said = "its owner says it summed a NaN or an infinity of its own, where its own "
+                said += f"report of its contribution says r·x = {bad.expected!r}"
             else:
                 said = f"‖S‖ = {bad.got!r}, past the contributions' Σ ‖x‖ = {bad.expected!r}"
             lines.append(

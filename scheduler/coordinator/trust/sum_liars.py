@@ -17,7 +17,8 @@ of evidence convict:
   them is honest, and an honest contributor's sum came from the owner;
 - **two disagreements**: a member whose words about what it sent disagree with two owners'
   about what they received, or an owner whose words disagree with two members'
-  (`sent_words.liars`: framing an honest one takes two liars).
+  (`sent_words.liars`: framing an honest one takes two liars); a word that a NaN or an
+  infinity went over, against another's that finite values did, is a disagreement too.
 Anything less (one accuser, one disagreement, an owner that said no words of what it summed, a
 part an aggregator owns, a NaN or infinite norm or sum) convicts no one. What this cannot
 convict: an owner that forges its sum and its word about its own contribution alike, with r·e

@@ -108,6 +108,69 @@ def test_honest_words_convict_and_accuse_no_one() -> None:
     assert judged({0: GROUP}, {0: _checks()}) == ({}, [])
 
 
+NAN = float("nan")
+
+
+def _nan_to_part(owner: int, senders: tuple[int, ...], **kw: Any) -> dict[int, Checksums]:
+    """`owner` says `senders` sent its part a NaN (and the sum it answered every member is NaN,
+    as an honest owner's then is), each sender saying what `kw`'s `said` has it say."""
+    checks = _checks(
+        received={(owner, j): NAN for j in senders},
+        sums={(j, owner): NAN for j in range(3)},
+        **kw,
+    )
+    return checks
+
+
+@pytest.mark.attack("nan-hidden")
+def test_a_nan_sent_to_one_owner_under_finite_words_is_one_disagreement() -> None:
+    """Member 2 sends owner 0 a NaN and says it sent finite values. Before, its word was the
+    part's expected sum: every member's NaN r·S named the honest owner (left out alone), then
+    the next, and the job failed on the NaN (`NonFiniteStep`). Now the NaN sum is what its
+    owner says it summed: no member's r·S names it, and the member's word against the
+    owner's is one disagreement: both left out, no one convicted."""
+    hidden = _nan_to_part(0, (2,))
+    assert mismatches(_reports(hidden), 3) == []
+    assert convicted({0: GROUP}, {0: hidden}) == {}
+    accusations, lines = judged({0: GROUP}, {0: hidden})
+    assert len(lines) == 1 and "disagree" in lines[0] and "(nan)" in lines[0], lines
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
+    # hidden from both other owners: two disagreements, convicted
+    both = _checks(
+        received={(0, 2): NAN, (1, 2): NAN}, sums={(j, k): NAN for j in range(3) for k in (0, 1)}
+    )
+    found = convicted({0: GROUP}, {0: both})
+    assert list(found[0]) == [2] and "2 owners'" in found[0][2], found
+
+
+def test_a_nan_its_sender_says_too_is_no_disagreement() -> None:
+    """An honest sender's NaN (a faulty device): its own word says so as its owner's does. No
+    disagreement, no sum to judge: the norm bound refuses it (`norm_bound`)."""
+    honest = _nan_to_part(0, (2,), said={(2, 0): NAN})
+    assert mismatches(_reports(honest), 3) == []
+    assert judged({0: GROUP}, {0: honest}) == ({}, [])
+
+
+def test_an_owner_saying_two_members_sent_it_nans_is_convicted() -> None:
+    """A hostile owner framing honest senders with a NaN word, and answering a NaN sum: it
+    disagrees with two of them (before, its sum failed nobody's check: no words to hold)."""
+    framing = _nan_to_part(0, (1, 2))
+    found = convicted({0: GROUP}, {0: framing})
+    assert list(found[0]) == [0] and "2 members'" in found[0][0], found
+
+
+def test_an_owner_saying_its_own_contribution_was_a_nan_is_left_out_alone() -> None:
+    """Its word of what it summed of its own against its own report of what it contributed
+    (finite): the sum it answered is judged by nobody's finite words, so it must not pass.
+    Every other member names it: left out alone."""
+    itself = _checks(received={(0, 0): NAN}, sums={(j, 0): 2.5 for j in range(3)})
+    found = mismatches(_reports(itself), 3)
+    assert {(b.part, b.contributor, b.what) for b in found} == {(0, 1, "own x"), (0, 2, "own x")}
+    accusations, lines = judged({0: GROUP}, {0: itself})
+    assert len(lines) == 2 and "NaN or an infinity of its own" in lines[0], lines
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
+
+
 # The contributions' audit, with real values: three replicas of N parameters
 # (tests/support/audited_round.py).
 
