@@ -95,7 +95,8 @@ def poison(
 def misreport(checks: Sequence[pb.SumCheck], own: int, step: int) -> tuple[pb.SumCheck, ...]:
     """`checks` (this replica's reports of step `step`'s round, `own` its place in the group) as
     a `lie-report` fault has it say them: r·x of each part it sent to another owner moved by
-    `LIE` of its magnitude (the values it sent were honest)."""
+    `LIE` of its magnitude (the values it sent were honest); or a `lie-nan` fault: each report
+    of a part it sent a NaN to said finite (r·x and Σ|r·x| 0, its norm its own part's)."""
     reporting, hiding = poisoning(Point.LIE_REPORT, step), poisoning(Point.LIE_NAN, step)
     if not reporting and not hiding:
         return tuple(checks)

@@ -17,14 +17,17 @@ honest pair agrees up to the dots' own rounding (`agree`). So:
   disagrees with every honest party it deals with and an honest one only with liars: the party
   in disagreement with two others or more is the liar (`liars`), and with at most one liar in a
   pool, framing an honest one takes two. A single disagreement convicts no one: the round
-  fails, and both are left out (`judged`, as `sum_checks.replicas_to_leave_out` leaves out an
-  owner and its lone accuser), their microbatches replayed.
-- **A NaN is a word too.** A member that says it sent finite values where its owner says it
-  summed a NaN or an infinity from it (or the other way round) disagrees with it, as over any
-  other value; both saying so is no disagreement (the sender's own NaN: `norm_bound` refuses
-  it). The part's NaN sum is then what its owner says it summed, and is not held to the
-  members' words (`sum_checks.mismatches`): before, a member that sent one owner a NaN under
-  finite words had every member's r·S name that honest owner, left out alone, then the next.
+  fails, and in a pool of three or more both are left out (`judged`, as
+  `sum_checks.replicas_to_leave_out` leaves out an owner and its lone accuser), their
+  microbatches replayed.
+- **A NaN is a word too.** A member whose word (r·x, Σ|r·x| or its norm) says it sent finite
+  values where its owner says it summed a NaN or an infinity from it (or the other way round)
+  disagrees with it, as over any other value; both saying so is no disagreement (the sender's
+  own NaN: `norm_bound` refuses it, reading the same three). The part's sum is then not held
+  to the members' words (`sum_checks._owned`: an honest owner's is NaN, and one taken back
+  finite names the owner): before, a member that sent one owner a NaN under finite words had
+  every member's r·S name that honest owner, left out alone, then the next. In a pool of two
+  the one other contributor is a majority: there the owner goes alone, as for any word.
 - **The contributions' audit reads them too** (`contributions`): q·x_jk of an audited j's
   share of another's part is that owner's word, which no member's lie moves.
 An owner that reports no words (an aggregator, or a replica that did not say them) leaves the
@@ -137,7 +140,8 @@ def disagreements(
                 if j == part or not 0 <= j < m:
                     continue
                 received, magnitude = words[j]
-                sent_finite = math.isfinite(c.dot + c.magnitude)
+                # Its word as the norm bound reads it too (`norm_bound._says_itself`).
+                sent_finite = math.isfinite(c.dot + c.magnitude + c.norm)
                 if sent_finite != math.isfinite(received + magnitude):
                     # One says a NaN or an infinity went over, the other finite values: the
                     # sender's word against the owner's, as any other disagreement is.

@@ -129,7 +129,8 @@ class Mismatch:
     got: float  # its r·S (or its ‖S‖)
     expected: float  # Σ_j r·x_j (or the most ‖S‖ may be: `norm_ceiling`)
     tolerance: float
-    what: str = "r·S"  # which check it fails ("‖S‖", "x·S"; "own x": its owner's two words)
+    # which check it fails: "r·S", "‖S‖", "x·S"; its owner's own words: "own x", "finite S"
+    what: str = "r·S"
 
 
 def tolerance(reports: Sequence[pb.SumCheck], contributors: int) -> float:
@@ -194,10 +195,8 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
     its `SumCheck`s) of one round of `contributors`. A part is judged only when every contributor
     reported it, with finite contributions (a NaN or infinite gradient is the norm bound's and
     the commit's: `nonfinite`); a NaN or infinite sum of finite contributions is a mismatch.
-    Where the owner says a sender sent it a NaN or an infinity (`nonfinite_senders`), its sum
-    is not judged here: the sender's word against the owner's is `sent_words`'; an owner that
-    says so of its own contribution, against its own report of it, is named by every other
-    contributor ("own x")."""
+    Where the owner says a sender sent it a NaN or an infinity, or contradicts its own report of
+    its own contribution, its sum is not held to the senders' words (`_owned`)."""
     if len(reports) < contributors or contributors < 2:
         return []
     by_part: dict[int, dict[int, pb.SumCheck]] = {}
@@ -209,22 +208,12 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         if len(of) < contributors:
             continue
         checks = list(of.values())
+        owned = _owned(of, part, contributors)
+        if owned is not None:
+            found += owned  # what its owner says of it, against itself
+            continue
         if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
-            continue
-        named = nonfinite_senders(of, part, contributors)
-        if named:
-            # Its owner says a sender sent it a NaN or an infinity: a NaN sum is what it summed,
-            # and who sent it is the senders' word against the owner's (`sent_words`). Before,
-            # the senders' finite words were its expected sum, and a member that sent one owner
-            # a NaN while saying finite values had that honest owner left out, then the next.
-            if part in named:  # its own contribution, by its word, against its own report
-                own = of[part]
-                found += [
-                    Mismatch(part, j, float("nan"), own.dot, 0.0, "own x")
-                    for j in sorted(of)
-                    if j != part
-                ]
-            continue
+            continue  # a sender's own NaN, where its owner said no words (or its own: above)
         # The owner's words about what each sent it, where it said them: a member's word
         # about its own contribution is held to them (`sent_words`), never summed here.
         words = owner_words(of, part, contributors)
@@ -244,6 +233,36 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
                 found.append(Mismatch(part, j, c.sum_norm, most, 0.0, "‖S‖"))
         found += crossed(part, of, contributors)
     return found
+
+
+def _owned(of: Mapping[int, pb.SumCheck], part: int, contributors: int) -> list[Mismatch] | None:
+    """Where replica `part`'s words say a NaN or an infinity went into its part, or where its
+    own report of its own contribution says one did, against its word: the part's mismatches
+    (each naming the owner), and its sum is not held to anyone's finite words. None: its words
+    are finite and its own report agrees, judged as any part is.
+
+    - Its own report of its contribution and its word of it, one finite and one not: it
+      contradicts itself, and every other contributor names it ("own x"). Else a hostile owner
+      could name itself (or report its own dot NaN) and answer a sum no finite word held.
+    - Its words name a sender (`nonfinite_senders`): an honest owner's sum is then NaN, so a
+      sum taken back finite contradicts its own word, and each contributor that took one back
+      names it ("finite S"). Who sent the NaN is the sender's word against the owner's
+      (`sent_words`); before, the senders' finite words were the part's expected sum, and a
+      member that sent one owner a NaN under finite words had that honest owner left out,
+      then the next."""
+    words, own = said_words(of, part, contributors), of.get(part)
+    if words is None or own is None:
+        return None
+    said_own = math.isfinite(own.dot + own.magnitude + own.norm)
+    if said_own != math.isfinite(words[part][0] + words[part][1]):
+        return [Mismatch(part, j, math.nan, own.dot, 0.0, "own x") for j in sorted(of) if j != part]
+    if not nonfinite_senders(of, part, contributors):
+        return None
+    return [
+        Mismatch(part, j, c.sum_dot, math.nan, 0.0, "finite S")
+        for j, c in sorted(of.items())
+        if math.isfinite(c.sum_dot) or math.isfinite(c.sum_norm)
+    ]
 
 
 def crossed(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> list[Mismatch]:
@@ -331,8 +350,16 @@ def verify(
                 said = f"r·S = {bad.got!r}, the contributions' Σ r·x = {bad.expected!r}, within "
                 said += f"{bad.tolerance:.3g}"
             elif bad.what == "own x":
-                said = "its owner says it summed a NaN or an infinity of its own, where its own "
-                said += f"report of its contribution says r·x = {bad.expected!r}"
+                said = "its owner's word of what it summed of its own contribution and its "
+                said += f"report of that contribution (r·x = {bad.expected!r}) are not both "
+                said += "finite, nor both NaN or infinite"
+            elif bad.what == "finite S":
+                said = "its owner says it summed a NaN or an infinity, and the sum taken back "
+                said += f"is finite (r·S = {bad.got!r})"
+            elif bad.what == "x·S":
+                said = (
+                    f"‖S‖² - 2·Σ x·S = {bad.got!r}, past what the codec allows ({bad.expected!r})"
+                )
             else:
                 said = f"‖S‖ = {bad.got!r}, past the contributions' Σ ‖x‖ = {bad.expected!r}"
             lines.append(

@@ -17,6 +17,7 @@ import torch
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.trust.contributions import Contributions
+from scheduler.coordinator.trust.norm_bound import outliers
 from scheduler.coordinator.trust.sent_words import judged
 from scheduler.coordinator.trust.sum_checks import Checksums, mismatches, replicas_to_leave_out
 from scheduler.coordinator.trust.sum_liars import convicted
@@ -111,15 +112,28 @@ def test_honest_words_convict_and_accuse_no_one() -> None:
 NAN = float("nan")
 
 
-def _nan_to_part(owner: int, senders: tuple[int, ...], **kw: Any) -> dict[int, Checksums]:
-    """`owner` says `senders` sent its part a NaN (and the sum it answered every member is NaN,
-    as an honest owner's then is), each sender saying what `kw`'s `said` has it say."""
+def _nan_to_part(
+    owner: int, senders: tuple[int, ...], *, sums: float = NAN, **kw: Any
+) -> dict[int, Checksums]:
+    """`owner` says `senders` sent its part a NaN (its words and its squares of them), and the
+    sum every member took back of it has r·S and ‖S‖ `sums` (NaN: an honest owner's then);
+    each sender saying what `kw`'s `said` has it say."""
     checks = _checks(
         received={(owner, j): NAN for j in senders},
-        sums={(j, owner): NAN for j in range(3)},
+        sums={(j, owner): sums for j in range(3)},
         **kw,
     )
+    for j, c in checks.items():
+        c.reports[owner].sum_norm = sums
+        if j == owner:
+            for i in senders:
+                c.reports[owner].received[i] = NAN
     return checks
+
+
+def _refused(checks: dict[int, Checksums]) -> dict[int, str]:
+    """The norm bound's refusals of the round (each member took one microbatch)."""
+    return outliers(GROUP, checks, {0: 1, 1: 1, 2: 1}, 8.0)[0]
 
 
 @pytest.mark.attack("nan-hidden")
@@ -135,39 +149,77 @@ def test_a_nan_sent_to_one_owner_under_finite_words_is_one_disagreement() -> Non
     accusations, lines = judged({0: GROUP}, {0: hidden})
     assert len(lines) == 1 and "disagree" in lines[0] and "(nan)" in lines[0], lines
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
+    # its taken-back sum said finite besides: the same two, nobody else named
+    lying = _nan_to_part(0, (2,))
+    lying[2].reports[0].sum_dot = 3.0
+    accusations, _ = judged({0: GROUP}, {0: lying})
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
     # hidden from both other owners: two disagreements, convicted
     both = _checks(
         received={(0, 2): NAN, (1, 2): NAN}, sums={(j, k): NAN for j in range(3) for k in (0, 1)}
     )
+    for c in both.values():
+        c.reports[0].sum_norm = c.reports[1].sum_norm = NAN
     found = convicted({0: GROUP}, {0: both})
     assert list(found[0]) == [2] and "2 owners'" in found[0][2], found
 
 
-def test_a_nan_its_sender_says_too_is_no_disagreement() -> None:
-    """An honest sender's NaN (a faulty device): its own word says so as its owner's does. No
-    disagreement, no sum to judge: the norm bound refuses it (`norm_bound`)."""
-    honest = _nan_to_part(0, (2,), said={(2, 0): NAN})
-    assert mismatches(_reports(honest), 3) == []
-    assert judged({0: GROUP}, {0: honest}) == ({}, [])
+@pytest.mark.attack("nan-hidden")
+@pytest.mark.parametrize("field", ["norm", "dot", "magnitude"])
+def test_a_nan_its_sender_says_too_is_no_disagreement_and_the_norm_bound_refuses_it(
+    field: str,
+) -> None:
+    """An honest sender's NaN (a faulty device): its own word says so as its owner's does, in
+    any of its norm, r·x or Σ|r·x|. No disagreement, no sum to judge: the norm bound refuses it.
+    Before, a NaN said in its dot alone (its norm finite) passed the bound, and the round with
+    it: the pool's average was NaN and the job failed."""
+    says = _nan_to_part(0, (2,))
+    setattr(says[2].reports[0], field, NAN)
+    assert mismatches(_reports(says), 3) == []
+    assert judged({0: GROUP}, {0: says}) == ({}, [])
+    assert list(_refused(says)) == [2], _refused(says)
 
 
 def test_an_owner_saying_two_members_sent_it_nans_is_convicted() -> None:
     """A hostile owner framing honest senders with a NaN word, and answering a NaN sum: it
-    disagrees with two of them (before, its sum failed nobody's check: no words to hold)."""
+    disagrees with two of them (before, every member's NaN r·S named it: left out, not
+    convicted)."""
     framing = _nan_to_part(0, (1, 2))
     found = convicted({0: GROUP}, {0: framing})
     assert list(found[0]) == [0] and "2 members'" in found[0][0], found
 
 
-def test_an_owner_saying_its_own_contribution_was_a_nan_is_left_out_alone() -> None:
-    """Its word of what it summed of its own against its own report of what it contributed
-    (finite): the sum it answered is judged by nobody's finite words, so it must not pass.
-    Every other member names it: left out alone."""
-    itself = _checks(received={(0, 0): NAN}, sums={(j, 0): 2.5 for j in range(3)})
+def test_an_owner_naming_a_nan_and_answering_a_finite_sum_is_left_out_alone() -> None:
+    """Its word that member 1 sent a NaN, and a finite sum (garbage) answered: no honest
+    owner's sum is finite after summing a NaN, so each member that took it back names it, and
+    it goes alone (member 1's disagreement with it is one of them)."""
+    garbage = _nan_to_part(0, (1,), sums=5.0)
+    found = mismatches(_reports(garbage), 3)
+    assert {(b.contributor, b.what) for b in found} == {(j, "finite S") for j in range(3)}
+    accusations, lines = judged({0: GROUP}, {0: garbage})
+    assert any("the sum taken back is finite" in line for line in lines), lines
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
+
+
+@pytest.mark.parametrize("own", ["word", "dot", "magnitude", "norm"])
+def test_an_owner_contradicting_itself_about_its_own_contribution_is_left_out_alone(
+    own: str,
+) -> None:
+    """Its word of what it summed of its own (a NaN) against its own report of it (finite), or
+    the other way round (its report NaN in one field, its word finite): either way the sum it
+    answered would be held to no finite word. Before, a NaN in its own report skipped the part
+    and a forged sum (r·S 3e6 against Σ r·x 3) passed every check. Every other member names
+    it: left out alone."""
+    forged = {(j, 0): 3e6 for j in range(3)}
+    if own == "word":
+        itself = _checks(received={(0, 0): NAN}, sums=forged)
+    else:
+        itself = _checks(sums=forged)
+        setattr(itself[0].reports[0], own, NAN)
     found = mismatches(_reports(itself), 3)
     assert {(b.part, b.contributor, b.what) for b in found} == {(0, 1, "own x"), (0, 2, "own x")}
     accusations, lines = judged({0: GROUP}, {0: itself})
-    assert len(lines) == 2 and "NaN or an infinity of its own" in lines[0], lines
+    assert len(lines) == 2 and "not both finite" in lines[0], lines
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
 
 
