@@ -166,6 +166,10 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A NaN sent under finite words is one word against another"
     "nan-hidden": "one replica of a pool sends one owner a NaN and reports finite values of "
     "what it sent: the honest owners are left out one by one and the job fails",
+    # docs/decisions.md, "A route's clients are made when a call needs one"
+    "route-clients": "a lease holder's pushes each name 1,024 replicas of the next stage, "
+    "others each time: its receiver makes a client for each on its event loop and keeps the "
+    "replaced ones a minute (17 MB a push)",
     # docs/decisions.md, "A report of infinities fails nothing"
     "inf-report": "a lessee reports two digests, +inf and -inf: the coordinator's sum of them "
     "raises, and the job fails as a bug",

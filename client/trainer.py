@@ -37,7 +37,8 @@ from swarm.proto import control_pb2 as cpb
 from swarm.rpc import epoch
 from swarm.rpc.causes import FAILURE_LOG_S, kind
 from swarm.rpc.lease import Lease, LeaseSource, MicrobatchResult, Replica, Task
-from swarm.rpc.routes import ClientFactory, Retiring, Routes
+from swarm.rpc.route_clients import Retiring, RouteClients
+from swarm.rpc.routes import ClientFactory, Routes
 from swarm.rpc.stage_client import StageClient
 
 __all__ = ["ClientFactory", "PipelineTrainer", "TrainerError", "follow_load", "load_followed"]
@@ -117,7 +118,7 @@ class PipelineTrainer:
         return self.routes.wiring
 
     @property
-    def clients(self) -> dict[str, StageClient]:
+    def clients(self) -> RouteClients:
         return self.routes.clients
 
     @property

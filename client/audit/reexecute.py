@@ -25,7 +25,8 @@ class StageReexecutor:
         self.last, self.routes = job.training.stages - 1, routes
 
     def peers(self, stage: int) -> list[str]:
-        return sorted(p for p, c in self.routes.clients.items() if c.stage == stage)
+        clients = self.routes.clients  # their paths: a client is made only for a call
+        return sorted(p for p in clients if (path := clients.path(p)) and path.stage == stage)
 
     async def redo(
         self, peer: str, step: int, index: int, work: Work, digest_seed: int = 0

@@ -133,7 +133,7 @@ class _Tries:
 
     async def one(self, client: StageClient, accumulating: bool) -> PushResult:
         """One try on `client`'s replica; its answer names the site it learns."""
-        clients = self.next_hop.routes.clients.items()
+        clients = self.next_hop.routes.clients.made().items()  # the hop made it to call
         peer = next((p for p, c in clients if c is client), "")
         outputs = self.call.crossing.hidden
         if isinstance(outputs, Outgoing):  # per hop: to a co-located replica, or the wire

@@ -9,7 +9,6 @@ and closed once their deadline has passed (`Retiring`)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -20,13 +19,13 @@ from swarm.proto import stage_pb2 as pb
 from swarm.rpc import lan
 from swarm.rpc.causes import Causes
 from swarm.rpc.lease import Replica
+from swarm.rpc.route_clients import Path, Retiring, RouteClients
 from swarm.rpc.stage_client import StageClient
 
 __all__ = [
     "MAX_ADDRESS_CHARS",
     "MAX_ROUTE_MEMBERS",
     "ClientFactory",
-    "Retiring",
     "Routes",
     "check_route",
     "members_of",
@@ -85,38 +84,6 @@ class ClientFactory(Protocol):
     ) -> StageClient: ...
 
 
-class Retiring:
-    """Stage clients that were replaced (their peer left, moved or came back at another address):
-    each is closed once the calls it may still carry have had their deadline, `grace_s`."""
-
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
-        self._closing: dict[asyncio.Task[None], StageClient] = {}
-
-    def retire(self, client: StageClient | None) -> None:
-        if client is None:
-            return
-
-        async def close() -> None:
-            await asyncio.sleep(self.grace_s)
-            await client.close()
-
-        task = asyncio.get_running_loop().create_task(close())
-        self._closing[task] = client
-        task.add_done_callback(lambda t: self._closing.pop(t, None))
-
-    def __len__(self) -> int:
-        """How many are still waiting to be closed."""
-        return len(self._closing)
-
-    async def close(self) -> None:
-        """Close every retiring client now (their owner is closing)."""
-        closing, self._closing = self._closing, {}
-        for task in closing:
-            task.cancel()
-        await asyncio.gather(*(c.close() for c in closing.values()))
-
-
 def members_of(route: pb.Route) -> list[Replica]:
     """The replicas a push request's route names for one stage (a missing throughput: unknown)."""
     speeds = list(route.throughput)
@@ -140,12 +107,17 @@ class Routes:
         shortcuts: lan.Shortcuts = lan.SHORTCUTS,
     ) -> None:
         self.job, self.job_id, self.token, self.wiring = job, job_id, token, wiring
-        self.clients: dict[str, StageClient] = {}
         self.causes = Causes()
         self.retiring = Retiring(job.runtime.rpc_timeout_s)
         self.shortcuts = shortcuts
         self._client_factory = client_factory
-        self._direct: set[str] = set()  # the peers whose client dials past their relay
+        # Made when a call first needs one: a route may name 1,024 (`route_clients`).
+        self.clients = RouteClients(self._make, self.retiring)
+
+    def _make(self, path: Path) -> StageClient:
+        return self._client_factory(
+            path.address, self.job, self.job_id, path.stage, self.token, direct=path.direct
+        )
 
     def follow(self, stage: int, members: Iterable[Replica]) -> None:
         """Make `stage`'s pool exactly `members`: one that left the stage leaves the pool and
@@ -156,35 +128,21 @@ class Routes:
         pool = self.wiring[stage]
         for gone in [p for p in pool if p not in present]:
             self.wiring.remove(gone)
-            self.retiring.retire(self.clients.pop(gone, None))
-            self._direct.discard(gone)
+            self.clients.drop(gone)
         for peer, r in present.items():
-            client = self.clients.get(peer)
             direct = self.shortcuts.direct(r.address, self.token)
-            made = (r.address, stage, direct)
-            if client is not None and (client.address, client.stage, peer in self._direct) != made:
-                self.retiring.retire(self.clients.pop(peer))
-                client = None
-            if client is None:
-                self.clients[peer] = self._client_factory(
-                    r.address, self.job, self.job_id, stage, self.token, direct=direct
-                )
-                (self._direct.add if direct else self._direct.discard)(peer)
+            self.clients.set(peer, Path(r.address, stage, direct))
             if peer not in pool:
                 self.wiring.add(peer, stage, r.throughput if r.throughput > 0 else 1.0)
 
     def lost(self, peer: str) -> None:
         """A call to `peer` failed: if its client dialled past its relay, that path is given up
         (`swarm.rpc.lan`) and the peer's next calls go through its relay."""
-        client = self.clients.get(peer)
-        if client is None or peer not in self._direct:
+        path = self.clients.path(peer)
+        if path is None or not path.direct:
             return
-        self.shortcuts.lost(client.address)
-        self._direct.discard(peer)
-        self.clients[peer] = self._client_factory(
-            client.address, self.job, self.job_id, client.stage, self.token, direct=False
-        )
-        self.retiring.retire(client)
+        self.shortcuts.lost(path.address)
+        self.clients.set(peer, Path(path.address, path.stage, direct=False))
 
     def follow_all(self, replicas: Sequence[Sequence[Replica]]) -> set[str]:
         """Follow every stage's members at once (a coordinator's view); returns the peers that
@@ -200,5 +158,4 @@ class Routes:
 
     async def close(self) -> None:
         await self.retiring.close()
-        await asyncio.gather(*(c.close() for c in self.clients.values()))
-        self.clients.clear()
+        await self.clients.close()

@@ -13,6 +13,7 @@ import torch
 
 from stage_server.replica.next_hop import NextHop
 from stage_server.server import StageServerOptions, start_stage_server
+from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net import paths
 from swarm.proto import stage_pb2 as pb
@@ -29,6 +30,34 @@ def _route(members: int, peers: int | None = None) -> pb.Route:
         peers=[f"p{i}" for i in range(members if peers is None else peers)],
         addresses=[f"127.0.0.1:{1 + i % 60000}" for i in range(members)],
     )
+
+
+def _push(
+    job: JobConfig, route: list[pb.Route], *, index: int = 0, accumulate: tuple[int, ...] = ()
+) -> pb.StagePushRequest:
+    """A push of one microbatch to stage 1 whose route names `route`."""
+    inputs = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=torch.float64)
+    targets = torch.zeros(4, job.model.seq_len, dtype=torch.int64)
+    return pb.StagePushRequest(
+        job=fingerprint(job),
+        stage=1,
+        microbatch=pb.MicrobatchId(step=0, index=index),
+        tensors=[codec.encode(inputs, "inputs"), codec.encode(targets, "targets")],
+        accumulate=list(accumulate),
+        route=route,
+        need_grad_inputs=True,
+    )
+
+
+async def _refused(channel: grpc.aio.Channel, request: pb.StagePushRequest) -> grpc.aio.AioRpcError:
+    """`request` sent as a push on `channel`, whose answer must be an error: that error."""
+    call = stage_pb2_grpc.StageServiceStub(channel).Push(timeout=30)
+    for part in chunking.split(request, 1 << 20):
+        await call.write(part)
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call.read()
+    return refused.value
 
 
 @pytest.mark.parametrize(
@@ -49,26 +78,10 @@ async def test_a_route_no_pool_could_be_is_refused_before_it_is_followed(
     job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
     running = await start_stage_server(job, StageServerOptions(stage=1))
     try:
-        inputs = torch.randn(4, job.model.seq_len, job.model.d_model, dtype=torch.float64)
-        targets = torch.zeros(4, job.model.seq_len, dtype=torch.int64)
-        request = pb.StagePushRequest(
-            job=fingerprint(job),
-            stage=1,
-            microbatch=pb.MicrobatchId(step=0, index=0),
-            tensors=[codec.encode(inputs, "inputs"), codec.encode(targets, "targets")],
-            accumulate=[1, 2],
-            route=route,
-            need_grad_inputs=True,
-        )
         async with grpc.aio.insecure_channel(running.address) as channel:
-            call = stage_pb2_grpc.StageServiceStub(channel).Push(timeout=20)
-            for part in chunking.split(request, 1 << 20):
-                await call.write(part)
-            await call.done_writing()
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await call.read()
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
-        assert says in (refused.value.details() or ""), refused.value.details()
+            refused = await _refused(channel, _push(job, route, accumulate=(1, 2)))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
+        assert says in (refused.details() or ""), refused.details()
         hop = running.servicer._push._next_hop
         assert isinstance(hop, NextHop) and hop.routes.clients == {}  # nothing followed
     finally:
@@ -86,3 +99,34 @@ def test_a_standalone_swarms_relayed_ids_are_routes_members() -> None:
     )
     assert len(relayed) > 128  # past a peer id's bound
     check_route([pb.Route(peers=[relayed], addresses=[relayed])], 1)  # no refusal
+
+
+@pytest.mark.attack("route-clients")
+async def test_a_route_of_a_thousand_unreachable_replicas_makes_a_client_per_try_only(
+    tmp_path: Path,
+) -> None:
+    """A token holder's push through a real stage server, naming 1,024 replicas of the next
+    stage that none is (closed ports of this host), twice, each time others: the forward runs,
+    the next hop tries a few and fails, and only those few got a client (before: all 1,024 of
+    each route, made on the event loop and kept a minute once replaced)."""
+    job = make_job(tmp_path, training={"stages": 3}, runtime={"data_plane": "push"})
+    running = await start_stage_server(job, StageServerOptions(stage=1))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            for k in range(2):
+                route = pb.Route(
+                    peers=[f"p{k}-{i}" for i in range(MAX_ROUTE_MEMBERS)],
+                    addresses=[
+                        f"127.0.0.1:{1 + k * MAX_ROUTE_MEMBERS + i}"
+                        for i in range(MAX_ROUTE_MEMBERS)
+                    ],
+                )
+                failed = await _refused(channel, _push(job, [route], index=k))
+                assert "no replica took the microbatch" in (failed.details() or ""), failed
+        hop = running.servicer._push._next_hop
+        assert isinstance(hop, NextHop)
+        assert len(hop.routes.clients) == MAX_ROUTE_MEMBERS  # the last route, followed whole
+        assert len(hop.routes.clients.made()) <= hop.attempts
+        assert len(hop.routes.retiring) <= hop.attempts  # the first route's that were made
+    finally:
+        await running.stop()

@@ -7,9 +7,12 @@ from this hop and go back as uncertain; no replica, or a deadline gone, is `Peer
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +24,11 @@ from swarm.job.config import JobConfig
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import Lease, MicrobatchResult, Replica, Task
 from swarm.rpc.push_call import PushCall
+from swarm.rpc.route_clients import Retiring
+from swarm.rpc.routes import MAX_ROUTE_MEMBERS
 from swarm.wire.crossing import Crossing
 from tests.support.jobs import make_job
-from tests.support.stages import LOSS, Call, FakeCalls
+from tests.support.stages import LOSS, Call, FakeCalls, FakeFactory, FakeStage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -163,10 +168,53 @@ async def test_the_next_hop_follows_each_requests_route(tmp_path: Path) -> None:
     try:
         await _push(hop, ["a", "b"], [1])
         first_b = hop.routes.clients["b"]
+        hop.routes.clients["a"]  # made (a call may need it): its client is retired below
         await _push(hop, ["b", "c"], [1])  # a left, c joined
         assert set(hop.routes.clients) == {"b", "c"} and hop.routes.clients["b"] is first_b
         assert sorted(hop.routes.wiring[1]) == ["b", "c"]
         assert len(hop.routes.retiring) == 1  # a's client, closed after its calls' deadline
+    finally:
+        await hop.close()
+
+
+@dataclass
+class _Counted:
+    """A client factory counting the clients it makes."""
+
+    factory: FakeFactory
+    made: int = 0
+
+    def __call__(self, address: str, *args: Any, **kwargs: Any) -> object:
+        self.made += 1
+        return self.factory(address, *args, **kwargs)
+
+
+@pytest.mark.attack("route-clients")
+async def test_a_route_of_a_thousand_makes_only_the_clients_its_hop_calls(
+    tmp_path: Path,
+) -> None:
+    """Any lease holder's push names the route its receiver follows: up to 1,024 replicas of
+    the next stage, each before a client made on the event loop (about 90 ms a route here, 17
+    KB each) and, once the next push named others, kept for the calls' deadline (60 s). A
+    stream of such pushes grew the receiver without bound. Now a member's client is made when
+    the hop calls it, and the replaced ones kept are bounded (`MAX_RETIRING`)."""
+    calls = FakeCalls()
+    counted = _Counted(calls.factory())
+    hop = NextHop(_job(tmp_path), "job", 0, None, client_factory=counted)  # type: ignore[arg-type]
+    many = [[f"n{k}-{i}" for i in range(MAX_ROUTE_MEMBERS)] for k in range(3)]
+    try:
+        for k, peers in enumerate(many):
+            await _push(hop, peers, [1])
+            assert len(hop.routes.clients) == MAX_ROUTE_MEMBERS  # every member followed
+            assert counted.made <= (k + 1) * hop.attempts, counted.made  # before: 1,024 each
+        assert len(hop.routes.retiring) <= 2 * hop.attempts
+        retiring = Retiring(60.0, most=4)
+        clients = [FakeStage(calls, f"r{i}", 1) for i in range(10)]
+        for client in clients:
+            retiring.retire(client)  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # the early closes run
+        assert len(retiring) == 4
+        await retiring.close()
     finally:
         await hop.close()
 

@@ -152,6 +152,7 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
             ]
         )
         first_a = trainer.clients["a"]
+        made = [trainer.clients[p] for p in "cd"]  # a client is made when a call needs it
         trainer.sync([[Replica("a", "h:9")], [Replica("b", "h:2"), Replica("c", "h:3")], [], []])
         assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
         assert trainer.wiring.choose(1, 1.0) in ("b", "c")
@@ -160,6 +161,7 @@ async def test_the_trainer_follows_moves_and_new_addresses(tmp_path: Path) -> No
         # the replaced clients of a and c, and departed d's (nothing kept of a peer that left),
         # closed later
         assert len(trainer._retiring) == 3 and "d" not in trainer.clients
+        assert trainer.clients["c"] is not made[0]
         trainer.sync([])  # a lease before the job started: no view of the stages
         assert [trainer.wiring.stage_of(p) for p in "abcd"] == [0, 1, 1, None]
     finally:

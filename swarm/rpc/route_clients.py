@@ -1,0 +1,123 @@
+"""The client of each replica a sender's routes name, made when a call first needs it.
+
+A replica on the push plane follows the route each request carries for the stage after its own:
+up to `MAX_ROUTE_MEMBERS` replicas, named by whoever sent the request (any holder of the swarm's
+token with a lease). Making a client for each, as the route was followed, cost about 90 ms of the
+event loop for a route of 1,024 here and 17 KB each, and each replaced route's clients were kept
+for the calls' deadline (`Retiring`): a token holder sending such routes, each naming others,
+grew the receiver by 17 MB a request for a minute. Now a member is its path (address, stage,
+whether it is dialled past its relay) until the hop chooses it, and only a client that was made
+is retired; the retired are bounded too (`Retiring.most`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from swarm.rpc.stage_client import StageClient
+
+__all__ = ["MAX_RETIRING", "Path", "Retiring", "RouteClients"]
+
+#: The most replaced clients kept open for their calls' deadline: past it the oldest is closed at
+#: once (its calls in flight fail, and their hops try another replica). 17 MB of clients.
+MAX_RETIRING = 1024
+
+
+@dataclass(frozen=True)
+class Path:
+    """How a member is called: its address, the stage it serves, and whether it is dialled past
+    its relay (`swarm.rpc.lan`). A client is made for one path; another path, another client."""
+
+    address: str
+    stage: int
+    direct: bool = False
+
+
+class Retiring:
+    """Stage clients that were replaced (their peer left, moved or came back at another address):
+    each is closed once the calls it may still carry have had their deadline, `grace_s`; past
+    `most` of them, the oldest at once."""
+
+    def __init__(self, grace_s: float, most: int = MAX_RETIRING) -> None:
+        self.grace_s, self.most = grace_s, most
+        self._closing: dict[asyncio.Task[None], StageClient] = {}  # oldest first
+        self._now: set[asyncio.Task[None]] = set()  # those closed early, until they are
+
+    def retire(self, client: StageClient | None) -> None:
+        if client is None:
+            return
+
+        async def close() -> None:
+            await asyncio.sleep(self.grace_s)
+            await client.close()
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._closing[task] = client
+        task.add_done_callback(lambda t: self._closing.pop(t, None))
+        while len(self._closing) > self.most:
+            oldest, old = next(iter(self._closing.items()))
+            del self._closing[oldest]
+            oldest.cancel()
+            now = asyncio.get_running_loop().create_task(old.close())
+            self._now.add(now)
+            now.add_done_callback(self._now.discard)
+
+    def __len__(self) -> int:
+        """How many are still waiting to be closed."""
+        return len(self._closing)
+
+    async def close(self) -> None:
+        """Close every retiring client now (their owner is closing)."""
+        closing, self._closing = self._closing, {}
+        for task in closing:
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in closing.values()), *self._now)
+
+
+class RouteClients(Mapping[str, StageClient]):
+    """Peer -> its client, over the members a sender's routes follow: iterating, `len` and `in`
+    read the members; `[peer]` and `get` make the member's client if it has none yet."""
+
+    def __init__(self, make: Callable[[Path], StageClient], retiring: Retiring) -> None:
+        self._make, self._retiring = make, retiring
+        self._paths: dict[str, Path] = {}
+        self._made: dict[str, StageClient] = {}
+
+    def __getitem__(self, peer: str) -> StageClient:
+        client = self._made.get(peer)
+        if client is None:
+            client = self._made[peer] = self._make(self._paths[peer])  # KeyError: no member
+        return client
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._paths
+
+    def path(self, peer: str) -> Path | None:
+        return self._paths.get(peer)
+
+    def made(self) -> Mapping[str, StageClient]:
+        """The clients made so far (a call chose their member)."""
+        return self._made
+
+    def set(self, peer: str, path: Path) -> None:
+        """`peer` is called by `path` now: a client made for another path is retired."""
+        if self._paths.get(peer) != path:
+            self._retiring.retire(self._made.pop(peer, None))
+        self._paths[peer] = path
+
+    def drop(self, peer: str) -> None:
+        """`peer` is no member now: its client, if made, is retired."""
+        self._paths.pop(peer, None)
+        self._retiring.retire(self._made.pop(peer, None))
+
+    async def close(self) -> None:
+        made, self._made = self._made, {}
+        self._paths.clear()
+        await asyncio.gather(*(c.close() for c in made.values()))
