@@ -26,12 +26,17 @@ MAX_RETIRING = 1024
 
 @dataclass(frozen=True)
 class Path:
-    """How a member is called: its address, the stage it serves, and whether it is dialled past
-    its relay (`swarm.rpc.lan`). A client is made for one path; another path, another client."""
+    """Where a member is called: its address and the stage it serves. A client is made for one
+    path and one way of dialling it (past its relay or through it: `swarm.rpc.lan`)."""
 
     address: str
     stage: int
-    direct: bool = False
+
+
+@dataclass(frozen=True)
+class _Made:
+    client: StageClient
+    direct: bool  # dialled past its relay
 
 
 class Retiring:
@@ -77,18 +82,28 @@ class Retiring:
 
 class RouteClients(Mapping[str, StageClient]):
     """Peer -> its client, over the members a sender's routes follow: iterating, `len` and `in`
-    read the members; `[peer]` and `get` make the member's client if it has none yet."""
+    read the members; `[peer]` and `get` make the member's client if it has none yet. Whether a
+    member is dialled past its relay is asked (`direct`: `lan.Shortcuts.direct`, which starts a
+    probe of a neighbour's LAN address) only of a member a call needs: a route of 1,024 relayed
+    neighbours' ids probed 1,024 addresses of the sender's choosing before."""
 
-    def __init__(self, make: Callable[[Path], StageClient], retiring: Retiring) -> None:
-        self._make, self._retiring = make, retiring
+    def __init__(
+        self,
+        make: Callable[[Path, bool], StageClient],
+        direct: Callable[[str], bool],
+        retiring: Retiring,
+    ) -> None:
+        self._make, self._direct, self._retiring = make, direct, retiring
         self._paths: dict[str, Path] = {}
-        self._made: dict[str, StageClient] = {}
+        self._made: dict[str, _Made] = {}
 
     def __getitem__(self, peer: str) -> StageClient:
-        client = self._made.get(peer)
-        if client is None:
-            client = self._made[peer] = self._make(self._paths[peer])  # KeyError: no member
-        return client
+        made = self._made.get(peer)
+        if made is None:
+            path = self._paths[peer]  # KeyError: no member
+            direct = self._direct(path.address)
+            made = self._made[peer] = _Made(self._make(path, direct), direct)
+        return made.client
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)
@@ -102,22 +117,36 @@ class RouteClients(Mapping[str, StageClient]):
     def path(self, peer: str) -> Path | None:
         return self._paths.get(peer)
 
-    def made(self) -> Mapping[str, StageClient]:
+    def made(self) -> dict[str, StageClient]:
         """The clients made so far (a call chose their member)."""
-        return self._made
+        return {peer: made.client for peer, made in self._made.items()}
+
+    def direct(self, peer: str) -> bool:
+        """Whether `peer`'s client, if made, dials it past its relay."""
+        made = self._made.get(peer)
+        return made is not None and made.direct
 
     def set(self, peer: str, path: Path) -> None:
-        """`peer` is called by `path` now: a client made for another path is retired."""
-        if self._paths.get(peer) != path:
-            self._retiring.retire(self._made.pop(peer, None))
+        """`peer` is called at `path` now: a client made for another path, or dialled another
+        way than its address now is, is retired (the next call makes another)."""
+        made = self._made.get(peer)
+        if made is not None and (
+            self._paths.get(peer) != path or self._direct(path.address) != made.direct
+        ):
+            self.retire(peer)
         self._paths[peer] = path
+
+    def retire(self, peer: str) -> None:
+        """`peer`'s client, if made, is retired: its next call makes another."""
+        made = self._made.pop(peer, None)
+        self._retiring.retire(None if made is None else made.client)
 
     def drop(self, peer: str) -> None:
         """`peer` is no member now: its client, if made, is retired."""
         self._paths.pop(peer, None)
-        self._retiring.retire(self._made.pop(peer, None))
+        self.retire(peer)
 
     async def close(self) -> None:
         made, self._made = self._made, {}
         self._paths.clear()
-        await asyncio.gather(*(c.close() for c in made.values()))
+        await asyncio.gather(*(m.client.close() for m in made.values()))

@@ -112,12 +112,15 @@ class Routes:
         self.shortcuts = shortcuts
         self._client_factory = client_factory
         # Made when a call first needs one: a route may name 1,024 (`route_clients`).
-        self.clients = RouteClients(self._make, self.retiring)
+        self.clients = RouteClients(self._make, self._dialled_directly, self.retiring)
 
-    def _make(self, path: Path) -> StageClient:
+    def _make(self, path: Path, direct: bool) -> StageClient:
         return self._client_factory(
-            path.address, self.job, self.job_id, path.stage, self.token, direct=path.direct
+            path.address, self.job, self.job_id, path.stage, self.token, direct=direct
         )
+
+    def _dialled_directly(self, address: str) -> bool:
+        return self.shortcuts.direct(address, self.token)
 
     def follow(self, stage: int, members: Iterable[Replica]) -> None:
         """Make `stage`'s pool exactly `members`: one that left the stage leaves the pool and
@@ -130,8 +133,7 @@ class Routes:
             self.wiring.remove(gone)
             self.clients.drop(gone)
         for peer, r in present.items():
-            direct = self.shortcuts.direct(r.address, self.token)
-            self.clients.set(peer, Path(r.address, stage, direct))
+            self.clients.set(peer, Path(r.address, stage))
             if peer not in pool:
                 self.wiring.add(peer, stage, r.throughput if r.throughput > 0 else 1.0)
 
@@ -139,10 +141,10 @@ class Routes:
         """A call to `peer` failed: if its client dialled past its relay, that path is given up
         (`swarm.rpc.lan`) and the peer's next calls go through its relay."""
         path = self.clients.path(peer)
-        if path is None or not path.direct:
+        if path is None or not self.clients.direct(peer):
             return
         self.shortcuts.lost(path.address)
-        self.clients.set(peer, Path(path.address, path.stage, direct=False))
+        self.clients.retire(peer)
 
     def follow_all(self, replicas: Sequence[Sequence[Replica]]) -> set[str]:
         """Follow every stage's members at once (a coordinator's view); returns the peers that

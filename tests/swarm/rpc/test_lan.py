@@ -205,3 +205,32 @@ async def test_only_a_neighbours_lan_address_is_probed() -> None:
         scoped.direct(address, None)
         await scoped.probed()
         assert listener.asked == 1 and scoped.direct(address, None)
+
+
+@pytest.mark.attack("route-clients")
+async def test_a_routes_relayed_members_are_probed_only_once_a_call_needs_one(
+    tmp_path: Path,
+) -> None:
+    """A push's route names the members its receiver follows, addresses of the sender's choice:
+    each relayed neighbour's announced address was probed (the swarm's token sent there) as the
+    route was followed, 1,024 a push. Now only a member a call needs is asked about, and its
+    probe starts then."""
+    probed: list[str] = []
+
+    async def prober(address: str, token: str | None) -> bool:
+        probed.append(address)
+        return False
+
+    job = make_job(tmp_path)
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    routes = Routes(job, "job", None, wiring, shortcuts=Shortcuts(prober))
+    members = [Replica(f"n{i}", _relayed(f"n{i}", f"10.9.0.{i}:7000"), 1.0) for i in range(50)]
+    try:
+        routes.follow(1, members)
+        await asyncio.sleep(0.05)
+        assert probed == [] and len(routes.clients) == 50
+        routes.clients["n7"]  # a call needs it
+        await routes.shortcuts.probed()
+        assert probed == [members[7].address]
+    finally:
+        await routes.close()
