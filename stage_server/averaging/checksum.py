@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.codec import (
     CODEC_BF16,
@@ -134,7 +135,7 @@ def dots(
         product = x.mul_(r)  # x is this call's own copy: r stays intact for `draws`
         dot.append(float(product.sum()))
         magnitude.append(float(product.abs_().sum()))
-    return math.fsum(dot), math.fsum(magnitude), math.fsum(squares)
+    return reported_sum(dot), reported_sum(magnitude), reported_sum(squares)
 
 
 def sum_dots(start: int, values: torch.Tensor, draws: Draws) -> tuple[float, float]:
@@ -146,7 +147,7 @@ def sum_dots(start: int, values: torch.Tensor, draws: Draws) -> tuple[float, flo
         r = draws.take(pos, stop)
         squares.append(float(torch.dot(x, x)))
         dot.append(float(torch.dot(r, x)))
-    return math.fsum(dot), math.fsum(squares)
+    return reported_sum(dot), reported_sum(squares)
 
 
 def received_dots(
@@ -164,7 +165,7 @@ def received_dots(
             product = x.mul_(r)  # x is a copy of its own: r stays intact
             dot[i].append(float(product.sum()))
             magnitude[i].append(float(product.abs_().sum()))
-    return [(math.fsum(d), math.fsum(a)) for d, a in zip(dot, magnitude, strict=True)]
+    return [(reported_sum(d), reported_sum(a)) for d, a in zip(dot, magnitude, strict=True)]
 
 
 class Draws:
@@ -208,7 +209,7 @@ def cross(sent: torch.Tensor, summed: torch.Tensor) -> float:
     pairs = zip(_blocks(0, sent, own=False), _blocks(0, summed, own=False), strict=True)
     for (_, _, x), (_, _, s) in pairs:
         out.append(float(torch.dot(x, s)))
-    return math.fsum(out)
+    return reported_sum(out)
 
 
 def encoding_error(codec: int, block_size: int, decoded: torch.Tensor) -> float:
@@ -303,17 +304,17 @@ class PartChecks:
         return [
             pb.SumCheck(
                 part=k,
-                dot=math.fsum(p.dot),
-                magnitude=math.fsum(p.magnitude),
-                sum_dot=math.fsum(p.sum_dot),
+                dot=reported_sum(p.dot),
+                magnitude=reported_sum(p.magnitude),
+                sum_dot=reported_sum(p.sum_dot),
                 unit=self.unit,
-                norm=math.sqrt(math.fsum(p.squares)),
-                encoding=math.sqrt(math.fsum(p.encoding)),
-                sum_cross=math.fsum(p.cross),
+                norm=math.sqrt(reported_sum(p.squares)),
+                encoding=math.sqrt(reported_sum(p.encoding)),
+                sum_cross=reported_sum(p.cross),
                 received=self.received.get(k, []),
-                sum_norm=math.sqrt(math.fsum(p.sum_squares)),
-                received_dots=[math.fsum(d) for d, _ in self._said(k)],
-                received_magnitudes=[math.fsum(a) for _, a in self._said(k)],
+                sum_norm=math.sqrt(reported_sum(p.sum_squares)),
+                received_dots=[reported_sum(d) for d, _ in self._said(k)],
+                received_magnitudes=[reported_sum(a) for _, a in self._said(k)],
             )
             for k, p in sorted(self._parts.items())
         ]

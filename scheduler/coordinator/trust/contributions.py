@@ -56,10 +56,10 @@ from scheduler.coordinator.trust.sum_checks import (
     new_seed,
     owner_words,
 )
-from scheduler.coordinator.trust.totals import reported_sum
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
 from swarm.job.tolerance import tolerance_of
+from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import ContributionAudit, GradientDigest, MicrobatchResult, Replica, Task
 

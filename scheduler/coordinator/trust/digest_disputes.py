@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from scheduler.coordinator.trust.sum_checks import SIGMAS
-from scheduler.coordinator.trust.totals import reported_sum
+from swarm.ops.totals import reported_sum
 from swarm.rpc.lease import ContributionAudit, GradientDigest
 
 __all__ = ["Compare", "DigestDisputes"]

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from scheduler.coordinator.trust.sum_checks import Checksums
-from scheduler.coordinator.trust.totals import reported_sum
+from swarm.ops.totals import reported_sum
 
 __all__ = ["NO_WORDS", "OwnWords", "contradicted", "own_lies"]
 

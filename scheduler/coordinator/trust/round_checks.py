@@ -28,6 +28,7 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.round_context import RoundContext
 from scheduler.coordinator.round_failure import LeftOut, RoundFailure, shorten
 from scheduler.coordinator.trust.bans import Bans
+from scheduler.coordinator.trust.disputes_kept import KeptDisputes
 from scheduler.coordinator.trust.norm_bound import outliers
 from scheduler.coordinator.trust.sent_words import judged
 from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out
@@ -70,6 +71,7 @@ class RoundChecks:
         # norm bound's yardstick for a replica that took every microbatch of a step.
         self._medians: dict[int, float] = {}
         self.failure: RoundFailure | None = None  # the last round's, when it failed
+        self.kept = KeptDisputes()  # single disagreements, over steps
 
     async def passed(self, answers: RoundAnswers) -> bool:
         """Whether the round's answers pass; else whom they named is banned or left out, and
@@ -115,6 +117,10 @@ class RoundChecks:
         log.warning("%s: the round fails, and %s sit(s) out the next rounds", reason, named)
         self.failure = failure = RoundFailure(shorten(reason))
         liars = convicted(groups, checks)
+        kept = self.kept.convicted(answers.ledger.step, groups, checks, members)
+        for stage, found in kept.items():  # over the steps kept: `disputes_kept`
+            for index, evidence in found.items():
+                liars.setdefault(stage, {}).setdefault(index, evidence)
         if self.bans is not None and liars:
             # Banned, and the job rolled back past its first step: every replica loads that
             # state again, and the others named here are judged again in the replayed rounds.

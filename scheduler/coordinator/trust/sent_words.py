@@ -20,14 +20,15 @@ honest pair agrees up to the dots' own rounding (`agree`). So:
   fails, and in a pool of three or more both are left out (`judged`, as
   `sum_checks.replicas_to_leave_out` leaves out an owner and its lone accuser), their
   microbatches replayed.
-- **A NaN is a word too.** A member whose word (r·x, Σ|r·x| or its norm) says it sent finite
+- **A NaN is a word too.** A member whose word (its r·x and Σ|r·x|) says it sent finite
   values where its owner says it summed a NaN or an infinity from it (or the other way round)
   disagrees with it, as over any other value; both saying so is no disagreement (the sender's
   own NaN: `norm_bound` refuses it, reading the same three). The part's sum is then not held
   to the members' words (`sum_checks._owned`: an honest owner's is NaN, and one taken back
   finite names the owner): before, a member that sent one owner a NaN under finite words had
   every member's r·S name that honest owner, left out alone, then the next. In a pool of two
-  the one other contributor is a majority: there the owner goes alone, as for any word.
+  the one other contributor is a majority: there the owner goes alone, as for any word, unless
+  the other disagreed with another party in the steps before (`disputes_kept`: convicted).
 - **The contributions' audit reads them too** (`contributions`): q·x_jk of an audited j's
   share of another's part is that owner's word, which no member's lie moves.
 An owner that reports no words (an aggregator, or a replica that did not say them) leaves the
@@ -50,7 +51,7 @@ from scheduler.coordinator.trust.sum_checks import (
     said_words,
     verify,
 )
-from scheduler.coordinator.trust.totals import reported_sum
+from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 
 __all__ = [
@@ -140,8 +141,9 @@ def disagreements(
                 if j == part or not 0 <= j < m:
                     continue
                 received, magnitude = words[j]
-                # Its word as the norm bound reads it too (`norm_bound._says_itself`).
-                sent_finite = math.isfinite(c.dot + c.magnitude + c.norm)
+                # Like with like: dots with dots. A norm is a sum of squares, which overflows
+                # float64 where the dots do not (an honest diverging job's).
+                sent_finite = math.isfinite(c.dot + c.magnitude)
                 if sent_finite != math.isfinite(received + magnitude):
                     # One says a NaN or an infinity went over, the other finite values: the
                     # sender's word against the owner's, as any other disagreement is.

@@ -59,7 +59,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.groups import RoundGroup
-from scheduler.coordinator.trust.totals import reported_sum
+from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.hadamard import ERROR_SHARE
 
@@ -212,8 +212,14 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         if owned is not None:
             found += owned  # what its owner says of it, against itself
             continue
-        if not all(math.isfinite(c.dot + c.magnitude + c.norm) for c in checks):
-            continue  # a sender's own NaN, where its owner said no words (or its own: above)
+        if not all(math.isfinite(c.dot + c.magnitude) for c in checks):
+            # A sender's own NaN, where its owner said no words: the norm bound's. The part's
+            # honest sum is then NaN too: one taken back finite names its owner (a forgery a NaN
+            # of the owner's own report, and no words, let pass every check).
+            found += _finite_sums(of)
+            continue
+        if not all(math.isfinite(c.norm) for c in checks):
+            continue  # squares past float64, dots finite: no tolerance to hold r·S to
         # The owner's words about what each sent it, where it said them: a member's word
         # about its own contribution is held to them (`sent_words`), never summed here.
         words = owner_words(of, part, contributors)
@@ -241,9 +247,11 @@ def _owned(of: Mapping[int, pb.SumCheck], part: int, contributors: int) -> list[
     (each naming the owner), and its sum is not held to anyone's finite words. None: its words
     are finite and its own report agrees, judged as any part is.
 
-    - Its own report of its contribution and its word of it, one finite and one not: it
-      contradicts itself, and every other contributor names it ("own x"). Else a hostile owner
-      could name itself (or report its own dot NaN) and answer a sum no finite word held.
+    - Its own report of its contribution and its word of it, one finite and one not, or its
+      dots of a sender's values not finite where its square of them is: it contradicts itself,
+      and every other contributor names it ("own x"). Else a hostile owner could name itself
+      (or report its own dot NaN) and answer a sum no finite word held, or say its own NaN with
+      a finite square and pass the norm bound with it.
     - Its words name a sender (`nonfinite_senders`): an honest owner's sum is then NaN, so a
       sum taken back finite contradicts its own word, and each contributor that took one back
       names it ("finite S"). Who sent the NaN is the sender's word against the owner's
@@ -253,15 +261,24 @@ def _owned(of: Mapping[int, pb.SumCheck], part: int, contributors: int) -> list[
     words, own = said_words(of, part, contributors), of.get(part)
     if words is None or own is None:
         return None
-    said_own = math.isfinite(own.dot + own.magnitude + own.norm)
-    if said_own != math.isfinite(words[part][0] + words[part][1]):
+    named = nonfinite_senders(of, part, contributors)
+    squares = list(own.received)
+    # Its square of a sender's values finite where its dots of them are not: no values give that
+    # (a square overflows before a dot does, never after), so its words contradict themselves.
+    squared = [j for j in named if len(squares) == contributors and math.isfinite(squares[j])]
+    said_own = math.isfinite(own.dot + own.magnitude)  # dots with dots (a norm overflows first)
+    if squared or said_own != math.isfinite(words[part][0] + words[part][1]):
         return [Mismatch(part, j, math.nan, own.dot, 0.0, "own x") for j in sorted(of) if j != part]
-    if not nonfinite_senders(of, part, contributors):
-        return None
+    return _finite_sums(of) if named else None
+
+
+def _finite_sums(of: Mapping[int, pb.SumCheck]) -> list[Mismatch]:
+    """Where a NaN or an infinity went into a part, by someone's word: each contributor that
+    took its sum back finite names the owner ("finite S": no honest sum of it is)."""
     return [
-        Mismatch(part, j, c.sum_dot, math.nan, 0.0, "finite S")
+        Mismatch(c.part, j, c.sum_dot, math.nan, 0.0, "finite S")
         for j, c in sorted(of.items())
-        if math.isfinite(c.sum_dot) or math.isfinite(c.sum_norm)
+        if math.isfinite(c.sum_dot)  # r·S of a sum holding a NaN or an infinity is not
     ]
 
 
@@ -350,9 +367,9 @@ def verify(
                 said = f"r·S = {bad.got!r}, the contributions' Σ r·x = {bad.expected!r}, within "
                 said += f"{bad.tolerance:.3g}"
             elif bad.what == "own x":
-                said = "its owner's word of what it summed of its own contribution and its "
-                said += f"report of that contribution (r·x = {bad.expected!r}) are not both "
-                said += "finite, nor both NaN or infinite"
+                said = "its owner's words of what it summed contradict themselves or its own "
+                said += f"report of its contribution (r·x = {bad.expected!r}): a NaN or an "
+                said += "infinity beside finite values"
             elif bad.what == "finite S":
                 said = "its owner says it summed a NaN or an infinity, and the sum taken back "
                 said += f"is finite (r·S = {bad.got!r})"

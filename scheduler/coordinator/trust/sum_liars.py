@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.trust.sent_words import by_seed, disagreements, liars, owner_tolerance
 from scheduler.coordinator.trust.sum_checks import Checksums, norm_ceiling, owner_words
-from scheduler.coordinator.trust.totals import reported_sum
 from swarm.net.seats import seat
+from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 
 __all__ = ["convicted"]

@@ -25,36 +25,10 @@ from stage_server.averaging.checksum import dots
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc.lease import GradientDigest, MicrobatchResult, Replica, Task
 from tests.support.audited_round import PEERS, Ledger, N, round_of
+from tests.support.sum_words import NAN, nan_to_part, word_checks
 
 GROUP = RoundGroup(("a", "b", "c"))
 LIE = 1e3
-
-
-def _checks(
-    said: dict[tuple[int, int], float] | None = None,
-    received: dict[tuple[int, int], float] | None = None,
-    sums: dict[tuple[int, int], float] | None = None,
-    m: int = 3,
-) -> dict[int, Checksums]:
-    """`m` replicas owning a part each, each sending 1.0 (r·x, of magnitude and norm 1) to
-    every part; part k's sum as j took it back has r·S = `sums[j, k]` (else m, the honest
-    sum's). Member j says it sent r·x = `said[j, k]` to part k (else 1.0); owner k says it
-    received `received[k, j]` from j (else 1.0)."""
-    said, received, sums = said or {}, received or {}, sums or {}
-    out = {}
-    for j in range(m):
-        reports = []
-        for k in range(m):
-            check = pb.SumCheck(part=k, magnitude=1.0, norm=1.0, sum_norm=2.0)
-            check.dot = said.get((j, k), 1.0)
-            check.sum_dot = sums.get((j, k), float(m))
-            if k == j:  # its own part: what it summed, sender by sender
-                check.received.extend([1.0] * m)
-                check.received_dots.extend([received.get((k, i), 1.0) for i in range(m)])
-                check.received_magnitudes.extend([1.0] * m)
-            reports.append(check)
-        out[j] = Checksums(1, reports)
-    return out
 
 
 def _reports(checks: dict[int, Checksums]) -> dict[int, list[pb.SumCheck]]:
@@ -65,7 +39,7 @@ def _reports(checks: dict[int, Checksums]) -> dict[int, list[pb.SumCheck]]:
 def test_a_member_lying_about_what_it_sent_is_convicted_and_fails_no_owner() -> None:
     """Before: its wrong r·x made every contributor's r·S of each part it sent to fail, the
     honest owners were named by all and left out, and the liar stayed."""
-    lying = _checks(said={(2, 0): 1.0 + LIE, (2, 1): 1.0 + LIE})
+    lying = word_checks(said={(2, 0): 1.0 + LIE, (2, 1): 1.0 + LIE})
     assert mismatches(_reports(lying), 3) == []  # every owner's sum is its words' sum
     found = convicted({0: GROUP}, {0: lying})
     assert list(found) == [0] and list(found[0]) == [2], found
@@ -75,7 +49,7 @@ def test_a_member_lying_about_what_it_sent_is_convicted_and_fails_no_owner() -> 
 def test_one_disagreement_leaves_both_out_and_convicts_no_one() -> None:
     """One word against another: the member lies about what it sent, or the owner about what
     it received, which nobody else can tell apart. Before: the owner alone was left out."""
-    one = _checks(said={(2, 0): 1.0 + LIE})
+    one = word_checks(said={(2, 0): 1.0 + LIE})
     assert convicted({0: GROUP}, {0: one}) == {}
     accusations, lines = judged({0: GROUP}, {0: one})
     assert len(lines) == 1 and "what it sent" in lines[0], lines
@@ -83,7 +57,7 @@ def test_one_disagreement_leaves_both_out_and_convicts_no_one() -> None:
 
 
 def test_an_owner_lying_about_what_two_members_sent_is_convicted() -> None:
-    lying = _checks(received={(0, 1): 1.0 + LIE, (0, 2): 1.0 + LIE})
+    lying = word_checks(received={(0, 1): 1.0 + LIE, (0, 2): 1.0 + LIE})
     found = convicted({0: GROUP}, {0: lying})
     assert list(found[0]) == [0], found
 
@@ -92,43 +66,21 @@ def test_an_owner_lying_about_what_two_members_sent_is_convicted() -> None:
 def test_an_owner_forging_its_sum_within_the_norms_is_convicted_by_its_own_words() -> None:
     """Its sum's norm is within the ceiling; its r·S is not what it says it summed. Before:
     only left out (every contributor's r·S failed alike, which a member's lie also did)."""
-    forged = _checks(sums={(j, 0): 3.5 for j in range(3)})
+    forged = word_checks(sums={(j, 0): 3.5 for j in range(3)})
     found = convicted({0: GROUP}, {0: forged})
     assert list(found[0]) == [0] and "by its own report" in found[0][0], found
     # honest in its own report of the sum, forged to the others: two of them convict it
-    to_others = _checks(sums={(1, 0): 3.5, (2, 0): 3.5})
+    to_others = word_checks(sums={(1, 0): 3.5, (2, 0): 3.5})
     found = convicted({0: GROUP}, {0: to_others})
     assert list(found[0]) == [0] and "2 other contributors" in found[0][0], found
     # one other's word is one word: left out, not convicted
-    assert convicted({0: GROUP}, {0: _checks(sums={(1, 0): 3.5})}) == {}
-    assert judged({0: GROUP}, {0: _checks(sums={(1, 0): 3.5})})[1]
+    assert convicted({0: GROUP}, {0: word_checks(sums={(1, 0): 3.5})}) == {}
+    assert judged({0: GROUP}, {0: word_checks(sums={(1, 0): 3.5})})[1]
 
 
 def test_honest_words_convict_and_accuse_no_one() -> None:
-    assert convicted({0: GROUP}, {0: _checks()}) == {}
-    assert judged({0: GROUP}, {0: _checks()}) == ({}, [])
-
-
-NAN = float("nan")
-
-
-def _nan_to_part(
-    owner: int, senders: tuple[int, ...], *, sums: float = NAN, **kw: Any
-) -> dict[int, Checksums]:
-    """`owner` says `senders` sent its part a NaN (its words and its squares of them), and the
-    sum every member took back of it has r·S and ‖S‖ `sums` (NaN: an honest owner's then);
-    each sender saying what `kw`'s `said` has it say."""
-    checks = _checks(
-        received={(owner, j): NAN for j in senders},
-        sums={(j, owner): sums for j in range(3)},
-        **kw,
-    )
-    for j, c in checks.items():
-        c.reports[owner].sum_norm = sums
-        if j == owner:
-            for i in senders:
-                c.reports[owner].received[i] = NAN
-    return checks
+    assert convicted({0: GROUP}, {0: word_checks()}) == {}
+    assert judged({0: GROUP}, {0: word_checks()}) == ({}, [])
 
 
 def _refused(checks: dict[int, Checksums]) -> dict[int, str]:
@@ -143,19 +95,20 @@ def test_a_nan_sent_to_one_owner_under_finite_words_is_one_disagreement() -> Non
     the next, and the job failed on the NaN (`NonFiniteStep`). Now the NaN sum is what its
     owner says it summed: no member's r·S names it, and the member's word against the
     owner's is one disagreement: both left out, no one convicted."""
-    hidden = _nan_to_part(0, (2,))
+    hidden = nan_to_part(0, (2,))
     assert mismatches(_reports(hidden), 3) == []
     assert convicted({0: GROUP}, {0: hidden}) == {}
     accusations, lines = judged({0: GROUP}, {0: hidden})
     assert len(lines) == 1 and "disagree" in lines[0] and "(nan)" in lines[0], lines
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
-    # its taken-back sum said finite besides: the same two, nobody else named
-    lying = _nan_to_part(0, (2,))
+    # its taken-back sum said finite besides: it names the owner that way too, the same two go
+    lying = nan_to_part(0, (2,))
     lying[2].reports[0].sum_dot = 3.0
+    assert [(b.contributor, b.what) for b in mismatches(_reports(lying), 3)] == [(2, "finite S")]
     accusations, _ = judged({0: GROUP}, {0: lying})
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
     # hidden from both other owners: two disagreements, convicted
-    both = _checks(
+    both = word_checks(
         received={(0, 2): NAN, (1, 2): NAN}, sums={(j, k): NAN for j in range(3) for k in (0, 1)}
     )
     for c in both.values():
@@ -165,15 +118,15 @@ def test_a_nan_sent_to_one_owner_under_finite_words_is_one_disagreement() -> Non
 
 
 @pytest.mark.attack("nan-hidden")
-@pytest.mark.parametrize("field", ["norm", "dot", "magnitude"])
+@pytest.mark.parametrize("field", ["dot", "magnitude"])
 def test_a_nan_its_sender_says_too_is_no_disagreement_and_the_norm_bound_refuses_it(
     field: str,
 ) -> None:
     """An honest sender's NaN (a faulty device): its own word says so as its owner's does, in
-    any of its norm, r·x or Σ|r·x|. No disagreement, no sum to judge: the norm bound refuses it.
+    its r·x or Σ|r·x|. No disagreement, no sum to judge: the norm bound refuses it.
     Before, a NaN said in its dot alone (its norm finite) passed the bound, and the round with
     it: the pool's average was NaN and the job failed."""
-    says = _nan_to_part(0, (2,))
+    says = nan_to_part(0, (2,))
     setattr(says[2].reports[0], field, NAN)
     assert mismatches(_reports(says), 3) == []
     assert judged({0: GROUP}, {0: says}) == ({}, [])
@@ -184,7 +137,7 @@ def test_an_owner_saying_two_members_sent_it_nans_is_convicted() -> None:
     """A hostile owner framing honest senders with a NaN word, and answering a NaN sum: it
     disagrees with two of them (before, every member's NaN r·S named it: left out, not
     convicted)."""
-    framing = _nan_to_part(0, (1, 2))
+    framing = nan_to_part(0, (1, 2))
     found = convicted({0: GROUP}, {0: framing})
     assert list(found[0]) == [0] and "2 members'" in found[0][0], found
 
@@ -193,7 +146,7 @@ def test_an_owner_naming_a_nan_and_answering_a_finite_sum_is_left_out_alone() ->
     """Its word that member 1 sent a NaN, and a finite sum (garbage) answered: no honest
     owner's sum is finite after summing a NaN, so each member that took it back names it, and
     it goes alone (member 1's disagreement with it is one of them)."""
-    garbage = _nan_to_part(0, (1,), sums=5.0)
+    garbage = nan_to_part(0, (1,), sums=5.0)
     found = mismatches(_reports(garbage), 3)
     assert {(b.contributor, b.what) for b in found} == {(j, "finite S") for j in range(3)}
     accusations, lines = judged({0: GROUP}, {0: garbage})
@@ -201,25 +154,59 @@ def test_an_owner_naming_a_nan_and_answering_a_finite_sum_is_left_out_alone() ->
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
 
 
-@pytest.mark.parametrize("own", ["word", "dot", "magnitude", "norm"])
+def test_an_owner_with_no_words_and_a_nan_of_its_own_answering_a_finite_sum_is_named() -> None:
+    """It says nothing of what it summed, reports a NaN in its own contribution, and answers a
+    forged finite sum (r·S 3e6 against Σ r·x 3): before, the part was skipped as a sender's NaN
+    and the round passed. A part a NaN went into has no finite honest sum: each contributor that
+    took one back names it, and it goes alone."""
+    silent = word_checks(sums={(j, 0): 3e6 for j in range(3)})
+    del silent[0].reports[0].received_dots[:], silent[0].reports[0].received_magnitudes[:]
+    silent[0].reports[0].dot = NAN
+    found = mismatches(_reports(silent), 3)
+    assert {(b.contributor, b.what) for b in found} == {(j, "finite S") for j in range(3)}
+    accusations, _ = judged({0: GROUP}, {0: silent})
+    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
+
+
+def test_an_honest_float64_gradient_past_the_squares_range_frames_no_one() -> None:
+    """Values past 1.3e154 square to infinity where their dots stay finite: every norm and square
+    infinite, every dot finite. No word contradicts another (dots are held to dots): nobody is
+    named or convicted, and the commit fails the job with its cause, as for any non-finite step.
+    A first version held a sender's norm to its owner's dots and banned all three."""
+    inf = float("inf")
+    big = word_checks()
+    for c in big.values():
+        for check in c.reports:
+            check.norm, check.sum_norm = inf, inf
+            check.received[:] = [inf] * len(check.received)
+    assert mismatches(_reports(big), 3) == []
+    assert judged({0: GROUP}, {0: big}) == ({}, [])
+    assert convicted({0: GROUP}, {0: big}) == {}
+
+
+@pytest.mark.parametrize("own", ["word", "dot", "magnitude", "square"])
 def test_an_owner_contradicting_itself_about_its_own_contribution_is_left_out_alone(
     own: str,
 ) -> None:
     """Its word of what it summed of its own (a NaN) against its own report of it (finite), or
-    the other way round (its report NaN in one field, its word finite): either way the sum it
-    answered would be held to no finite word. Before, a NaN in its own report skipped the part
-    and a forged sum (r·S 3e6 against Σ r·x 3) passed every check. Every other member names
-    it: left out alone."""
+    the other way round (its report NaN in one field, its word finite), or its own NaN said both
+    ways with a finite square of it (which the norm bound reads: it would pass): either way the
+    sum it answered would be held to no finite word. Before, a NaN in its own report skipped the
+    part and a forged sum (r·S 3e6 against Σ r·x 3) passed every check. Every other member
+    names it: left out alone."""
     forged = {(j, 0): 3e6 for j in range(3)}
     if own == "word":
-        itself = _checks(received={(0, 0): NAN}, sums=forged)
+        itself = word_checks(received={(0, 0): NAN}, sums=forged)
+    elif own == "square":  # its own NaN said both ways, its square of it finite: the bound's blind
+        itself = nan_to_part(0, (), said={(0, 0): NAN})
+        itself[0].reports[0].received_dots[0] = NAN
     else:
-        itself = _checks(sums=forged)
+        itself = word_checks(sums=forged)
         setattr(itself[0].reports[0], own, NAN)
     found = mismatches(_reports(itself), 3)
     assert {(b.part, b.contributor, b.what) for b in found} == {(0, 1, "own x"), (0, 2, "own x")}
     accusations, lines = judged({0: GROUP}, {0: itself})
-    assert len(lines) == 2 and "not both finite" in lines[0], lines
+    assert len(lines) == 2 and "contradict" in lines[0], lines
     assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
 
 
@@ -271,7 +258,7 @@ def test_two_owners_of_one_host_frame_no_member() -> None:
     """Issue 64, item 4: two ids of one token holder owning two parts each say the honest third
     sent them something else: two owners' words convicted it. Seats of one public host are one
     word; two hosts' still convict."""
-    framed = _checks(received={(0, 2): 1.0 + LIE, (1, 2): 1.0 + LIE})
+    framed = word_checks(received={(0, 2): 1.0 + LIE, (1, 2): 1.0 + LIE})
     sybils = RoundGroup(("5.6.7.8:7000", "5.6.7.8:7001", "1.2.3.4:7000"))
     found = convicted({0: sybils}, {0: framed})[0]
     assert sorted(found) == [0, 1]  # each by its own words, which its own sum contradicts
