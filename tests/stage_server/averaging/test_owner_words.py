@@ -7,10 +7,11 @@ blocks, whichever sends first and however the part is sliced."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import torch
 
-from stage_server.averaging.checksum import BLOCK, AuditedChecks
+from stage_server.averaging.checksum import BLOCK, AuditedChecks, Draws, dots, received_dots
 from stage_server.averaging.owner import Averager
 
 N = BLOCK + 4_321  # two blocks of r, the second partial
@@ -54,3 +55,15 @@ async def test_the_owner_says_what_each_sender_sent_as_the_sender_says_it() -> N
         assert list(audit[0].received_dots) == [c.dot for c in theirs]
     # a replica that owns no part says no words
     assert all(not c.received_dots for c in senders[1].report())
+
+
+def test_infinities_over_a_parts_blocks_make_its_words_nan_and_raise_nothing() -> None:
+    """A sender's +inf in one block of r and -inf in another (r's signs as they fall): each
+    block's dot is infinite, of either sign, and `math.fsum` of them raised ValueError in the
+    owner's summing, aborting its round and naming the honest owner. Now its words are NaN,
+    which the coordinator reads as this sender's NaN against whatever it says itself."""
+    x = torch.zeros(N, dtype=torch.float64)
+    x[0], x[BLOCK] = float("inf"), float("-inf")
+    for seed in range(64):  # seeds whose r gives the two blocks' dots opposite signs among them
+        assert not any(map(math.isfinite, received_dots(0, [x.clone()], Draws(seed))[0]))
+        assert not any(map(math.isfinite, dots(seed, 0, x.clone())))
