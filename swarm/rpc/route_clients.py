@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from swarm.errors import PeerUnavailable
 from swarm.rpc.stage_client import StageClient
 
 __all__ = ["MAX_RETIRING", "Path", "Retiring", "RouteClients"]
@@ -77,7 +78,9 @@ class Retiring:
         closing, self._closing = self._closing, {}
         for task in closing:
             task.cancel()
-        await asyncio.gather(*(c.close() for c in closing.values()), *self._now)
+        await asyncio.gather(
+            *(c.close() for c in closing.values()), *self._now, return_exceptions=True
+        )
 
 
 class RouteClients(Mapping[str, StageClient]):
@@ -102,7 +105,11 @@ class RouteClients(Mapping[str, StageClient]):
         if made is None:
             path = self._paths[peer]  # KeyError: no member
             direct = self._direct(path.address)
-            made = self._made[peer] = _Made(self._make(path, direct), direct)
+            try:
+                client = self._make(path, direct)
+            except ValueError as e:  # an address no client can dial (a route's, any sender's)
+                raise PeerUnavailable(f"{peer} at {path.address[:80]!r}: {e}") from e
+            made = self._made[peer] = _Made(client, direct)
         return made.client
 
     def __iter__(self) -> Iterator[str]:

@@ -121,6 +121,9 @@ class RoundChecks:
         for stage, found in kept.items():  # over the steps kept: `disputes_kept`
             for index, evidence in found.items():
                 liars.setdefault(stage, {}).setdefault(index, evidence)
+        for stage, found in liars.items():  # convicted: its word is no one's evidence now
+            for index in found:
+                self.kept.forget(members[stage][index].peer)
         if self.bans is not None and liars:
             # Banned, and the job rolled back past its first step: every replica loads that
             # state again, and the others named here are judged again in the replayed rounds.

@@ -20,7 +20,7 @@ honest pair agrees up to the dots' own rounding (`agree`). So:
   fails, and in a pool of three or more both are left out (`judged`, as
   `sum_checks.replicas_to_leave_out` leaves out an owner and its lone accuser), their
   microbatches replayed.
-- **A NaN is a word too.** A member whose word (its r·x and Σ|r·x|) says it sent finite
+- **A NaN is a word too.** A member whose word (its r·x) says it sent finite
   values where its owner says it summed a NaN or an infinity from it (or the other way round)
   disagrees with it, as over any other value; both saying so is no disagreement (the sender's
   own NaN: `norm_bound` refuses it, reading the same three). The part's sum is then not held
@@ -141,14 +141,16 @@ def disagreements(
                 if j == part or not 0 <= j < m:
                     continue
                 received, magnitude = words[j]
-                # Like with like: dots with dots. A norm is a sum of squares, which overflows
-                # float64 where the dots do not (an honest diverging job's).
-                sent_finite = math.isfinite(c.dot + c.magnitude)
-                if sent_finite != math.isfinite(received + magnitude):
+                # Like with like: dots with dots. A norm (a sum of squares) or Σ|r·x| overflows
+                # float64 where the dot does not (an honest diverging job's): no evidence.
+                sent_finite = math.isfinite(c.dot)
+                if sent_finite != math.isfinite(received):
                     # One says a NaN or an infinity went over, the other finite values: the
                     # sender's word against the owner's, as any other disagreement is.
                     found.append(Disagreement(j, part, c.dot, received, seed))
-                elif sent_finite and not agree(c.dot, c.magnitude, received, magnitude):
+                elif not sent_finite or not math.isfinite(c.magnitude + magnitude):
+                    continue  # both not finite (the sender's own NaN), or a scale overflowed
+                elif not agree(c.dot, c.magnitude, received, magnitude):
                     found.append(Disagreement(j, part, c.dot, received, seed))
     return found
 

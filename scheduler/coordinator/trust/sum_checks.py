@@ -187,7 +187,9 @@ def nonfinite_senders(of: Mapping[int, pb.SumCheck], part: int, m: int) -> list[
     what it summed: `said_words`). Its sum is then NaN by what it summed, whatever the senders
     say they sent: one that says otherwise is in disagreement with it (`sent_words`)."""
     words = said_words(of, part, m) or []
-    return [j for j, (dot, magnitude) in enumerate(words) if not math.isfinite(dot + magnitude)]
+    # The dot alone: a NaN or an infinity makes it one (r_i·inf is one, r_i = 0 too), while
+    # Σ|r·x| may overflow for finite values (an honest float64 step past 1e302 an element).
+    return [j for j, (dot, _) in enumerate(words) if not math.isfinite(dot)]
 
 
 def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) -> list[Mismatch]:
@@ -212,14 +214,16 @@ def mismatches(reports: Mapping[int, Sequence[pb.SumCheck]], contributors: int) 
         if owned is not None:
             found += owned  # what its owner says of it, against itself
             continue
-        if not all(math.isfinite(c.dot + c.magnitude) for c in checks):
+        if not all(math.isfinite(c.dot) for c in checks):
             # A sender's own NaN, where its owner said no words: the norm bound's. The part's
             # honest sum is then NaN too: one taken back finite names its owner (a forgery a NaN
             # of the owner's own report, and no words, let pass every check).
             found += _finite_sums(of)
             continue
         if not all(math.isfinite(c.norm) for c in checks):
-            continue  # squares past float64, dots finite: no tolerance to hold r·S to
+            # Squares past float64, dots finite (an honest Σ|r·x| overflows only after them):
+            # no tolerance to hold r·S to.
+            continue
         # The owner's words about what each sent it, where it said them: a member's word
         # about its own contribution is held to them (`sent_words`), never summed here.
         words = owner_words(of, part, contributors)
@@ -266,8 +270,8 @@ def _owned(of: Mapping[int, pb.SumCheck], part: int, contributors: int) -> list[
     # Its square of a sender's values finite where its dots of them are not: no values give that
     # (a square overflows before a dot does, never after), so its words contradict themselves.
     squared = [j for j in named if len(squares) == contributors and math.isfinite(squares[j])]
-    said_own = math.isfinite(own.dot + own.magnitude)  # dots with dots (a norm overflows first)
-    if squared or said_own != math.isfinite(words[part][0] + words[part][1]):
+    said_own = math.isfinite(own.dot)  # dots with dots (a norm, or Σ|r·x|, overflows first)
+    if squared or said_own != math.isfinite(words[part][0]):
         return [Mismatch(part, j, math.nan, own.dot, 0.0, "own x") for j in sorted(of) if j != part]
     return _finite_sums(of) if named else None
 
@@ -325,12 +329,18 @@ def _norms(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> list[
 
 def _scaled(check: pb.SumCheck, word: tuple[float, float], norm: float) -> pb.SumCheck:
     """`check` with the larger of its own Σ|r·x| and ‖x‖ and its owner's words of them (`word`,
-    `norm`): the tolerance may be shrunk by neither."""
+    `norm`): the tolerance may be shrunk by neither, nor made NaN by a member's NaN scale (its
+    dot finite: a lie, or its owner's words would have named it) where its owner's is finite."""
     out = pb.SumCheck()
     out.CopyFrom(check)
-    out.magnitude = max(check.magnitude, word[1])
-    out.norm = max(check.norm, norm)
+    out.magnitude = _larger(check.magnitude, word[1])
+    out.norm = _larger(check.norm, norm)
     return out
+
+
+def _larger(own: float, owners: float) -> float:
+    """The larger of a member's word and its owner's, the owner's where the member's is NaN."""
+    return owners if math.isnan(own) else max(own, owners)
 
 
 def norm_ceiling(part: int, of: Mapping[int, pb.SumCheck], contributors: int) -> float:

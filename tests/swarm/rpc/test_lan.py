@@ -234,3 +234,18 @@ async def test_a_routes_relayed_members_are_probed_only_once_a_call_needs_one(
         assert probed == [members[7].address]
     finally:
         await routes.close()
+
+
+async def test_a_routes_member_no_client_can_dial_is_unavailable_not_a_bug(tmp_path: Path) -> None:
+    """A route's address is checked for its length and characters only; a relayed one that does
+    not parse failed the follow before, and now fails its first call as the peer unavailable
+    (the hop tries another replica), not as a ValueError out of the hop (a review's repro)."""
+    job = make_job(tmp_path)
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    routes = Routes(job, "job", None, wiring)
+    try:
+        routes.follow(1, [Replica("x", "relay://x", 1.0)])
+        with pytest.raises(PeerUnavailable, match="is not relay://"):
+            routes.clients["x"]
+    finally:
+        await routes.close()
