@@ -117,6 +117,7 @@ async def hop(
         prefer = None
         pool.started(peer, samples)
         start = time.perf_counter()
+        client = None  # none made: an address no client can dial (`RouteClients`)
         try:
             client = routes.clients[peer]  # it may depart (a new view) while the call runs
             result = await call(client, accumulate)
@@ -126,7 +127,7 @@ async def hop(
             continue
         except SwarmError as e:  # a stage client raises nothing else for a failed call
             if isinstance(e, PeerUnavailable):  # dialled past its relay: through it again
-                routes.lost(peer)
+                routes.lost(peer, client)
             backoff_s = 0.0
             if peer in pool:  # it may have left (or moved stage) while the call ran
                 backoff_s = pool.failed(peer, samples)

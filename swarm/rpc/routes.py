@@ -137,11 +137,15 @@ class Routes:
             if peer not in pool:
                 self.wiring.add(peer, stage, r.throughput if r.throughput > 0 else 1.0)
 
-    def lost(self, peer: str) -> None:
-        """A call to `peer` failed: if its client dialled past its relay, that path is given up
-        (`swarm.rpc.lan`) and the peer's next calls go through its relay."""
+    def lost(self, peer: str, client: StageClient | None = None) -> None:
+        """A call to `peer` over `client` failed: if that client is its current one and dialled
+        past its relay, that path is given up (`swarm.rpc.lan`) and the peer's next calls go
+        through its relay. A call over a client retired since (closed early past the bound, or
+        replaced by a direct one) says nothing of the path its current client takes."""
         path = self.clients.path(peer)
         if path is None or not self.clients.direct(peer):
+            return
+        if client is not None and client is not self.clients.made().get(peer):
             return
         self.shortcuts.lost(path.address)
         self.clients.retire(peer)

@@ -159,7 +159,9 @@ async def test_routes_switch_a_peer_to_its_lan_address_and_back(tmp_path: Path) 
             assert direct is not first and direct.direct
             assert (await direct.info()).peer == PEER
             assert len(routes.retiring) == 1  # the relayed one, closed after its calls' deadline
-            routes.lost(PEER)
+            routes.lost(PEER, first)  # a call over the retired relayed client: not this path
+            assert routes.clients[PEER] is direct and direct.direct
+            routes.lost(PEER, direct)
             assert not routes.clients[PEER].direct
             routes.follow(1, members)  # and it stays relayed until its retry time
             assert not routes.clients[PEER].direct
