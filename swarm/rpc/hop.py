@@ -126,14 +126,7 @@ async def hop(
             last = e
             continue
         except SwarmError as e:  # a stage client raises nothing else for a failed call
-            if isinstance(e, PeerUnavailable):  # dialled past its relay: through it again
-                routes.lost(peer, client)
-            backoff_s = 0.0
-            if peer in pool:  # it may have left (or moved stage) while the call ran
-                backoff_s = pool.failed(peer, samples)
-                if observer is not None:  # not for a departed peer: no new series
-                    observer.failed(stage, peer)
-            routes.causes.failed(stage, peer, e, backoff_s)
+            _count_failure(routes, stage, peer, client, e, observer)
             last = e
             if accumulate and landed(e):
                 accumulate = False
@@ -163,6 +156,26 @@ async def hop(
     if isinstance(last, Busy):  # the last try found a full queue: say so, not an older failure
         raise HopFailed(f"stage {stage}: {why}, the last {described(last)}") from last
     raise _failed(routes, stage, why) from last
+
+
+def _count_failure(
+    routes: Routes,
+    stage: int,
+    peer: str,
+    client: StageClient | None,
+    e: SwarmError,
+    observer: HopObserver | None,
+) -> None:
+    """A call to `peer` over `client` (None: none could be made) failed with `e`: its path past
+    its relay given up where that was the way, the replica in backoff, the cause kept."""
+    if isinstance(e, PeerUnavailable):  # dialled past its relay: through it again
+        routes.lost(peer, client)
+    pool, backoff_s = routes.wiring[stage], 0.0
+    if peer in pool:  # it may have left (or moved stage) while the call ran
+        backoff_s = pool.failed(peer, routes.job.training.microbatch_size)
+        if observer is not None:  # not for a departed peer: no new series
+            observer.failed(stage, peer)
+    routes.causes.failed(stage, peer, e, backoff_s)
 
 
 def _failed(routes: Routes, stage: int, why: str) -> HopFailed:
