@@ -5,9 +5,9 @@ up to `MAX_ROUTE_MEMBERS` replicas, named by whoever sent the request (any holde
 token with a lease). Making a client for each, as the route was followed, cost about 90 ms of the
 event loop for a route of 1,024 here and 17 KB each, and each replaced route's clients were kept
 for the calls' deadline (`Retiring`): a token holder sending such routes, each naming others,
-grew the receiver by 17 MB a request for a minute. Now a member is its path (address, stage,
-whether it is dialled past its relay) until the hop chooses it, and only a client that was made
-is retired; the retired are bounded too (`Retiring.most`)."""
+grew the receiver by 17 MB a request for a minute. Now a member is its path (address, stage)
+until a call needs its client, which is when whether to dial it past its relay is asked; only a
+client that was made is retired, and the retired are bounded too (`Retiring.most`)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,11 @@ class RouteClients(Mapping[str, StageClient]):
     def made(self) -> dict[str, StageClient]:
         """The clients made so far (a call chose their member)."""
         return {peer: made.client for peer, made in self._made.items()}
+
+    def current(self, peer: str) -> StageClient | None:
+        """`peer`'s client if one was made (none is made here)."""
+        made = self._made.get(peer)
+        return None if made is None else made.client
 
     def direct(self, peer: str) -> bool:
         """Whether `peer`'s client, if made, dials it past its relay."""

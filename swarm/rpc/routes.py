@@ -145,7 +145,7 @@ class Routes:
         path = self.clients.path(peer)
         if path is None or not self.clients.direct(peer):
             return
-        if client is not None and client is not self.clients.made().get(peer):
+        if client is not None and client is not self.clients.current(peer):
             return
         self.shortcuts.lost(path.address)
         self.clients.retire(peer)

@@ -64,6 +64,8 @@ class _Kept:
 
 
 class KeptDisputes:
+    """One job's single disagreements, by peer, as the module says."""
+
     def __init__(self) -> None:
         self._of: dict[str, dict[str, _Kept]] = {}  # peer -> its counterpart's peer -> the latest
         self._step = -1  # the latest step a round was judged at
@@ -99,8 +101,8 @@ class KeptDisputes:
                 self._of.pop(other, None)
 
     def liars(self, peers: Iterable[str]) -> dict[str, str]:
-        """Those of `peers` in disagreement with `LIARS_AT` others or more, of two hosts or
-        more, over the steps kept: each with the evidence, in one line."""
+        """Those of `peers` in disagreement with `LIARS_AT` others or more, on two public hosts
+        or more (`host_of`), over the steps kept: each with the evidence, in one line."""
         out = {}
         for peer in peers:
             kept = self._of.get(peer, {})

@@ -71,9 +71,9 @@ def _squares(m: int, of: Mapping[int, Checksums]) -> tuple[list[float], list[int
 
 def _says_itself(checks: Checksums) -> bool:
     """Whether a contributor's own reports say what it sent is not finite (its norm, r·x or
-    Σ|r·x| of some part: any of them, as `sent_words` reads a sender's word; a liar saying a
-    NaN in its dot alone kept its norm finite and passed both): an owner's word alone that it
-    sent a NaN would let a hostile owner leave every other contributor out in one round."""
+    Σ|r·x| of some part, any of them: a liar saying a NaN in its dot alone kept its norm finite
+    and passed): an owner's word alone that it sent a NaN would let a hostile owner leave every
+    other contributor out in one round."""
     return any(not math.isfinite(c.norm + c.dot + c.magnitude) for c in checks.reports)
 
 

@@ -23,7 +23,7 @@ honest pair agrees up to the dots' own rounding (`agree`). So:
 - **A NaN is a word too.** A member whose word (its r·x) says it sent finite
   values where its owner says it summed a NaN or an infinity from it (or the other way round)
   disagrees with it, as over any other value; both saying so is no disagreement (the sender's
-  own NaN: `norm_bound` refuses it, reading the same three). The part's sum is then not held
+  own NaN: `norm_bound` refuses it, its dot among what it reads). The part's sum is then not held
   to the members' words (`sum_checks._owned`: an honest owner's is NaN, and one taken back
   finite names the owner): before, a member that sent one owner a NaN under finite words had
   every member's r·S name that honest owner, left out alone, then the next. In a pool of two
