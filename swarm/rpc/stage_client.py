@@ -22,7 +22,7 @@ from swarm.net.commit_auth import STATE_DIGEST_KEY, state_digest
 from swarm.policy.parts import EQUAL_PARTS, Parts
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc, tensor_pb2
-from swarm.rpc import client_stream, epoch, late_audit
+from swarm.rpc import client_stream, epoch, late_audit, lost_status
 from swarm.rpc.control_replies import SplitStub, check_commit, check_info, control_reply_bytes
 from swarm.rpc.push_call import PushCall
 from swarm.rpc.reply_checks import crossing_shape, needed
@@ -52,15 +52,18 @@ R = TypeVar("R")
 
 
 def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """The boundary: a failed call (unary or streaming, at any point of the stream) raises the
-    swarm error its status means, chained to the gRPC error for the logs."""
+    """The boundary of a `StageClient` method: a failed call (unary or streaming, at any point of
+    the stream) raises the swarm error its status means, chained to the gRPC error for the logs;
+    a status a write lost is asked again of the server first (`swarm.rpc.lost_status`)."""
 
     @functools.wraps(call)
     async def converted(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await call(*args, **kwargs)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
+            client = args[0]
+            assert isinstance(client, StageClient)  # a method's self
+            raise from_rpc_error(await lost_status.asked_again(e, client.channel)) from e
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
