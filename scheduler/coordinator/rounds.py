@@ -41,6 +41,7 @@ from scheduler.coordinator.trust.sent_words import judged as sums_judged
 from scheduler.coordinator.trust.sum_checks import (
     Checksums,
     checked,
+    group_hosts,
     new_seed,
     replicas_to_leave_out,
 )
@@ -440,7 +441,8 @@ class PoolRounds:
                 # Those the evidence convicts leave alone (`sum_liars`: not banned here yet);
                 # else whom the checks named (`replicas_to_leave_out`).
                 liars = convicted(groups, checks)
-                leaving = liars or replicas_to_leave_out(accusations, contributors)
+                hosts = group_hosts(groups)
+                leaving = liars or replicas_to_leave_out(accusations, contributors, hosts)
                 for stage, out in leaving.items():
                     for index in out:  # a replica owner's wrong sum: it leaves (issue 55)
                         named.append(members[stage][index].peer)

@@ -31,7 +31,7 @@ from scheduler.coordinator.trust.bans import Bans
 from scheduler.coordinator.trust.disputes_kept import KeptDisputes
 from scheduler.coordinator.trust.norm_bound import outliers
 from scheduler.coordinator.trust.sent_words import judged
-from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out
+from scheduler.coordinator.trust.sum_checks import Checksums, group_hosts, replicas_to_leave_out
 from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.rpc.lease import Replica
 
@@ -136,7 +136,8 @@ class RoundChecks:
         contributors = {k: len(g.members) - len(g.aggregators) for k, g in groups.items()}
         # With no bans, those the evidence convicts are left out alone.
         out_of = {k: {j: set[int]() for j in found} for k, found in liars.items()}
-        for stage, out in (out_of or replicas_to_leave_out(accusations, contributors)).items():
+        leaving = out_of or replicas_to_leave_out(accusations, contributors, group_hosts(groups))
+        for stage, out in leaving.items():
             group, failed = groups[stage].members, set().union(*accusations.get(stage, {}).values())
             for index, by in sorted(out.items()):
                 culprit, accusers = members[stage][index], [group[j] for j in sorted(by)]

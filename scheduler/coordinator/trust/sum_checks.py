@@ -59,6 +59,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.coordinator.groups import RoundGroup
+from swarm.net.seats import seat
 from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 from swarm.wire.hadamard import ERROR_SHARE
@@ -71,6 +72,7 @@ __all__ = [
     "checked",
     "crossed",
     "encoding_allowed",
+    "group_hosts",
     "mismatches",
     "new_seed",
     "nonfinite_senders",
@@ -396,24 +398,40 @@ def verify(
     return accusations, lines
 
 
-def replicas_to_leave_out(accusations: Accusations, contributors: Mapping[int, int]) -> Accusations:
+def group_hosts(groups: Mapping[int, RoundGroup]) -> dict[int, list[str]]:
+    """Per stage, the host each member of its round's group is on (`swarm.net.seats`): two
+    seats of one public host are one token holder's word (issue 64)."""
+    return {stage: [seat(a, a) for a in group.members] for stage, group in groups.items()}
+
+
+def replicas_to_leave_out(
+    accusations: Accusations,
+    contributors: Mapping[int, int],
+    hosts: Mapping[int, Sequence[str]],
+) -> Accusations:
     """The replicas (stage -> group index -> who named it) a round's failed checksums leave out
     (`contributors`: per stage, how many of its group's first members contribute; a part past
     them is an aggregator's, which `Groups.blame` has sit out). A replica owner's wrong sum
     fails at every honest contributor: named by most of the other contributors, the owner alone
     is left out. Named by fewer, either it answered those few a different sum or they lie about
     it, which no one else can tell apart: the owner and its accusers are left out together, so
-    a liar, owner or accuser, never removes an honest member without going itself."""
+    a liar, owner or accuser, never removes an honest member without going itself. "Most" is
+    counted by host (`hosts`: per stage, by member, `group_hosts`; a member without one is a
+    host of its own): two seats of one host are one accuser, or a token holder with two peer
+    ids in a pool of four would leave an honest owner out alone."""
     out: Accusations = {}
     for stage, accused in accusations.items():
         m = contributors.get(stage, 0)
+        seats = list(hosts.get(stage, ()))
+        host = [seats[j] if j < len(seats) else f"member {j}" for j in range(m)]
         for part in sorted({p for parts in accused.values() for p in parts}):
             if part >= m:
                 continue  # an aggregator's
             by = {j for j, parts in accused.items() if part in parts and j != part}
             named = out.setdefault(stage, {})
             named.setdefault(part, set()).update(by)
-            if 2 * len(by) <= m - 1:  # a minority: its accusers go too
+            others = {host[j] for j in range(m) if j != part}
+            if 2 * len({host[j] for j in by if j < m}) <= len(others):  # a minority: they go too
                 for j in by:
                     named.setdefault(j, set()).add(part)
     return out

@@ -79,11 +79,11 @@ def test_an_owner_that_reports_nothing_it_summed_is_refused() -> None:
 def test_a_replica_owner_named_by_most_goes_alone_by_few_with_its_accusers() -> None:
     contributors = {0: 3}
     both = {0: {1: {0}, 2: {0}}}  # the two others name owner 0
-    assert replicas_to_leave_out(both, contributors) == {0: {0: {1, 2}}}
+    assert replicas_to_leave_out(both, contributors, {}) == {0: {0: {1, 2}}}
     one = {0: {2: {0}}}  # one of the two: a lie, or an owner that answered it apart
-    assert replicas_to_leave_out(one, contributors) == {0: {0: {2}, 2: {0}}}
+    assert replicas_to_leave_out(one, contributors, {}) == {0: {0: {2}, 2: {0}}}
     aggregator = {0: {0: {3}, 1: {3}, 2: {3}}}  # part 3 is an aggregator's: `Groups.blame`'s
-    assert replicas_to_leave_out(aggregator, contributors) == {}
+    assert replicas_to_leave_out(aggregator, contributors, {}) == {}
 
 
 def test_a_nan_or_infinite_contribution_beside_finite_ones_is_refused() -> None:

@@ -53,7 +53,7 @@ def test_one_disagreement_leaves_both_out_and_convicts_no_one() -> None:
     assert convicted({0: GROUP}, {0: one}) == {}
     accusations, lines = judged({0: GROUP}, {0: one})
     assert len(lines) == 1 and "what it sent" in lines[0], lines
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {2}, 2: {0}}}
 
 
 def test_an_owner_lying_about_what_two_members_sent_is_convicted() -> None:
@@ -100,13 +100,13 @@ def test_a_nan_sent_to_one_owner_under_finite_words_is_one_disagreement() -> Non
     assert convicted({0: GROUP}, {0: hidden}) == {}
     accusations, lines = judged({0: GROUP}, {0: hidden})
     assert len(lines) == 1 and "disagree" in lines[0] and "(nan)" in lines[0], lines
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {2}, 2: {0}}}
     # its taken-back sum said finite besides: it names the owner that way too, the same two go
     lying = nan_to_part(0, (2,))
     lying[2].reports[0].sum_dot = 3.0
     assert [(b.contributor, b.what) for b in mismatches(_reports(lying), 3)] == [(2, "finite S")]
     accusations, _ = judged({0: GROUP}, {0: lying})
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {2}, 2: {0}}}
     # hidden from both other owners: two disagreements, convicted
     both = word_checks(
         received={(0, 2): NAN, (1, 2): NAN}, sums={(j, k): NAN for j in range(3) for k in (0, 1)}
@@ -152,7 +152,7 @@ def test_an_owner_naming_a_nan_and_answering_a_finite_sum_is_left_out_alone() ->
     assert {(b.contributor, b.what) for b in found} == {(j, "finite S") for j in range(3)}
     accusations, lines = judged({0: GROUP}, {0: garbage})
     assert any("the sum taken back is finite" in line for line in lines), lines
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {1, 2}}}
 
 
 def test_an_owner_with_no_words_and_a_nan_of_its_own_answering_a_finite_sum_is_named() -> None:
@@ -166,7 +166,7 @@ def test_an_owner_with_no_words_and_a_nan_of_its_own_answering_a_finite_sum_is_n
     found = mismatches(_reports(silent), 3)
     assert {(b.contributor, b.what) for b in found} == {(j, "finite S") for j in range(3)}
     accusations, _ = judged({0: GROUP}, {0: silent})
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {1, 2}}}
 
 
 def test_an_honest_float64_gradient_past_the_squares_range_frames_no_one() -> None:
@@ -214,7 +214,7 @@ def test_an_owner_contradicting_itself_about_its_own_contribution_is_left_out_al
             (0, 2, "own x"),
         }
         assert len(lines) == 2 and "contradict" in lines[0], lines
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {1, 2}}}
 
 
 # The contributions' audit, with real values: three replicas of N parameters
@@ -253,7 +253,7 @@ def test_a_member_lying_about_what_it_sent_to_another_owner_frames_no_audited_re
     assert contributions.judge(5, 0, PEERS, framing, held) == []
     # the lie is one word against a's: both are left out of the round, no one is convicted
     accusations, lines = judged({0: GROUP}, {0: framing})
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {2}, 2: {0}}}, lines
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {2}, 2: {0}}}, lines
     # ... and bent, b is still caught by a's and c's words about what it sent them
     bent = [xs[0], xs[1] * (1 + torch.arange(N, dtype=torch.float64).cos()), xs[2]]
     found = contributions.judge(5, 0, PEERS, round_of(contributions, bent), held)

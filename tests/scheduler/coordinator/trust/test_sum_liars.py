@@ -10,7 +10,12 @@ import math
 import pytest
 
 from scheduler.coordinator.groups import Aggregator, Link, RoundGroup
-from scheduler.coordinator.trust.sum_checks import Checksums, replicas_to_leave_out, verify
+from scheduler.coordinator.trust.sum_checks import (
+    Checksums,
+    group_hosts,
+    replicas_to_leave_out,
+    verify,
+)
 from scheduler.coordinator.trust.sum_liars import convicted
 from swarm.proto import stage_pb2 as pb
 
@@ -78,7 +83,7 @@ def test_a_member_lying_about_its_own_contribution_frames_no_one() -> None:
     framed = _checks(dots={2: 1.0 + 1e3})
     accusations, lines = verify({0: GROUP}, {0: framed})
     assert accusations == {0: {0: {0}, 1: {0}, 2: {0}}} and len(lines) == 3
-    assert replicas_to_leave_out(accusations, {0: 3}) == {0: {0: {1, 2}}}  # left out, alone
+    assert replicas_to_leave_out(accusations, {0: 3}, {}) == {0: {0: {1, 2}}}  # left out, alone
     assert convicted({0: GROUP}, {0: framed}) == {}
 
 
@@ -115,3 +120,21 @@ def test_two_accusers_of_one_host_convict_no_one() -> None:
     assert convicted({0: sybils}, {0: framed}) == {}
     two_hosts = RoundGroup(("1.2.3.4:7000", "5.6.7.8:7000", "9.10.11.12:7000"))
     assert list(convicted({0: two_hosts}, {0: framed})[0]) == [0]
+
+
+def test_two_seats_of_one_host_are_one_accuser_of_an_owner() -> None:
+    """A pool of four: two members are seats of one public host (one token holder's two peer
+    ids) and say the honest owner's sum they took back is wrong. By members they are most of the
+    three others; by hosts they are one of two, one word against the owner's: the owner and
+    both seats are left out (before, the owner alone, and the two seats stayed)."""
+    group = RoundGroup(("9.9.9.9:5000", "1.2.3.4:5001", "1.2.3.4:5002", "8.8.8.8:5000"))
+    framed = _checks(sums={1: 1e4, 2: 1e4}, m=4)
+    accusations, _ = verify({0: group}, {0: framed})
+    assert accusations == {0: {1: {0}, 2: {0}}}
+    assert convicted({0: group}, {0: framed}) == {}  # two accusers, one host: no conviction
+    out = replicas_to_leave_out(accusations, {0: 4}, group_hosts({0: group}))
+    assert out == {0: {0: {1, 2}, 1: {0}, 2: {0}}}
+    # Of three hosts, the same two accusers are two hosts of three: the owner alone
+    apart = RoundGroup(("9.9.9.9:5000", "1.2.3.4:5001", "5.6.7.8:5002", "8.8.8.8:5000"))
+    out = replicas_to_leave_out(accusations, {0: 4}, group_hosts({0: apart}))
+    assert out == {0: {0: {1, 2}}}
