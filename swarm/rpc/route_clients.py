@@ -12,7 +12,7 @@ client that was made is retired, and the retired are bounded too (`Retiring.most
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, KeysView
 from dataclasses import dataclass
 
 from swarm.errors import PeerUnavailable
@@ -83,12 +83,15 @@ class Retiring:
         )
 
 
-class RouteClients(Mapping[str, StageClient]):
-    """Peer -> its client, over the members a sender's routes follow: iterating, `len` and `in`
-    read the members; `[peer]` and `get` make the member's client if it has none yet. Whether a
-    member is dialled past its relay is asked (`direct`: `lan.Shortcuts.direct`, which starts a
-    probe of a neighbour's LAN address) only of a member a call needs: a route of 1,024 relayed
-    neighbours' ids probed 1,024 addresses of the sender's choosing before."""
+class RouteClients:
+    """Peer -> its client, over the members a sender's routes follow: iterating, `keys`, `len`
+    and `in` read the members; `[peer]` and `get` make the member's client if it has none yet.
+    Whether a member is dialled past its relay is asked (`direct`: `lan.Shortcuts.direct`, which
+    starts a probe of a neighbour's LAN address) only of a member a call needs: a route of 1,024
+    relayed neighbours' ids probed 1,024 addresses of the sender's choosing before.
+
+    Not a `Mapping`: its `items`, `values` and `==` would make a client for every member, the
+    cost this class exists to avoid; `made` is what has one."""
 
     def __init__(
         self,
@@ -111,6 +114,14 @@ class RouteClients(Mapping[str, StageClient]):
                 raise PeerUnavailable(f"{peer} at {path.address[:80]!r}: {e}") from e
             made = self._made[peer] = _Made(client, direct)
         return made.client
+
+    def get(self, peer: str) -> StageClient | None:
+        """`self[peer]`, or None where `peer` is no member."""
+        return self[peer] if peer in self._paths else None
+
+    def keys(self) -> KeysView[str]:
+        """The members."""
+        return self._paths.keys()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)

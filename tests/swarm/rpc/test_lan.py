@@ -234,6 +234,12 @@ async def test_a_routes_relayed_members_are_probed_only_once_a_call_needs_one(
         routes.clients["n7"]  # a call needs it
         await routes.shortcuts.probed()
         assert probed == [members[7].address]
+        # the members read without a client each: no Mapping's items, values or == (each of
+        # which made every member's client), and `get` of one no member makes none
+        assert not hasattr(routes.clients, "values") and not hasattr(routes.clients, "items")
+        assert list(routes.clients.keys()) == [m.peer for m in members]
+        assert routes.clients.get("n99") is None
+        assert list(routes.clients.made()) == ["n7"]
     finally:
         await routes.close()
 
