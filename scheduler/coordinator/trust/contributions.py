@@ -12,7 +12,9 @@ no trainer sees, held to its microbatches re-executed by others of its stage.
   its PREPARE and reports, for every part k, q·x_ik of what it sent and q·S_k of the sum it took
   back, and of its own part q·x of what each sender sent it (`Checksums.audit_reports`,
   `SumCheck.received_dots`). Of another replica's part k, j's share is owner k's word about
-  what it received from j (`sent_words`: no member's word moves it); of j's own part (and an
+  what it received from j (`sent_words`: no member's word moves it; the owner's own can, moving
+  q·x between j's share and its own, which no other word holds: docs/decisions.md, "What it does
+  not cover"); of j's own part (and an
   aggregator's), each sum being the sum of the contributions, q·S_k - Σ_{i≠j} q·x_ik, up to the
   owners' rounding. The audited replica knew r (the round's seed) and could have hidden an error
   from it, not from q. The members' words about what they sent j's own part stand alone: no
