@@ -169,7 +169,7 @@ class CarryPlane:
         if cached is None or not task.stages <= cached.keys():
             return None
         producers = self.cache.producers(task.step, task.index, task.stages)
-        if not producers <= self.hops.routes.clients.keys():
+        if not producers <= self.hops.routes.clients.members():
             return None  # one is no member now (gone, or banned): its bytes are not trusted
         holders = {}
         for k in sorted(task.stages):

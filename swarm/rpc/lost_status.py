@@ -9,24 +9,26 @@ first (about 1 call in 100 of 30 refused at once on a loaded machine: 3 of 300 i
 nothing is. The caller then knows only that the server ended the call while it wrote.
 
 A unary call does not race so (its message, half-close and status are one batch), and a refusal
-of the caller (the token, the rate of refusals) is the server's answer to a probe as much as to
-the stream: `StageService.Info`, which a stage server and an aggregator both answer, asked over
-the same channel with the same credentials, costs one small call per lost status and is bounded
-by `PROBE_S`. Its refusal becomes the call's error (by its code), said to be a probe's; an answer,
-or a probe that learnt nothing (no answer in time, no Info served), leaves the INTERNAL, saying
-so."""
+of the caller from its header (the token) is the server's answer to a probe as much as to the
+stream: `StageService.Info`, asked with the same credentials on the client's control channel
+(answers of Info's size only), costs one small call per lost status, within what is left of the
+call's deadline and at most `PROBE_S`. Its refusal becomes the call's error (by its code), said
+to be a probe's; a client closed meanwhile is UNAVAILABLE, as any call closed under it; an
+answer, or a probe that learnt nothing (no answer in time, no Info served), leaves the INTERNAL,
+saying so. A server that answers its own INTERNAL of the same text is asked too: it costs its
+caller no more than the call's own deadline."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 
+from swarm.errors import PeerUnavailable
 from swarm.net.told_ahead import RACE_DETAILS, told
-from swarm.proto import stage_pb2 as pb
-from swarm.proto import stage_pb2_grpc
 
-__all__ = ["PROBE_S", "asked_again", "lost"]
+__all__ = ["PROBE_S", "Probe", "asked_again", "lost"]
 
 PROBE_S = 5.0
 """The most a probe of a server whose refusal was lost may take (seconds)."""
@@ -55,31 +57,48 @@ def lost(error: grpc.RpcError) -> bool:
     return code == grpc.StatusCode.INTERNAL and details == RACE_DETAILS and told(error) is error
 
 
-async def asked_again(
-    error: grpc.RpcError, channel: grpc.aio.Channel, timeout: float = PROBE_S
-) -> grpc.RpcError:
-    """`error`, or, where its status was `lost`, what one probe of the server over `channel`
-    tells: the refusal it meets, as this call's error; else the INTERNAL, saying what the probe
-    found."""
+Probe = Callable[[float], Awaitable[object]]
+"""One unary call of the server (`StageService.Info`) with the given timeout (seconds); its
+refusal raises `grpc.RpcError`, a client closed under it `PeerUnavailable`."""
+
+
+async def asked_again(error: grpc.RpcError, probe: Probe, left_s: float) -> grpc.RpcError:
+    """`error`, or, where its status was `lost`, what one `probe` of the server tells within
+    `left_s` (at most `PROBE_S`; none where nothing is left): the refusal it meets, as this
+    call's error; a client closed under it, UNAVAILABLE as for any call it was closed under;
+    else the INTERNAL, saying what the probe found."""
     if not lost(error):
         return error
     initial = error.initial_metadata() or ()  # type: ignore[attr-defined]
+    found = await _probed(probe, min(PROBE_S, left_s))
+    if isinstance(found, tuple):
+        code, details = found
+        return grpc.aio.AioRpcError(code, initial, (), details)
+    details = f"{RACE_DETAILS}: the server ended the call as it was written; {found}"
+    trailing = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, initial, trailing, details)
+
+
+async def _probed(probe: Probe, timeout: float) -> tuple[grpc.StatusCode, str] | str:
+    """The status to adopt (code, text), or what the probe found instead."""
+    if timeout <= 0:
+        return "no time was left of its deadline to ask the server why"
     try:
-        await stage_pb2_grpc.StageServiceStub(channel).Info(pb.StageInfoRequest(), timeout=timeout)
-        found = "a probe of the same server was answered"
+        await probe(timeout)
+        return "a probe of the same server was answered"
     except grpc.RpcError as refusal:
         code: grpc.StatusCode = refusal.code()  # type: ignore[attr-defined]
         details = refusal.details() or code.name  # type: ignore[attr-defined]
         if code in _TOLD:  # its code alone: no error class the probe's trailers might name
-            return grpc.aio.AioRpcError(code, initial, (), f"{details} ({_PROBED})")
-        found = f"a probe of the same server learnt nothing ({code.name}: {details})"
-    except grpc.aio.UsageError:  # the client closed its channel meanwhile
-        found = "its channel was closed before a probe"
+            return code, f"{details} ({_PROBED})"
+        return f"a probe of the same server learnt nothing ({code.name}: {details})"
+    except (PeerUnavailable, grpc.aio.UsageError):  # the client was closed meanwhile
+        return grpc.StatusCode.UNAVAILABLE, "the connection was closed before a probe of it"
+    except grpc.aio.BaseError as e:  # grpc-aio's own failures of the probe's batch
+        return f"a probe of the same server learnt nothing ({type(e).__name__}: {e})"
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise  # the caller's own cancellation
-        found = "its channel was closed during a probe"  # as `StageClient`'s boundary reads it
-    details = f"{RACE_DETAILS}: the server ended the call as it was written; {found}"
-    trailing = error.trailing_metadata() or ()  # type: ignore[attr-defined]
-    return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, initial, trailing, details)
+        # as `StageClient`'s boundary reads a channel closed under a call
+        return grpc.StatusCode.UNAVAILABLE, "the connection was closed during a probe of it"

@@ -84,14 +84,15 @@ class Retiring:
 
 
 class RouteClients:
-    """Peer -> its client, over the members a sender's routes follow: iterating, `keys`, `len`
+    """Peer -> its client, over the members a sender's routes follow: iterating, `members`, `len`
     and `in` read the members; `[peer]` and `get` make the member's client if it has none yet.
     Whether a member is dialled past its relay is asked (`direct`: `lan.Shortcuts.direct`, which
     starts a probe of a neighbour's LAN address) only of a member a call needs: a route of 1,024
     relayed neighbours' ids probed 1,024 addresses of the sender's choosing before.
 
-    Not a `Mapping`: its `items`, `values` and `==` would make a client for every member, the
-    cost this class exists to avoid; `made` is what has one."""
+    Not a `Mapping`, nor anything `dict()` reads as one: its `items`, `values` and `==`, or a
+    `dict(clients)`, would make a client for every member, the cost this class exists to avoid;
+    `made` is what has one."""
 
     def __init__(
         self,
@@ -119,8 +120,9 @@ class RouteClients:
         """`self[peer]`, or None where `peer` is no member."""
         return self[peer] if peer in self._paths else None
 
-    def keys(self) -> KeysView[str]:
-        """The members."""
+    def members(self) -> KeysView[str]:
+        """The members (no `keys`: with `[peer]` it would make `dict(clients)` and `{**clients}`
+        read this as a mapping, a client made for every member)."""
         return self._paths.keys()
 
     def __iter__(self) -> Iterator[str]:

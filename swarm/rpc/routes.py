@@ -157,7 +157,7 @@ class Routes:
         if len(replicas) != self.wiring.num_stages:
             return set()
         present = {r.peer for members in replicas for r in members}
-        departed = self.clients.keys() - present
+        departed = self.clients.members() - present
         for stage, members in enumerate(replicas):
             self.follow(stage, members)
         return departed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -14,7 +15,7 @@ import grpc
 import torch
 
 from swarm.device.handover import Offer
-from swarm.errors import BadReply, PeerUnavailable, WireError
+from swarm.errors import BadReply, PeerUnavailable, SwarmError, WireError
 from swarm.job.config import JobConfig
 from swarm.job.rule import EagerOp, rule_of
 from swarm.net import dial
@@ -53,17 +54,19 @@ R = TypeVar("R")
 
 def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """The boundary of a `StageClient` method: a failed call (unary or streaming, at any point of
-    the stream) raises the swarm error its status means, chained to the gRPC error for the logs;
-    a status a write lost is asked again of the server first (`swarm.rpc.lost_status`)."""
+    the stream) raises the swarm error its status means (`StageClient.error_of`), chained to the
+    gRPC error for the logs."""
 
     @functools.wraps(call)
     async def converted(*args: P.args, **kwargs: P.kwargs) -> R:
+        client = args[0]
+        assert isinstance(client, StageClient)  # a method's self
+        limit = kwargs.get("timeout")  # the call's own, where it takes one; else the client's
+        ends = time.monotonic() + (limit if isinstance(limit, float | int) else client.timeout_s)
         try:
             return await call(*args, **kwargs)
         except grpc.RpcError as e:
-            client = args[0]
-            assert isinstance(client, StageClient)  # a method's self
-            raise from_rpc_error(await lost_status.asked_again(e, client.channel)) from e
+            raise await client.error_of(e, ends - time.monotonic()) from e
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -126,11 +129,8 @@ class StageClient:
         self.address, self.job, self.job_id, self.stage = address, job, job_id, stage
         self.direct = direct
         rt = job.runtime
-        self._timeout, self._chunk, self._max = (
-            rt.rpc_timeout_s,
-            rt.chunk_bytes,
-            rt.max_tensor_bytes,
-        )
+        self.timeout_s = rt.rpc_timeout_s  # a call's deadline, where it names none of its own
+        self._chunk, self._max = rt.chunk_bytes, rt.max_tensor_bytes
         # Any: the generated stubs type enum fields as their enum class, not int.
         # Activations (inputs, outputs) go with the forward codec, their gradients with the
         # backward one: a stage's replies are encoded as asked (`reply_codec`).
@@ -148,7 +148,7 @@ class StageClient:
         self._closed = False
         self.stub: Any = SplitStub(stage_pb2_grpc.StageServiceStub(self.channel), self._control)
         self.last_queued_s = 0.0
-        self._streams = ReplicaStreams(stage, address, self._timeout, self._max)
+        self._streams = ReplicaStreams(stage, address, self.timeout_s, self._max)
 
     async def close(self) -> None:
         self._closed = True  # no control channel is opened after: nothing would close it
@@ -168,6 +168,17 @@ class StageClient:
             self._control_stub = stage_pb2_grpc.StageServiceStub(self._control_channel)
         return self._control_stub
 
+    async def error_of(self, error: grpc.RpcError, left_s: float) -> SwarmError:
+        """The swarm error a failed call of this client's means; a status a write lost is asked
+        again of the server first (`swarm.rpc.lost_status`), within what is `left_s` of the
+        call's deadline (none past it: a slow or hostile server holds up no caller)."""
+
+        async def probe(timeout: float) -> object:
+            # The control channel's: an answer of Info's size only (`control_replies`).
+            return await self._control().Info(pb.StageInfoRequest(), timeout=timeout)
+
+        return from_rpc_error(await lost_status.asked_again(error, probe, left_s))
+
     def _tensor(self, t: TensorLike, name: str, with_codec: int) -> tensor_pb2.Tensor:
         if isinstance(t, tensor_pb2.Tensor):
             t.name = name  # a received message is ours to relabel; its bytes go on untouched
@@ -179,7 +190,7 @@ class StageClient:
     ) -> tuple[Any, dict[str, Any]]:
         """The answer's header and tensors (messages; one written into `slot`, the caller's
         room for a co-located replica's answer, decoded already: `swarm.device.handover`)."""
-        call = method(timeout=self._timeout if timeout is None else timeout)
+        call = method(timeout=self.timeout_s if timeout is None else timeout)
         for msg in wire.split(request, self._chunk):
             await client_stream.write(call, msg)
         await client_stream.done_writing(call)
@@ -446,7 +457,7 @@ class StageClient:
         )
         # APPLY is one local step: a replica hung past a hop's deadline rejoins later, not held for.
         apply = phase == pb.COMMIT_PHASE_APPLY
-        timeout = self._timeout if apply else self.job.runtime.commit_timeout_s
+        timeout = self.timeout_s if apply else self.job.runtime.commit_timeout_s
         response: pb.StageCommitResponse = await self.stub.Commit(request, timeout=timeout)
         check_commit(response, request)
         return response
@@ -454,7 +465,7 @@ class StageClient:
     @_swarm_errors
     async def discard(self, step: int) -> int:
         request = pb.StageDiscardRequest(job=self.job_id, stage=self.stage, step=step)
-        response: pb.StageDiscardResponse = await self.stub.Discard(request, timeout=self._timeout)
+        response: pb.StageDiscardResponse = await self.stub.Discard(request, timeout=self.timeout_s)
         return response.dropped
 
     @_swarm_errors
@@ -470,7 +481,7 @@ class StageClient:
             job=self.job_id, stage=self.stage, source=source, step=step, epoch=rollback_epoch
         )
         request.ticket = ticket
-        response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self._timeout)
+        response: pb.StageJoinResponse = await self.stub.Join(request, timeout=self.timeout_s)
         return response.step
 
     @_swarm_errors
@@ -498,7 +509,7 @@ class StageClient:
     @_swarm_errors
     async def info(self) -> pb.StageInfoResponse:
         response: pb.StageInfoResponse = await self.stub.Info(
-            pb.StageInfoRequest(), timeout=self._timeout
+            pb.StageInfoRequest(), timeout=self.timeout_s
         )
         check_info(response, self.job)
         return response

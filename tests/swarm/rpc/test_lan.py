@@ -235,9 +235,12 @@ async def test_a_routes_relayed_members_are_probed_only_once_a_call_needs_one(
         await routes.shortcuts.probed()
         assert probed == [members[7].address]
         # the members read without a client each: no Mapping's items, values or == (each of
-        # which made every member's client), and `get` of one no member makes none
+        # which made every member's client), nothing `dict()` reads as a mapping, and `get` of
+        # one no member makes none
         assert not hasattr(routes.clients, "values") and not hasattr(routes.clients, "items")
-        assert list(routes.clients.keys()) == [m.peer for m in members]
+        with pytest.raises(TypeError):
+            dict(**routes.clients)  # type: ignore[arg-type]
+        assert list(routes.clients.members()) == [m.peer for m in members]
         assert routes.clients.get("n99") is None
         assert list(routes.clients.made()) == ["n7"]
     finally:

@@ -15,12 +15,11 @@ import pytest
 
 from stage_server.peer.limits import PeerLimits
 from stage_server.server import RunningStageServer, StageServerOptions, start_stage_server
-from swarm.errors import PeerUnavailable, RemoteError
+from swarm.errors import PeerUnavailable, RemoteError, SwarmError
 from swarm.job.fingerprint import fingerprint
 from swarm.net.told_ahead import RACE_DETAILS, TOLD_CODE_KEY, TOLD_DETAILS_KEY
-from swarm.rpc.lost_status import asked_again, lost
+from swarm.rpc.lost_status import PROBE_S, asked_again, lost
 from swarm.rpc.stage_client import StageClient
-from swarm.rpc.status import from_rpc_error
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,11 +38,16 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[RunningStageServer, Path
         await running.stop()
 
 
-async def _asked(running: RunningStageServer, tmp_path: Path, token: str | None) -> grpc.RpcError:
+async def _error_of(
+    running: RunningStageServer, tmp_path: Path, token: str | None, closed: bool = False
+) -> SwarmError:
+    """What the stage client's boundary makes of the race's error on a call to `running`."""
     job = make_job(tmp_path, training={"stages": 2})
     client = StageClient(running.address, job, fingerprint(job), 0, token)
     try:
-        return await asked_again(RACED, client.channel)
+        if closed:
+            await client.close()
+        return await client.error_of(RACED, client.timeout_s)
     finally:
         await client.close()
 
@@ -51,7 +55,7 @@ async def _asked(running: RunningStageServer, tmp_path: Path, token: str | None)
 async def test_a_lost_refusal_of_the_token_is_what_a_probe_is_told(
     server: tuple[RunningStageServer, Path],
 ) -> None:
-    error = from_rpc_error(await _asked(*server, token=None))
+    error = await _error_of(*server, token=None)
     assert isinstance(error, RemoteError) and error.code == "UNAUTHENTICATED", error
     assert "this swarm needs its token" in str(error) and "a probe" in str(error), error
 
@@ -59,16 +63,36 @@ async def test_a_lost_refusal_of_the_token_is_what_a_probe_is_told(
 async def test_a_probe_answered_leaves_the_internal_and_says_so(
     server: tuple[RunningStageServer, Path],
 ) -> None:
-    error = await _asked(*server, token="the-token")
-    assert error.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
-    assert "was answered" in error.details()  # type: ignore[attr-defined]
+    error = await _error_of(*server, token="the-token")
+    assert isinstance(error, RemoteError) and error.code == "INTERNAL", error
+    assert "was answered" in str(error), error
 
 
-async def test_a_server_gone_is_unavailable(server: tuple[RunningStageServer, Path]) -> None:
+async def test_a_server_gone_or_a_client_closed_is_unavailable(
+    server: tuple[RunningStageServer, Path],
+) -> None:
     running, tmp_path = server
+    closed = await _error_of(running, tmp_path, token="the-token", closed=True)
+    assert isinstance(closed, PeerUnavailable) and "closed before a probe" in str(closed), closed
     await running.stop()
-    error = from_rpc_error(await _asked(running, tmp_path, token="the-token"))
-    assert isinstance(error, PeerUnavailable) and "a probe" in str(error), error
+    gone = await _error_of(running, tmp_path, token="the-token")
+    assert isinstance(gone, PeerUnavailable) and "a probe" in str(gone), gone
+
+
+async def test_a_probe_takes_no_more_than_the_call_had_left() -> None:
+    """Asked within what is left of the call's deadline, at most `PROBE_S`; nothing left, not
+    asked (a server that answers its own INTERNAL of the race's text holds up no caller)."""
+    asked: list[float] = []
+
+    async def probe(timeout: float) -> object:
+        asked.append(timeout)
+        return None
+
+    assert (await asked_again(RACED, probe, 1.5)).code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+    assert (await asked_again(RACED, probe, 60.0)).code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+    left = await asked_again(RACED, probe, 0.0)
+    assert asked == [1.5, PROBE_S]
+    assert "no time was left" in left.details()  # type: ignore[attr-defined]
 
 
 def test_only_the_race_with_nothing_told_is_lost() -> None:
