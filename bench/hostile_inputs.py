@@ -176,6 +176,14 @@ ATTACKS: dict[str, str] = {
     # docs/decisions.md, "A step's audits are told only to the job's own trainers"
     "audit-seeds": "a replica's operator leases one microbatch of another submitter's job and "
     "learns whether its replica's contribution is audited, and the seed, before it sends it",
+    # docs/decisions.md, "Three hostile inputs a review found (session 102)"
+    "unreachable-crowd": "a token holder logs in under thousands of ids nobody can dial, free "
+    "for any job: every job's message and status name them all (11 MB, 23 MB), stored, logged "
+    "and sent on every change",
+    "fetch-offset": "a token holder fetches a job's file from an offset past 2^62: the seek "
+    "fails as a bug, an ERROR traceback for each call",
+    "route-inf": "a token holder's push names a next-stage member of infinite throughput: the "
+    "receiver's forward runs, then the push fails as a bug (INTERNAL, a traceback at ERROR)",
 }
 
 

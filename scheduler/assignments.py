@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from scheduler.no_shows import NoShows
-from scheduler.registry import PeerRegistry
+from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
 from scheduler.stalls import Health
 from swarm.bus.connection import BusLike
@@ -338,7 +338,10 @@ class Assignments:
         reports = self.registry.unreachable(job_id)
         if not reports:
             return ""
-        who = "; ".join(f"{r.peer} at {r.address} ({r.detail})" for r in reports)
+        shown = reports[:UNREACHABLE_SHOWN]  # a crowd of them is counted (`UNREACHABLE_SHOWN`)
+        who = "; ".join(f"{r.peer} at {r.address} ({r.detail})" for r in shown)
+        more = len(reports) - len(shown)
+        who += f" (and {more} more)" if more > 0 else ""
         return f"; not placed, UNREACHABLE: {who}: {reports[0].remedy}"
 
     def _refused(self, job_id: str) -> str:

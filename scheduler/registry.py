@@ -44,9 +44,12 @@ from swarm.policy.window import plausible_capacity
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
 
-__all__ = ["PeerRegistry", "Shown"]
+__all__ = ["UNREACHABLE_SHOWN", "PeerRegistry", "Shown"]
 
 log = logging.getLogger(__name__)
+
+UNREACHABLE_SHOWN = 3
+"""The most unreachable peers a job's message or status names; the rest are counted."""
 
 
 @dataclass(slots=True)
@@ -187,7 +190,7 @@ class PeerRegistry:
 
     def unreachable(self, job_id: str) -> list[cpb.ReachabilityReport]:
         """The dial-backs of the peers nobody can dial among `job_id`'s (joining or serving it)
-        and those free for any job (no job yet)."""
+        and those free for any job (no job yet), by peer id; told `UNREACHABLE_SHOWN` at most."""
         return [
             self._reach[p.peer]
             for p in sorted(self.peers.values(), key=lambda p: p.peer)

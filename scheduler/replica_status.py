@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from scheduler.registry import PeerRegistry, Shown
+from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry, Shown
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 
@@ -56,8 +56,12 @@ def replica_status(
 
 def unreachable_warnings(registry: PeerRegistry, job_id: str) -> list[str]:
     """A warning for each of `job_id`'s peers a dial-back could not reach: it is placed nowhere,
-    so no stage shows it; this says why, and what fixes it."""
-    return [
+    so no stage shows it; this says why, and what fixes it. At most `UNREACHABLE_SHOWN`, then
+    one line counting the rest (a crowd of them made each status tens of MB)."""
+    reports = registry.unreachable(job_id)
+    lines = [
         f"peer {r.peer} is UNREACHABLE at {r.address} ({r.detail}), so it is not placed: {r.remedy}"
-        for r in registry.unreachable(job_id)
+        for r in reports[:UNREACHABLE_SHOWN]
     ]
+    more = len(reports) - len(lines)
+    return lines + ([f"{more} more peers are UNREACHABLE"] if more > 0 else [])

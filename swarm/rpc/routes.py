@@ -9,6 +9,7 @@ and closed once their deadline has passed (`Retiring`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -44,8 +45,9 @@ MAX_ADDRESS_CHARS = 1024
 def check_route(route: Sequence[pb.Route], later: int) -> None:
     """Refuse (InvalidArgument) a push's route that names more stages than the `later` ones
     after its receiver, more than `MAX_ROUTE_MEMBERS` replicas of one, peers and addresses
-    that do not pair, or a member no peer could be (an id or an address empty, too long, or
-    not printable; a standalone swarm's ids are addresses): before any of it is followed."""
+    that do not pair, a throughput that is no speed (negative, or not finite), or a member no
+    peer could be (an id or an address empty, too long, or not printable; a standalone swarm's
+    ids are addresses): before any of it is followed."""
     if len(route) > later:
         raise InvalidArgument(f"a route of {len(route)} stages; {later} come after this one")
     for k, stage in enumerate(route):
@@ -59,6 +61,10 @@ def check_route(route: Sequence[pb.Route], later: int) -> None:
                 f"{where}: {len(stage.peers)} peers, {len(stage.addresses)} addresses and "
                 f"{len(stage.throughput)} throughputs do not pair"
             )
+        if not all(math.isfinite(t) and t >= 0 for t in stage.throughput):
+            # the sender's word: an infinite one failed the wiring's add (a bug's INTERNAL)
+            said = [t for t in stage.throughput if not (math.isfinite(t) and t >= 0)][:3]
+            raise InvalidArgument(f"{where}: a throughput is no speed: {said}")
         for peer, address in zip(stage.peers, stage.addresses, strict=True):
             named = 0 < len(peer) <= MAX_ADDRESS_CHARS and peer.isprintable()
             if not named or not 0 < len(address) <= MAX_ADDRESS_CHARS or not address.isprintable():

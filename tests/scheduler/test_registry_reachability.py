@@ -8,8 +8,11 @@ import asyncio
 import contextlib
 import math
 
+import pytest
+
 from scheduler.assignments import Assignments
-from scheduler.registry import PeerRegistry
+from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry
+from scheduler.replica_status import unreachable_warnings
 from scheduler.store import JobRecord
 from swarm.bus.topics import Topics
 from swarm.clock import FakeClock
@@ -164,10 +167,9 @@ def _assignments(reg: PeerRegistry, bus: _Bus, said: list[str]) -> Assignments:
     )
 
 
-async def test_a_job_waiting_for_peers_names_those_nobody_can_dial_with_the_remedy() -> None:
-    reg = registry()
-    reg.announce(peer("c"))
-    reg.reached(report("c", cpb.REACHABILITY_UNREACHABLE))
+async def _placing(reg: PeerRegistry) -> tuple[_Bus, list[str]]:
+    """A placement of job "j" (one stage) run until it said something: what it published and
+    what it said."""
     bus, said = _Bus(), list[str]()
     place = asyncio.create_task(_assignments(reg, bus, said).place("j", 1, lambda: 0, []))
     async with asyncio.timeout(10.0):
@@ -176,6 +178,14 @@ async def test_a_job_waiting_for_peers_names_those_nobody_can_dial_with_the_reme
     place.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await place
+    return bus, said
+
+
+async def test_a_job_waiting_for_peers_names_those_nobody_can_dial_with_the_remedy() -> None:
+    reg = registry()
+    reg.announce(peer("c"))
+    reg.reached(report("c", cpb.REACHABILITY_UNREACHABLE))
+    bus, said = await _placing(reg)
     assert bus.published == {}  # no work down a path nobody can dial
     assert said[0].endswith(
         "; not placed, UNREACHABLE: c at c.lan:5000 (UNAVAILABLE: Connection refused): give it "
@@ -265,3 +275,25 @@ def test_bytes_per_token_per_boundary_is_a_gauge() -> None:
         ("j", "1|2", "forward"): 200.0,
         ("j", "0|1", "backward"): 200.0,
     }
+
+
+@pytest.mark.attack("unreachable-crowd")
+async def test_a_crowd_of_unreachable_peers_is_counted_not_listed() -> None:
+    """Any token holder may log in under many ids that nobody can dial, free for any job (each
+    is in every job's list): 16,384 such peers made each waiting job's message 10.9 MB (stored,
+    logged and sent with its status on every change) and each live job's status warnings 22.9
+    MB. A few are named, with the remedy, and the rest counted."""
+    reg = registry()
+    crowd = 500
+    for i in range(crowd):
+        reg.announce(peer(f"u{i:04d}"))
+        reg.reached(report(f"u{i:04d}", cpb.REACHABILITY_UNREACHABLE))
+    _, said = await _placing(reg)
+    message = said[0]
+    assert "UNREACHABLE: u0000 at u0000.lan:5000" in message
+    assert f"(and {crowd - UNREACHABLE_SHOWN} more)" in message
+    assert "u0499" not in message and len(message) < 2_000, len(message)
+    warnings = unreachable_warnings(reg, "j")
+    assert len(warnings) == UNREACHABLE_SHOWN + 1, len(warnings)
+    assert warnings[0].startswith("peer u0000 is UNREACHABLE at u0000.lan:5000")
+    assert warnings[-1] == f"{crowd - UNREACHABLE_SHOWN} more peers are UNREACHABLE"

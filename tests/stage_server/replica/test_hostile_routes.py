@@ -5,6 +5,7 @@ made 30,000 (a header of 300 KB). Real stage server, real gRPC, the push plane."
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import grpc
@@ -13,6 +14,7 @@ import torch
 
 from stage_server.replica.next_hop import NextHop
 from stage_server.server import StageServerOptions, start_stage_server
+from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.net import paths
@@ -99,6 +101,18 @@ def test_a_standalone_swarms_relayed_ids_are_routes_members() -> None:
     )
     assert len(relayed) > 128  # past a peer id's bound
     check_route([pb.Route(peers=[relayed], addresses=[relayed])], 1)  # no refusal
+
+
+@pytest.mark.attack("route-inf")
+def test_a_routes_throughput_is_a_speed() -> None:
+    """A member's throughput is the sender's word: an infinite one failed the receiver's push
+    as INTERNAL after its forward (`StagePool.add` raised ValueError), logged at ERROR with a
+    traceback. Refused with the route now, as any member no peer could be; 0, unknown, stays."""
+    peers, addresses = ["a", "b"], ["10.0.0.1:7000", "10.0.0.2:7000"]
+    check_route([pb.Route(peers=peers, addresses=addresses, throughput=[0.0, 3.5])], 1)
+    for bad in (math.inf, -math.inf, math.nan, -1.0):
+        with pytest.raises(InvalidArgument, match="throughput"):
+            check_route([pb.Route(peers=peers, addresses=addresses, throughput=[2.0, bad])], 1)
 
 
 @pytest.mark.attack("route-clients")
