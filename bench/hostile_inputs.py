@@ -182,6 +182,7 @@ ATTACKS: dict[str, str] = {
     "and sent on every change",
     "fetch-offset": "a token holder fetches a job's file from an offset past 2^62: the seek "
     "fails as a bug, an ERROR traceback for each call",
+    # (route-inf also: a serving peer's announced speed of NaN, inf or -1 in every lease)
     "route-inf": "a token holder's push names a next-stage member of infinite throughput: the "
     "receiver's forward runs, then the push fails as a bug (INTERNAL, a traceback at ERROR)",
 }

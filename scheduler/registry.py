@@ -39,7 +39,7 @@ from swarm.net import paths
 from swarm.net.bandwidth import plausible_rates
 from swarm.policy.domains import Domains
 from swarm.policy.placement import path_speeds
-from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND, plausible_speeds
+from swarm.policy.speeds import MAX_SAMPLES_PER_SECOND, known_speed, plausible_speeds
 from swarm.policy.window import plausible_capacity
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -190,10 +190,11 @@ class PeerRegistry:
 
     def unreachable(self, job_id: str) -> list[cpb.ReachabilityReport]:
         """The dial-backs of the peers nobody can dial among `job_id`'s (joining or serving it)
-        and those free for any job (no job yet), by peer id; told `UNREACHABLE_SHOWN` at most."""
+        and those free for any job (no job yet): the job's own first, by peer id (a crowd of free
+        ones fills none of the `UNREACHABLE_SHOWN` a status names)."""
         return [
             self._reach[p.peer]
-            for p in sorted(self.peers.values(), key=lambda p: p.peer)
+            for p in sorted(self.peers.values(), key=lambda p: (p.job != job_id, p.peer))
             if p.job in (job_id, "") and self.is_unreachable(p.peer)
         ]
 
@@ -278,7 +279,7 @@ class PeerRegistry:
                 and not self.is_unreachable(p.peer)
                 and not self._silent(job_id, p.peer)
             ):
-                speed = p.samples_per_second.get(p.stage, 0.0)
+                speed = known_speed(p.samples_per_second.get(p.stage, 0.0))  # into leases, routes
                 held = self.capacity(p.peer, job_id, p.stage)
                 result[p.stage].append(Replica(p.peer, self.dial_address(p), speed, held))
         return result
@@ -337,7 +338,7 @@ class PeerRegistry:
                 and p.HasField("stage")
                 and not self.is_unreachable(p.peer)
             ):
-                speed = p.samples_per_second.get(p.stage, 0.0)
+                speed = known_speed(p.samples_per_second.get(p.stage, 0.0))  # an inf is no fastest
                 if p.stage not in best or speed > best[p.stage][0]:
                     best[p.stage] = (speed, self.dial_address(p))
         return {k: address for k, (_, address) in best.items()}

@@ -64,4 +64,5 @@ def unreachable_warnings(registry: PeerRegistry, job_id: str) -> list[str]:
         for r in reports[:UNREACHABLE_SHOWN]
     ]
     more = len(reports) - len(lines)
-    return lines + ([f"{more} more peers are UNREACHABLE"] if more > 0 else [])
+    said = f"{more} more peer is UNREACHABLE" if more == 1 else f"{more} more peers are UNREACHABLE"
+    return lines + ([said] if more > 0 else [])

@@ -16,7 +16,7 @@ import math
 
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["MAX_SAMPLES_PER_SECOND", "plausible_speed", "plausible_speeds"]
+__all__ = ["MAX_SAMPLES_PER_SECOND", "known_speed", "plausible_speed", "plausible_speeds"]
 
 # A stage's samples/s no real peer reaches (a tiny model's stage on a fast GPU does some 10^4):
 # any placement's sums of speeds stay far from overflow, and a liar's share is bounded.
@@ -31,6 +31,14 @@ def plausible_speed(value: float) -> float:
     return (
         MAX_SAMPLES_PER_SECOND if math.isfinite(value) and value > MAX_SAMPLES_PER_SECOND else value
     )
+
+
+def known_speed(speed: float) -> float:
+    """An announced samples/s where a serving replica's is used as one (a lease, a push's route,
+    the fastest source): itself, or 0 (unknown) where it is none (NaN, infinite, negative:
+    `plausible_speed` keeps those for `PeerRegistry.available` to refuse a joiner; a serving
+    peer's went into every lease of its stage, and a route refuses them: `check_route`)."""
+    return speed if math.isfinite(speed) and speed >= 0.0 else 0.0
 
 
 def plausible_speeds(message: cpb.PeerAnnouncement, warned: set[str]) -> cpb.PeerAnnouncement:

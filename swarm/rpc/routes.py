@@ -15,6 +15,7 @@ from typing import Protocol
 
 from swarm.errors import InvalidArgument
 from swarm.job.config import JobConfig
+from swarm.policy.speeds import known_speed
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
 from swarm.rpc import lan
@@ -141,7 +142,7 @@ class Routes:
         for peer, r in present.items():
             self.clients.set(peer, Path(r.address, stage))
             if peer not in pool:
-                self.wiring.add(peer, stage, r.throughput if r.throughput > 0 else 1.0)
+                self.wiring.add(peer, stage, known_speed(r.throughput) or 1.0)  # 0: unknown
 
     def lost(self, peer: str, client: StageClient | None = None) -> None:
         """A call to `peer` over `client` failed: if that client is its current one and dialled

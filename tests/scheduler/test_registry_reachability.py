@@ -286,7 +286,9 @@ async def test_a_crowd_of_unreachable_peers_is_counted_not_listed() -> None:
     reg = registry()
     crowd = 500
     for i in range(crowd):
-        reg.announce(peer(f"u{i:04d}"))
+        free = peer(f"u{i:04d}")
+        free.job = ""  # free for any job: in every job's list
+        reg.announce(free)
         reg.reached(report(f"u{i:04d}", cpb.REACHABILITY_UNREACHABLE))
     _, said = await _placing(reg)
     message = said[0]
@@ -297,3 +299,20 @@ async def test_a_crowd_of_unreachable_peers_is_counted_not_listed() -> None:
     assert len(warnings) == UNREACHABLE_SHOWN + 1, len(warnings)
     assert warnings[0].startswith("peer u0000 is UNREACHABLE at u0000.lan:5000")
     assert warnings[-1] == f"{crowd - UNREACHABLE_SHOWN} more peers are UNREACHABLE"
+    # the job's own peer is named first, whatever the crowd's ids
+    reg.announce(peer("zz-own"))
+    reg.reached(report("zz-own", cpb.REACHABILITY_UNREACHABLE))
+    assert unreachable_warnings(reg, "j")[0].startswith("peer zz-own is UNREACHABLE")
+
+
+@pytest.mark.attack("route-inf")
+def test_a_members_speed_that_is_no_speed_is_unknown() -> None:
+    """A serving peer's announced speed goes into every lease of its stage, and from there into
+    each push's route: a NaN, infinite or negative one (`plausible_speeds` keeps them, for
+    `available` to leave a joiner out) would have every route refused (`check_route`), or the
+    trainer's wiring raise (infinity). A member's is its speed, or 0: unknown."""
+    reg = registry(require_reachable=False)
+    for name, bad in [("a", math.nan), ("b", math.inf), ("c", -1.0), ("d", 3.0)]:
+        reg.announce(peer(name, cpb.PEER_STATE_SERVING, stage=1, speeds=(2.0, bad)))
+    speeds = {r.peer: r.throughput for r in reg.members("j", 2)[1]}
+    assert speeds == {"a": 0.0, "b": 0.0, "c": 0.0, "d": 3.0}, speeds

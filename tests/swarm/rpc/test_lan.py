@@ -260,3 +260,18 @@ async def test_a_routes_member_no_client_can_dial_is_unavailable_not_a_bug(tmp_p
             routes.clients["x"]
     finally:
         await routes.close()
+
+
+async def test_a_member_of_no_speed_is_followed_as_unknown(tmp_path: Path) -> None:
+    """A lease's member throughput that is no speed (an infinite one raised out of the wiring
+    before; NaN and negative were taken as unknown already): followed, at the wiring's unknown
+    figure, beside a member of a real one."""
+    job = make_job(tmp_path)
+    wiring = Wiring(job.training.stages, clock=MonotonicClock(), rng=random.Random(0))
+    routes = Routes(job, "job", None, wiring)
+    try:
+        members = [Replica("inf", "10.9.0.1:7000", float("inf")), Replica("ok", "10.9.0.2:7000")]
+        routes.follow(1, members)
+        assert sorted(routes.clients) == ["inf", "ok"]
+    finally:
+        await routes.close()
