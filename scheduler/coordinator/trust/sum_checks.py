@@ -73,6 +73,7 @@ __all__ = [
     "crossed",
     "encoding_allowed",
     "group_hosts",
+    "hosts_of",
     "mismatches",
     "new_seed",
     "nonfinite_senders",
@@ -398,10 +399,15 @@ def verify(
     return accusations, lines
 
 
+def hosts_of(group: RoundGroup) -> list[str]:
+    """The host each member of a round's group is on (`swarm.net.seats`): two seats of one
+    public host are one token holder's word (issue 64)."""
+    return [seat(a, a) for a in group.members]
+
+
 def group_hosts(groups: Mapping[int, RoundGroup]) -> dict[int, list[str]]:
-    """Per stage, the host each member of its round's group is on (`swarm.net.seats`): two
-    seats of one public host are one token holder's word (issue 64)."""
-    return {stage: [seat(a, a) for a in group.members] for stage, group in groups.items()}
+    """Per stage, `hosts_of` its round's group."""
+    return {stage: hosts_of(group) for stage, group in groups.items()}
 
 
 def replicas_to_leave_out(

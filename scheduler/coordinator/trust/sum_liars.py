@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.trust.sent_words import by_seed, disagreements, liars, owner_tolerance
-from scheduler.coordinator.trust.sum_checks import Checksums, group_hosts, norm_ceiling, owner_words
+from scheduler.coordinator.trust.sum_checks import Checksums, hosts_of, norm_ceiling, owner_words
 from swarm.ops.totals import reported_sum
 from swarm.proto import stage_pb2 as pb
 
@@ -55,7 +55,7 @@ def convicted(
             continue  # not every contributor answered: nothing is judged (`mismatches`)
         seeds = by_seed(of)
         # the host each member's seat is on: two accusers of one host are one word (issue 64)
-        hosts = group_hosts({stage: groups[stage]})[stage]
+        hosts = hosts_of(groups[stage])
         for owner in range(m):
             evidence = _evidence(owner, seeds["r"], m, hosts) or _forged(owner, seeds, m, hosts)
             if evidence is not None:
