@@ -7,6 +7,10 @@ loop around it then never ends, and neither does the task group waiting for it (
 `Assignments.grow` did exactly that, and a scheduler's job never ended, one test run in 20).
 `asyncio.timeout` cancels the waiting task itself and has no such window (3.12 rebuilt
 `wait_for` on it); `tests/test_deadline.py` keeps `wait_for` out of the service's code.
+
+`cancel_kept` guards the awaits of a library that waits with `wait_for` inside (aiomqtt's
+publish, subscribe and connect): a scheduler's job task cancelled as its publish was confirmed
+went on placing for a minute.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["within"]
+__all__ = ["cancel_kept", "within"]
 
 T = TypeVar("T")
 
@@ -26,3 +30,18 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     cancellation of the caller cancels it, and is never swallowed."""
     async with asyncio.timeout(timeout_s):
         return await awaitable
+
+
+async def cancel_kept(awaitable: Awaitable[T]) -> T:
+    """`await awaitable`, and raise `CancelledError` if the calling task was cancelled meanwhile
+    and `awaitable` returned anyway (a `wait_for` inside it swallowed the cancellation).
+
+    Only a cancellation that arrived during this await counts (the task's `cancelling()` count
+    grew): a task that handled one before and now cleans up (a job saying it ended) goes on.
+    An enclosing `asyncio.timeout` still turns its own cancellation into `TimeoutError`."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    result = await awaitable
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return result

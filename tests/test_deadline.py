@@ -1,13 +1,18 @@
 """`swarm.deadline.within` keeps a cancellation that Python 3.11's `asyncio.wait_for` loses, and
-the service's code waits with it, never with `wait_for`."""
+the service's code waits with it, never with `wait_for`; `cancel_kept` raises the cancellation a
+library's own `wait_for` lost (aiomqtt's)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import Awaitable
 from pathlib import Path
 
-from swarm.deadline import within
+import pytest
+
+from swarm.deadline import cancel_kept, within
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICE = ("swarm", "stage_server", "scheduler", "client", "tests/support")
@@ -37,6 +42,35 @@ async def _cancelled_as_woken(wait: object) -> asyncio.Task[None]:
 async def test_within_keeps_a_cancellation_that_comes_as_the_wait_ends() -> None:
     task = await _cancelled_as_woken(within)
     assert task.done() and task.cancelled()
+
+
+async def _library_wait(awaitable: Awaitable[None], timeout_s: float) -> None:
+    """A library's wait (aiomqtt's `_wait_for`), made with the `wait_for` of the Python it runs
+    on: on 3.11 it loses the cancellation in `_cancelled_as_woken`'s window."""
+    await asyncio.wait_for(awaitable, timeout_s)  # the service never calls it
+
+
+async def test_cancel_kept_raises_what_a_library_wait_lost() -> None:
+    task = await _cancelled_as_woken(lambda aw, t: cancel_kept(_library_wait(aw, t)))
+    assert task.done() and task.cancelled()
+
+
+async def test_cancel_kept_lets_a_cleanup_after_a_cancellation_go_on() -> None:
+    async def clean_up() -> str:
+        with contextlib.suppress(asyncio.CancelledError):  # handled: its cleanup follows
+            await asyncio.sleep(5.0)
+        return await cancel_kept(within(asyncio.sleep(0, "cleaned"), 1.0))
+
+    task = asyncio.create_task(clean_up())
+    await asyncio.sleep(0)
+    task.cancel()
+    assert await task == "cleaned"
+
+
+async def test_cancel_kept_leaves_an_enclosing_timeout_a_timeout() -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await cancel_kept(asyncio.sleep(5.0))
 
 
 async def test_within_bounds_the_wait() -> None:

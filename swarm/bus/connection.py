@@ -40,7 +40,7 @@ from swarm.bus.topics import (
     check_topic,
     parse_broker_url,
 )
-from swarm.deadline import within
+from swarm.deadline import cancel_kept, within
 from swarm.errors import ConfigError
 from swarm.policy.backoff import Backoff
 
@@ -236,12 +236,14 @@ class Bus:
                     )
                 continue
             try:
-                await conn.client.publish(
-                    topic,
-                    payload,
-                    qos=1 if retain else 0,
-                    retain=retain,
-                    timeout=max(deadline - loop.time(), 0.05),
+                await cancel_kept(
+                    conn.client.publish(
+                        topic,
+                        payload,
+                        qos=1 if retain else 0,
+                        retain=retain,
+                        timeout=max(deadline - loop.time(), 0.05),
+                    )
                 )
             except aiomqtt.MqttError as exc:
                 conn.fail(exc)  # the link is broken; wait for the run loop to replace it
@@ -401,7 +403,7 @@ class Bus:
             if will is not None:
                 # A clean DISCONNECT makes the broker discard the will: say it ourselves.
                 with contextlib.suppress(Exception):
-                    await client.publish(will.topic, will.payload, qos=1, retain=True)
+                    await cancel_kept(client.publish(will.topic, will.payload, qos=1, retain=True))
         finally:
             self._ready.clear()
             self._conn = None
@@ -420,7 +422,7 @@ class Bus:
         sent: dict[str, bytes] = {}
         while todo := [(t, p) for t, p in self._retained.items() if sent.get(t) != p]:
             for topic, payload in todo:
-                await conn.client.publish(topic, payload, qos=1, retain=True)
+                await cancel_kept(conn.client.publish(topic, payload, qos=1, retain=True))
                 sent[topic] = payload
                 if not payload and self._retained.get(topic) == b"":
                     del self._retained[topic]

@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from swarm.bus.api import BusAuthError, BusRefused, BusSettings, BusTlsMismatch
 from swarm.bus.probe import answers_in_clear, not_a_broker
 from swarm.bus.topics import BrokerAddress, check_topic
+from swarm.deadline import cancel_kept
 from swarm.net import tls as swarm_tls
 from swarm.net.tls_mismatch import PROBE_TIMEOUT_S, Speaks, explain_verify, probe
 
@@ -86,8 +87,13 @@ class Dialer:
         client = self.client()
         disarm = _fail_before_connack(client)
         try:
-            await client.__aenter__()
+            await cancel_kept(client.__aenter__())
             return client
+        except asyncio.CancelledError:
+            # Cancelled as the CONNACK came (or before): the socket is as open as a failed one's.
+            with contextlib.suppress(Exception):
+                client._client.disconnect()
+            raise
         except Exception as exc:
             rc = getattr(exc, "rc", None)
             code = getattr(rc, "value", rc)

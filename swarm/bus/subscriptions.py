@@ -29,7 +29,7 @@ from swarm.bus.topics import (
     Topics,
     topic_matches,
 )
-from swarm.deadline import within
+from swarm.deadline import cancel_kept, within
 from swarm.ops.rated import RatedLog
 
 __all__ = ["Subscription", "Subscriptions"]
@@ -177,7 +177,7 @@ class Subscriptions:
     ) -> bool:
         """SUBSCRIBE to `pattern` for `subs`; whether the broker granted it (if not, they end with
         a BusError and are dropped)."""
-        granted = await client.subscribe(pattern, qos=1)
+        granted = await cancel_kept(client.subscribe(pattern, qos=1))
         if any(getattr(g, "is_failure", False) or g == 0x80 for g in granted):
             error = BusError(f"bus {self._owner}: the broker refused subscription {pattern}")
             log.error("%s", error)
