@@ -47,6 +47,7 @@ from scheduler.stalls import Health, StallWatch
 from scheduler.store import JobState, JobStore, StoreError
 from scheduler.stored_bans import StoredBans
 from scheduler.trainer_keys import embedded_trainer
+from swarm.alongside import alongside
 from swarm.bus.connection import BusLike
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -234,26 +235,17 @@ class JobTraining:
             lambda: coordinator.membership.standbys.short,
         )
         watch = self._stall_watch(job_id, job, coordinator, trainer, reports, mover, floor)
-        try:
-            async with asyncio.TaskGroup() as group:
-                helpers = [  # stopped when the job ends
-                    group.create_task(self.assignments.grow(job_id, stages, assigned, floor)),
-                    group.create_task(
-                        follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size)
-                    ),
-                    group.create_task(watch.run()),
-                ]
-                if job.rebalance.enabled:
-                    helpers.append(group.create_task(mover.run()))
-                if self.embedded_trainer:
-                    group.create_task(trainer.run())
-                await coordinator.finished.wait()
-                for helper in helpers:
-                    helper.cancel()
-        except ExceptionGroup as failed:
-            # One child's error, unwrapped, so the scheduler tells one worth retrying (a
-            # peer gone, a broker hiccup) from a bug.
-            raise failed.exceptions[0] from failed
+        helpers = [  # stopped when the job ends; the first error ends it (`swarm.alongside`)
+            self.assignments.grow(job_id, stages, assigned, floor),
+            follow_load(self.bus, job_id, trainer.wiring, job.training.microbatch_size),
+            watch.run(),
+        ]
+        if job.rebalance.enabled:
+            helpers.append(mover.run())
+        # The embedded trainer runs to its own end. An error, unwrapped, tells the scheduler one
+        # worth retrying (a peer gone, a broker hiccup) from a bug; a cancellation beats it.
+        trainers = [trainer.run()] if self.embedded_trainer else []
+        await alongside(coordinator.finished.wait(), helpers, to_the_end=trainers)
 
     def _stall_watch(
         self,

@@ -34,14 +34,20 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
 
 async def cancel_kept(awaitable: Awaitable[T]) -> T:
     """`await awaitable`, and raise `CancelledError` if the calling task was cancelled meanwhile
-    and `awaitable` returned anyway (a `wait_for` inside it swallowed the cancellation).
+    and `awaitable` returned or failed anyway (a `wait_for` inside it swallowed the
+    cancellation).
 
     Only a cancellation that arrived during this await counts (the task's `cancelling()` count
     grew): a task that handled one before and now cleans up (a job saying it ended) goes on.
     An enclosing `asyncio.timeout` still turns its own cancellation into `TimeoutError`."""
     task = asyncio.current_task()
     before = task.cancelling() if task is not None else 0
-    result = await awaitable
+    try:
+        result = await awaitable
+    except Exception as error:  # `wait_for` returns a failure it awaited just the same
+        if task is not None and task.cancelling() > before:
+            raise asyncio.CancelledError from error
+        raise
     if task is not None and task.cancelling() > before:
         raise asyncio.CancelledError
     return result

@@ -55,6 +55,18 @@ async def test_cancel_kept_raises_what_a_library_wait_lost() -> None:
     assert task.done() and task.cancelled()
 
 
+async def test_cancel_kept_raises_what_a_library_wait_lost_to_a_failure() -> None:
+    """The awaited thing failed as the cancellation came: `wait_for` raises the failure."""
+    failing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(cancel_kept(_library_wait(failing, 5.0)))
+    await asyncio.sleep(0)  # it waits now
+    failing.set_exception(ConnectionError("the broker went away"))
+    await asyncio.sleep(0)  # the wait finished; its waker has not run yet
+    task.cancel()
+    await asyncio.wait([task], timeout=1.0)
+    assert task.done() and task.cancelled()
+
+
 async def test_cancel_kept_lets_a_cleanup_after_a_cancellation_go_on() -> None:
     async def clean_up() -> str:
         with contextlib.suppress(asyncio.CancelledError):  # handled: its cleanup follows

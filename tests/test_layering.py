@@ -83,11 +83,13 @@ orchestrators, which import the subpackages. A subpackage imports only itself, i
 subpackages share lives in one of them."""
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    # 0: leaves: errors, time, flags, the generated messages and their generator.
+    # 0: leaves: errors, time (deadlines, helpers beside a wait), flags, the generated messages
+    # and their generator.
     (
         "swarm.errors",
         "swarm.clock",
         "swarm.deadline",
+        "swarm.alongside",
         "swarm.flags",
         "swarm.proto",
         "swarm.protogen",
