@@ -8,6 +8,7 @@ file: a failed write leaves a previous model as it was (torch.save truncated it 
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import torch
 
 import swarm.model.reference as reference
 from swarm.cli import main
+from swarm.model.transformer import build_model
 from swarm.ops import progress
 from swarm.ops.progress import StepRecord
+from tests.support.disks import fill, tiny_disk
 from tests.support.jobs import write_job
 
 
@@ -129,3 +132,25 @@ def test_an_hf_directory_it_cannot_make_is_refused_before_training(
     err = capsys.readouterr().err
     assert code == 2 and trained == [], err
     assert f"--out {out}:" in err and "Traceback" not in err, err
+
+
+def test_an_hf_model_the_disk_cannot_hold_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk fills as the weights are written: safetensors' own error was a traceback (a
+    review found it); it is said in one line, and nothing half written is left."""
+
+    def train(job: Any, device: Any, on_step: Any = None, **_: Any) -> torch.nn.Module:
+        return build_model(job)
+
+    monkeypatch.setattr(reference, "train_local", train)
+    with tiny_disk(tmp_path / "disk") as disk:
+        filler = fill(disk)
+        os.truncate(filler, filler.stat().st_size - 16384)  # room for config.json, not weights
+        out = disk / "hf"
+        code = _local(tmp_path, "--out", str(out), "--format", "hf")
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"--out {out}: cannot write it (No space left on device)" in err, err
+        assert "Traceback" not in err, err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]

@@ -43,6 +43,7 @@ from scheduler.coordinator.failures import Failed, NonFiniteStep, failed_its_par
 from scheduler.coordinator.groups import RoundGroup
 from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.listed import while_listed
+from scheduler.coordinator.membership import restarted
 from scheduler.coordinator.nonfinite import NonFinite
 from scheduler.coordinator.replicas import GONE, StageReplica
 from scheduler.coordinator.round_context import RoundContext
@@ -56,6 +57,7 @@ from scheduler.coordinator.voids import Voids
 from swarm.errors import SwarmError
 from swarm.model.optim import clip_scale
 from swarm.ops import timeline
+from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
 __all__ = ["NonFiniteStep", "TwoPhaseCommit"]
@@ -204,10 +206,11 @@ class TwoPhaseCommit:
         holdings = [ledger.holdings(stage) for stage in stages]
         matched = True
         for (stage, r), info in zip(checked, infos, strict=True):
-            if isinstance(info, GONE) or (
-                not isinstance(info, BaseException) and info.step != ledger.step
-            ):  # gone, or restarted empty at the same address: it rejoins at a boundary
-                self.membership.drop(r.peer)
+            if isinstance(info, GONE):  # it rejoins at a boundary
+                self.membership.drop(r.peer, f"gone ({brief(info)})")
+                matched = False
+            elif not isinstance(info, BaseException) and info.step != ledger.step:
+                self.membership.drop(r.peer, restarted(info.step, ledger.step))  # same address
                 matched = False
             elif isinstance(info, BaseException) or list(info.receipts) != holdings[stage].get(
                 r.peer, []
@@ -232,7 +235,7 @@ class TwoPhaseCommit:
                         stage,
                         why,
                     )
-                    self.membership.drop(r.peer)
+                    self.membership.drop(r.peer, why)
                 else:
                     self._voided[(ledger.step, r.peer)] = stray
                     await self.void(ledger, stage, r.peer)
@@ -328,7 +331,8 @@ class TwoPhaseCommit:
         self.failure = failure = RoundFailure(shorten(judged.reason))
         for stage, r, error in judged.alone:
             if isinstance(error, GONE):
-                self.membership.drop(r.peer)  # dead: its gradients are replayed
+                # dead: its gradients are replayed
+                self.membership.drop(r.peer, f"gone in round {round_id} ({brief(error)})")
             elif failed_its_part(error):  # out of memory, say: it would again, in the retry
                 await self._leave_out(ledger, stage, r, [r.peer])
                 failure.left_out.append(LeftOut(stage, r.peer, [r.peer], AVERAGE))
@@ -381,7 +385,7 @@ class TwoPhaseCommit:
             why,
         )
         await self.void(ledger, stage, culprit.peer)
-        self.membership.drop(culprit.peer)
+        self.membership.drop(culprit.peer, f"{', '.join(named_by)} named it ({why})")
 
 
 def _voided_again(

@@ -31,7 +31,7 @@ from swarm.policy.backoff import Backoff, Backoffs
 from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "restarted"]
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,7 @@ class Membership:
                 elif failed is not None:
                     again = max(0.0, failed[1] - self.clock.now())
                     when = f"in {again:.0f} s" if again >= 1 else "at the next step's end"
-                    said[r.peer] = (
-                        f"not answering at {r.address} ({failed[0]}); trying again {when}"
-                    )
+                    said[r.peer] = f"{failed[0]}; trying again {when}"
                 elif not sources:
                     said[r.peer] = f"waiting for a member of stage {stage} to copy"
                 else:
@@ -162,14 +160,15 @@ class Membership:
         self.unlisted.listed(members, self.synced)
         return [[r for r in stage if r.peer in self.synced] for stage in members]
 
-    def drop(self, peer: str) -> None:
-        """A member that stopped answering: no more work or rounds until it rejoins."""
+    def drop(self, peer: str, why: str) -> None:
+        """A member gone, or left out for `why` (its cause, said in the log and in `waits`,
+        which `swarm status` shows): no more work or rounds until it rejoins."""
         if peer in self.synced:
-            log.warning("replica %s is unreachable: leaving it out until it rejoins", peer)
+            log.warning("replica %s left out until it rejoins: %s", peer, why)
             self.synced.discard(peer)
             self._left.add(peer)
             self.unlisted.forget(peer)
-            self._failed[peer] = ("it stopped answering calls", self.clock.now())
+            self._failed[peer] = (f"left out: {why}", self.clock.now())
             self.metrics.dropped.inc()
             for ledger in self.ledgers():
                 self.metrics.replays.inc(len(ledger.lose(peer)))
@@ -181,8 +180,10 @@ class Membership:
             *(self.clients.get(k, r).info() for k, r in pairs), return_exceptions=True
         )
         for (_, r), info in zip(pairs, infos, strict=True):
-            if isinstance(info, BaseException) or info.step != step:
-                self.drop(r.peer)
+            if isinstance(info, BaseException):
+                self.drop(r.peer, f"its Info failed ({brief(info)})")
+            elif info.step != step:
+                self.drop(r.peer, restarted(info.step, step))
 
     async def readmit(self, step: int) -> bool:
         """Before a stage is declared lost: a replica that answers at `step` (the coordinator's)
@@ -354,7 +355,10 @@ class Membership:
                 except GONE as e:  # the joiner itself is absent: try it less often
                     self.clients.drop(stage, joiner)  # and then over a new connection
                     delay = self._joins.failed(joiner.peer)
-                    self._failed[joiner.peer] = (brief(e), self.clock.now() + delay)
+                    self._failed[joiner.peer] = (
+                        f"not answering at {joiner.address} ({brief(e)})",
+                        self.clock.now() + delay,
+                    )
                     first = delay <= self._JOIN_FIRST_S * (1 + self._joins.jitter)  # then quieter
                     self._rated.log(
                         logging.WARNING if first else logging.INFO,
@@ -467,3 +471,8 @@ class Membership:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def restarted(said: int, step: int) -> str:
+    """Why a member answering at another step than the coordinator's is left out."""
+    return f"it answers at step {said}, not {step} (restarted empty?)"

@@ -159,7 +159,7 @@ class NonFinite:
                 peer,
                 refused[(stage, peer)],
             )
-            self.membership.drop(peer)
+            self.membership.drop(peer, f"it refused its APPLY of step {step} as not finite")
         return set(refused)
 
 

@@ -51,6 +51,7 @@ from swarm.model.routes import Join, Resume, StepRuns, Sync
 from swarm.model.transformer import stage_layout
 from swarm.policy.backoff import Backoff
 from swarm.proto import scheduler_pb2 as spb
+from swarm.rpc.causes import brief
 from swarm.rpc.lease import Replica
 
 __all__ = ["Average", "PoolRounds", "RoundCall", "peers"]
@@ -337,7 +338,7 @@ class PoolRounds:
                     result,
                 )
                 if drop:
-                    self.membership.drop(r.peer)
+                    self.membership.drop(r.peer, f"its apply failed ({brief(result)})")
             else:
                 done[k].append(r)
         return done
@@ -446,16 +447,19 @@ class PoolRounds:
                 for stage, out in leaving.items():
                     for index in out:  # a replica owner's wrong sum: it leaves (issue 55)
                         named.append(members[stage][index].peer)
-                        self.membership.drop(members[stage][index].peer)
+                        self.membership.drop(
+                            members[stage][index].peer,
+                            f"its sum of round {round_id} failed the checks",
+                        )
                 log.warning("round %s: %s: %s sit(s) out", round_id, "; ".join(lines), named)
             return "; ".join(lines) or None
         self._refuse_nonfinite(failed)
         judged = judge(f"round {round_id}", failed, members)
         self.groups.blame(groups, judged.accusations)
-        for _, r, _ in judged.alone:  # it failed by itself: gone, or refused
-            self.membership.drop(r.peer)
-        for _, r, _ in judged.named(members):
-            self.membership.drop(r.peer)
+        for _, r, error in judged.alone:  # it failed by itself: gone, or refused
+            self.membership.drop(r.peer, f"round {round_id}: {brief(error)}")
+        for _, r, named_by in judged.named(members):
+            self.membership.drop(r.peer, f"round {round_id}: {', '.join(named_by)} named it")
         return judged.reason
 
     def _refuse_nonfinite(self, failed: list[tuple[int, Replica, BaseException]]) -> None:

@@ -20,6 +20,7 @@ from scheduler.coordinator.ledger import StepLedger
 from scheduler.coordinator.replicas import GONE
 from scheduler.coordinator.round_context import RoundContext
 from swarm.errors import SwarmError
+from swarm.rpc.causes import brief
 
 __all__ = ["Voids"]
 
@@ -55,7 +56,7 @@ class Voids:
                 await self.clients.get(stage, replica).discard(ledger.step)
             except GONE as e:
                 log.warning("discard on %s failed: %s", peer, e)
-                self.membership.drop(peer)
+                self.membership.drop(peer, f"its Discard failed ({brief(e)})")
             except SwarmError as e:  # refused: the next receipt check drops it (`commit.py`)
                 log.warning("discard on %s failed: %s", peer, e)
 

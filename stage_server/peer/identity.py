@@ -14,6 +14,7 @@ reconnected (the same process) from one restarted under the same id.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -77,11 +78,19 @@ def persistent_peer_id(cache_dir: Path, given: str = "") -> PeerIdentity:
         if not peer or _ID_CHARS.search(peer):
             host = _ID_CHARS.sub("-", socket.gethostname()) or "peer"
             peer = f"{host}-{secrets.token_hex(4)}"
-            f.seek(0)
-            f.truncate()
-            f.write(peer + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                f.seek(0)
+                f.truncate()
+                f.write(peer + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:  # a full disk: the start fails in a line, not a traceback
+                with contextlib.suppress(OSError):  # its close flushes the same write again
+                    f.close()
+                raise ConfigError(
+                    f"SWARM_CACHE_DIR {str(cache_dir)!r}: cannot keep this peer's id in "
+                    f"{path.name} ({e.strerror or e}); free room there, or give --peer"
+                ) from None
             log.info("new peer id %s (kept in %s)", peer, path)
         return PeerIdentity(peer, f)
     raise ConfigError(

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -185,7 +186,7 @@ def write_hf(
     tmp.mkdir()
     try:
         (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, stored), indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        _saved(save_file, tensors, tmp / WEIGHTS)
         shutil.copymode(tmp / CONFIG, tmp / WEIGHTS)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -194,6 +195,21 @@ def write_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _saved(save_file: Callable[..., None], tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file(tensors, path)`, its failure to write (a full disk) an `OSError` as every
+    other write's: safetensors raises its own error class, which the commands do not catch."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from e
 
 
 def check_hf_config(directory: str | Path, cfg: ModelConfig) -> None:

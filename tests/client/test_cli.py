@@ -20,6 +20,7 @@ from swarm.flags import env_name
 from swarm.job.config import load_job
 from swarm.model.transformer import build_model
 from tests.support.api import RunningApi
+from tests.support.disks import fill, tiny_disk
 from tests.support.jobs import write_job
 from tests.support.ports import free_address
 
@@ -141,6 +142,28 @@ async def test_export_as_a_hugging_face_checkpoint(
         torch.testing.assert_close(hf(ids).logits, model(ids).float(), rtol=0, atol=1e-5)
     assert await swarm(*argv) == 1  # it is there now: not overwritten, nor mixed with
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", ["torch", "hf"])
+async def test_an_export_to_a_full_disk_is_one_line(
+    api: RunningApi, tmp_path: Path, capsys: pytest.CaptureFixture[str], form: str
+) -> None:
+    """The disk fills as the weights are written, after the download: safetensors fails with
+    its own error class, not an OSError, and `--format hf` was a traceback (a review found it);
+    torch writes through the file object, whose OSError is said."""
+    path = write_job(tmp_path, "llama", model={"kind": "llama", "n_heads": 4, "n_kv_heads": 1})
+    api.control.state = build_model(load_job(path)).state_dict()
+    job = api.store.create("llama", path.read_text(), str(tmp_path), 3).id
+    with tiny_disk(tmp_path / "disk") as disk:
+        filler = fill(disk)
+        os.truncate(filler, filler.stat().st_size - 16384)  # room for config.json, not weights
+        out = disk / ("hf" if form == "hf" else "model.pt")
+        argv = ("export", job, "--out", str(out), "--format", form, "--scheduler", api.address)
+        assert await swarm(*argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"swarm export: error: cannot write {out} ("), err
+        assert "No space left on device" in err and "Traceback" not in err, err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # nothing half written
 
 
 async def test_status_watch_follows_a_job_to_its_end(

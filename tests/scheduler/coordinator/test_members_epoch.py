@@ -68,7 +68,7 @@ async def test_a_replica_that_missed_a_rollbacks_state_is_loaded_not_re_admitted
     assert await h.rollbacks.get() == 0
     assert "x" not in membership.synced and x.epoch == 0
     c.dead = True  # stage 1's last member goes: x, back, answers at the job's step
-    membership.drop("c")
+    membership.drop("c", "a test leaves it out")
     assert (await h.coordinator.lease("t", 8)).tasks == []  # stage 1 has no member
     await until(lambda: "x" in membership.synced)
     (fresh, *_) = await h.lease()
@@ -89,7 +89,7 @@ async def test_a_peer_that_never_held_a_lost_stage_is_not_taken_as_its_holder(
     membership = h.coordinator.membership
     z = h.swarm.add(1, "z")
     c.dead = True  # stage 1's only member goes
-    membership.drop("c")
+    membership.drop("c", "a test leaves it out")
     assert (await h.coordinator.lease("t", 8)).tasks == []  # stage 1 has no member
     # lost: the checkpoint is loaded, z's state with it (before: z taken as it was, no rollback)
     assert await asyncio.wait_for(h.rollbacks.get(), 10) == 0, membership.synced

@@ -116,3 +116,24 @@ async def test_where_made_up_peers_served_is_not_kept_once_they_are_gone(
         h.swarm.remove(f"sybil-{i}")
     await membership.sync(h.coordinator.ledger.step)  # type: ignore[union-attr]
     assert set(membership._stage_of) == {"a", "c"}
+
+
+async def test_a_member_left_out_says_why(tmp_path: Path, make_harness: MakeHarness) -> None:
+    """A member dropped was said "unreachable" in the log and "not answering (it stopped
+    answering calls)" in status, whatever dropped it (a review found it): here one restarted
+    empty, and one whose Info failed."""
+    h = await started(tmp_path, make_harness, "a b", "c d", steps=5)
+    membership = h.coordinator.membership
+    await h.step()
+    step = next(ledger.step for ledger in membership.ledgers())
+    h.swarm["b"].step = step - 1  # restarted, at the same address, from a checkpoint
+    h.swarm["d"].fail("info", PeerUnavailable("UNAVAILABLE: Connection reset by peer"))
+    await membership.check(step)
+    said = membership.waits()
+    assert said["b"].startswith(
+        f"left out: it answers at step {step - 1}, not {step} (restarted empty?); trying again"
+    ), said
+    assert said["d"].startswith(
+        "left out: its Info failed (UNAVAILABLE: Connection reset by peer); trying again"
+    ), said
+    await h.coordinator.close()
