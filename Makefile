@@ -61,8 +61,9 @@ demo: install
 
 # Three workers (pytest-xdist) on 2 cores: most of the suite's time is spent waiting on the
 # processes a test starts (two workers left the cores idle 28-39% of a run), so a third fills
-# the waits: 689 s where two took 866 s (session 102, fresh clones, same hour; 768 s against
-# 917 s in session 99), one took ~21-25 minutes. Each test runs ~25% longer beside two others:
+# the waits: 830 s where two took 980 s (session 103, fresh clones, idle, within the hour; 689
+# against 866 s in session 102, 768 against 917 s in session 99), one took ~21-25 minutes.
+# Each test runs ~25% longer beside two others:
 # the tests that measure speed hold their claims at this load (docs/decisions.md). Every run
 # prints its 15 slowest tests. `loadgroup` with no groups (under pytest 9 xdist's groups do not
 # group): one test at a time to whichever worker is free, in the suite's order.
