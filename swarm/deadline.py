@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["cancel_kept", "within"]
+__all__ = ["cancel_kept", "cancelled_since", "cancels", "within"]
 
 T = TypeVar("T")
 
@@ -40,14 +40,26 @@ async def cancel_kept(awaitable: Awaitable[T]) -> T:
     Only a cancellation that arrived during this await counts (the task's `cancelling()` count
     grew): a task that handled one before and now cleans up (a job saying it ended) goes on.
     An enclosing `asyncio.timeout` still turns its own cancellation into `TimeoutError`."""
-    task = asyncio.current_task()
-    before = task.cancelling() if task is not None else 0
+    before = cancels()
     try:
         result = await awaitable
     except Exception as error:  # `wait_for` returns a failure it awaited just the same
-        if task is not None and task.cancelling() > before:
+        if cancelled_since(before):
             raise asyncio.CancelledError from error
         raise
-    if task is not None and task.cancelling() > before:
+    if cancelled_since(before):
         raise asyncio.CancelledError
     return result
+
+
+def cancels() -> int:
+    """How many cancellations of the calling task are under way (`Task.cancelling()`; none
+    outside a task): taken before an await, for `cancelled_since` after it."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
+
+
+def cancelled_since(before: int) -> bool:
+    """Whether the calling task was cancelled since `cancels()` said `before`: a cancellation
+    it had already handled (a cleanup under way) is not a new one."""
+    return cancels() > before

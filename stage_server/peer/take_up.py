@@ -16,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from swarm.deadline import cancelled_since, cancels
+
 __all__ = ["TakeUp"]
 
 log = logging.getLogger(__name__)
@@ -69,12 +71,12 @@ class TakeUp:
         if task is None or task.done():
             return None
         doing = "fetching" if self.fetching else "measuring"
+        before = cancels()
         task.cancel()
         try:
             await task
         except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None and me.cancelling():  # the caller's own cancel: not swallowed
+            if cancelled_since(before):  # the caller's own cancel: not swallowed
                 raise
         self._task = None
         return doing

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from swarm.deadline import cancelled_since, cancels
 from swarm.errors import PeerUnavailable
 from swarm.net.told_ahead import RACE_DETAILS, told
 
@@ -83,6 +84,7 @@ async def _probed(probe: Probe, timeout: float) -> tuple[grpc.StatusCode, str] |
     """The status to adopt (code, text), or what the probe found instead."""
     if timeout <= 0:
         return "no time was left of its deadline to ask the server why"
+    before = cancels()
     try:
         await probe(timeout)
         return "a probe of the same server was answered"
@@ -97,8 +99,7 @@ async def _probed(probe: Probe, timeout: float) -> tuple[grpc.StatusCode, str] |
     except grpc.aio.BaseError as e:  # grpc-aio's own failures of the probe's batch
         return f"a probe of the same server learnt nothing ({type(e).__name__}: {e})"
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if cancelled_since(before):
             raise  # the caller's own cancellation
         # as `StageClient`'s boundary reads a channel closed under a call
         return grpc.StatusCode.UNAVAILABLE, "the connection was closed during a probe of it"

@@ -14,6 +14,7 @@ from typing import Any, ParamSpec, TypeVar
 import grpc
 import torch
 
+from swarm.deadline import cancelled_since, cancels
 from swarm.device.handover import Offer
 from swarm.errors import BadReply, PeerUnavailable, SwarmError, WireError
 from swarm.job.config import JobConfig
@@ -63,13 +64,13 @@ def _swarm_errors(call: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any,
         assert isinstance(client, StageClient)  # a method's self
         limit = kwargs.get("timeout")  # the call's own, where it takes one; else the client's
         ends = time.monotonic() + (limit if isinstance(limit, float | int) else client.timeout_s)
+        before = cancels()  # one under way already (a cleanup's call) is not this call's
         try:
             return await call(*args, **kwargs)
         except grpc.RpcError as e:
             raise await client.error_of(e, ends - time.monotonic()) from e
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if cancelled_since(before):
                 raise  # our caller was cancelled
             # The channel was closed under the call (a client replaced or closed): to the
             # caller that is a peer that did not answer, not a cancellation of its own task.

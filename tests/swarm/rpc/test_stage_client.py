@@ -60,6 +60,44 @@ async def test_a_call_on_a_closed_channel_is_a_peer_unavailable(tmp_path: Path) 
         await server.stop(None)
 
 
+async def test_a_closed_channel_is_a_peer_unavailable_in_a_cleanup_after_a_cancel(
+    tmp_path: Path,
+) -> None:
+    """A task that handled a cancellation and now cleans up (asking a replica on its way out):
+    a channel closed under that call is a peer that did not answer, as anywhere else. The
+    boundary read any cancellation under way as the caller's own (a review found it)."""
+    server = grpc.aio.server()
+    stage_pb2_grpc.add_StageServiceServicer_to_server(_Hung(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = StageClient(f"127.0.0.1:{port}", make_job(tmp_path), "job", 0)
+    asking = asyncio.Event()
+
+    async def cancelled_then_asks() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            asking.set()  # handled: its cleanup asks the replica
+            try:
+                await client.info()
+            except PeerUnavailable as e:
+                return f"unavailable: {e}"
+        return "answered"
+
+    try:
+        task = asyncio.create_task(cancelled_then_asks())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait_for(asking.wait(), 5)
+        await asyncio.sleep(0.3)  # in flight
+        await client.close()
+        await asyncio.wait([task], timeout=5)
+        assert task.done() and not task.cancelled()
+        assert task.result().startswith("unavailable: "), task.result()
+    finally:
+        await server.stop(None)
+
+
 class _Trickle(stage_pb2_grpc.StageServiceServicer):
     """DownloadState sends one small tensor of `state` every `pause_s`, `count` times, then (if
     `stall`) nothing more: a large state over a slow link, or a replica that froze mid-transfer."""
