@@ -214,9 +214,15 @@ class Assignments:
         return {peer: a.incarnation for peer, a in self.registry.peers.items()}
 
     async def withdraw(self, job_id: str, peers: set[str]) -> None:
-        """Clear the assignments of an ended job (its announcement frees the peers)."""
-        for peer in sorted(peers):
-            await self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+        """Clear the assignments of an ended job (its announcement frees the peers), all at
+        once: with the broker away each waits for it (`publish_timeout_s`), and one after
+        another a job's end waited that long per peer."""
+        await asyncio.gather(
+            *(
+                self.bus.publish(self.bus.topics.assign(job_id, peer), b"", retain=True)
+                for peer in sorted(peers)
+            )
+        )
         self.registry.withdrawn(job_id)
         self.no_shows.forget(job_id)
         for peer in [p for p, sent in self._sent.items() if sent[0] == job_id]:

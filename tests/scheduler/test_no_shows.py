@@ -6,7 +6,9 @@ while the job's status said "starting 1 stage server(s)". Now each miss is said,
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Any
 
 import pytest
 
@@ -14,8 +16,10 @@ from scheduler.assignments import Assignments
 from scheduler.no_shows import NO_SHOWS
 from scheduler.registry import PeerRegistry
 from swarm.clock import FakeClock
+from swarm.deadline import within
 from swarm.proto import control_pb2 as cpb
 from tests.support.fakes import SilentBus
+from tests.support.waiting import wait_until
 
 TIMEOUT_S = 60.0
 
@@ -115,3 +119,37 @@ async def test_a_peer_serving_the_job_has_no_misses_in_a_row_and_a_withdrawn_job
     clock.advance(TIMEOUT_S + 1)
     assignments.available("j", 1)
     assert not [r for r in caplog.records if "y was given" in r.getMessage()]
+
+
+class _LinkDown(SilentBus):
+    """A bus waiting for its broker: each retained publish waits (up to `publish_timeout_s` on
+    the real one) until `back` is set."""
+
+    def __init__(self) -> None:
+        self.waiting: list[str] = []
+        self.back = asyncio.Event()
+
+    async def publish(self, topic: str, message: Any, retain: bool = False) -> None:
+        self.waiting.append(topic)
+        await self.back.wait()
+
+
+async def test_an_ended_jobs_assignments_are_withdrawn_at_once_not_one_wait_each() -> None:
+    """A cancelled job's cleanup, with the broker away, waited out each peer's withdrawal in
+    turn (10 s each): a DeleteJob was refused all that while (a review found it)."""
+    bus = _LinkDown()
+    registry = PeerRegistry(FakeClock(), load_silence_s=1e9, serve_timeout_s=TIMEOUT_S)
+
+    async def say(job: str, text: str) -> None:
+        pass
+
+    assignments = Assignments(
+        registry, bus, say, grace_s=0.0, serve_timeout_s=TIMEOUT_S, lost_stage_grace_s=0.0
+    )
+    withdrawing = asyncio.create_task(assignments.withdraw("j", {"x", "y", "z"}))
+    await wait_until(
+        lambda: len(bus.waiting) == 3, "the withdrawals under way together", timeout_s=5
+    )
+    bus.back.set()
+    await within(withdrawing, 5)
+    assert sorted(bus.waiting) == [bus.topics.assign("j", p) for p in ("x", "y", "z")]
