@@ -15,7 +15,8 @@ then renamed into place, so a reader never sees a claim that is not locked yet. 
 in /dev/shm (memory, gone with a reboot, shared by the containers that share the host's IPC, as
 co-located servers' CUDA handover needs anyway), else the system's temporary folder; they are
 open to every user of the host (sticky, like /tmp), since servers of several users may share a
-card. A claim another user left behind is not counted once dead, though not theirs to remove.
+card, and so are the files in them, whatever the maker's umask (`_readable_by_all`). A claim
+another user left behind is not counted once dead, though not theirs to remove.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import struct
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 __all__ = ["CLAIMS_DIR", "Claim", "Claims"]
@@ -70,6 +71,7 @@ class Claim:
             staged = folder / f".{name}.tmp"
             fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             try:
+                _readable_by_all(fd)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.pwrite(fd, _HELD.pack(0), 0)
                 os.rename(staged, self.path)
@@ -126,8 +128,7 @@ class Claim:
         # checked again there (the first look was without the lock).
         with _folder_lock(self.folder):
             for path in dead:
-                if _read_live(path) is None:
-                    _unlink(path)
+                if _read_live(path) is None and _unlink(path):
                     log.info("device claim %s: its process is gone; removed", path.name)
             for name in _names(self.folder):
                 if name.endswith(".tmp"):  # a claimant killed while making its claim
@@ -147,8 +148,11 @@ def _read_live(path: Path) -> int | None:
     gone."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as e:  # another user's, made before claims were opened to all: alive
+        log.warning("device claim %s: unreadable (%s): counted, as holding nothing", path.name, e)
+        return 0
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -168,6 +172,7 @@ def _folder_lock(folder: Path) -> Iterator[None]:
     # Read-only is enough to lock, and lets one user lock the file another made.
     fd = os.open(folder / ".lock", os.O_RDONLY | os.O_CREAT, 0o644)
     try:
+        _readable_by_all(fd)
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for a create or a sweep: microseconds
         yield
     finally:
@@ -182,10 +187,21 @@ def _open_folder(folder: Path) -> None:
         pass  # another user's folder, made open by them
 
 
-def _unlink(path: Path) -> None:
+def _readable_by_all(fd: int) -> None:
+    """Open a file this process made to the other users of the card, whatever its umask (077
+    kept the folder's lock and a claim to their maker: another user's server could neither make
+    its claim nor count this one). Another user's file is left as its maker set it."""
+    with suppress(PermissionError):
+        os.fchmod(fd, 0o644)
+
+
+def _unlink(path: Path) -> bool:
+    """Remove `path`; whether it went (another user's, in the sticky folder, stays)."""
     try:
         path.unlink()
     except FileNotFoundError:
-        pass
+        return False
     except PermissionError:
         log.debug("device claim %s is another user's: left", path.name)
+        return False
+    return True
