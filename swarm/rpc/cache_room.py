@@ -246,10 +246,10 @@ def _removed_item(item: Path, use: Path, unused_since: float | None) -> bool:
             item.rename(going)
         except FileNotFoundError:
             return False  # gone already
-        _remove(going)
+        removed = _remove(going)
         with contextlib.suppress(FileNotFoundError):
-            use.unlink()
-        return True
+            use.unlink()  # out of its name: a holder fetches it anew, whether or not it went
+        return removed
 
 
 def _drop_orphan_uses(folder: Path, locks: Path, kind: str) -> None:
@@ -309,13 +309,32 @@ def _removed(path: Path, lock: Path) -> bool:
     with _at_once(lock) as fd:
         if fd is None:
             return False  # being fetched: it stays
-        _remove(path)
-        return True
+        return _remove(path)
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> bool:
+    """Remove `path` (a tree, or a file); whether it went. What stops it is said: its room is
+    not made, and a caller short of room must not count it."""
+    failed: list[str] = []
+
+    def note(_: object, at: str, error: tuple[type[BaseException], BaseException, object]) -> None:
+        if not isinstance(error[1], FileNotFoundError):
+            failed.append(f"{at}: {error[1]}")
+
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=note)
     else:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append(f"{path}: {e}")
+    if failed:
+        log.warning(
+            "cannot remove %s from the cache (%s%s): its room is not freed",
+            path,
+            failed[0],
+            f"; {len(failed) - 1} more" if len(failed) > 1 else "",
+        )
+    return not failed

@@ -16,8 +16,10 @@ __all__ = ["fill", "tiny_disk"]
 
 
 @contextlib.contextmanager
-def tiny_disk(path: Path, size: str = "256k") -> Iterator[Path]:
-    """Mount a `size` tmpfs at `path` for the block; skips the test where mounting is refused."""
+def tiny_disk(path: Path, size: str = "256k", unmount: tuple[Path, ...] = ()) -> Iterator[Path]:
+    """Mount a `size` tmpfs at `path` for the block; skips the test where mounting is refused.
+    `unmount`: where the mount may be by the end instead (a directory above it renamed), looked
+    at in turn (default: `path`)."""
     path.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
@@ -29,7 +31,8 @@ def tiny_disk(path: Path, size: str = "256k") -> Iterator[Path]:
     try:
         yield path
     finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
+        at = next((p for p in unmount or (path,) if os.path.ismount(p)), path)
+        subprocess.run(["umount", "-l", str(at)], check=True)
 
 
 def fill(directory: Path) -> Path:

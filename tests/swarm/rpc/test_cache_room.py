@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from swarm.rpc.cache_room import (
     hold,
     use_file,
 )
+from tests.support.disks import tiny_disk
 
 OLD = STALE_S + 60.0
 
@@ -279,3 +281,25 @@ async def test_use_files_of_items_not_here_go_unless_held(tmp_path: Path) -> Non
         ]
     finally:
         held.release()
+
+
+def test_an_item_that_cannot_be_removed_is_said_and_not_counted_as_room(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its removal was `rmtree(ignore_errors=True)`: an item it could not remove was named as
+    removed, its room as made, and the fetch that needed the room started anyway, to die of a
+    full disk (a review found it). A mount inside the item keeps it here (root can remove any
+    file, not a mount point)."""
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    stuck = _item(cache, "stuck", OLD_ITEM, directory=True)
+    _item(cache, "old", OLD_ITEM + 60, directory=True)  # used before: tried first
+    mounts = (stuck / "mounted", cache / "stuck.removing" / "mounted")  # before, after the rename
+    with tiny_disk(mounts[0], unmount=mounts):
+        (stuck / "mounted" / "shard").write_bytes(b"x")
+        _aged(stuck, OLD_ITEM)  # the mount made it new
+        with caplog.at_level(logging.WARNING, logger="swarm.rpc.cache_room"):
+            assert drop_unused_items(cache, locks, "init", using="mine") == ["old"]
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1 and "stuck" in said[0] and "busy" in said[0], said
+        assert "removed" not in " ".join(said)
+    assert not (cache / "stuck").exists()  # out of its name all the same: never taken as whole
