@@ -208,8 +208,18 @@ def _trainer(p: argparse.ArgumentParser) -> None:
     )
     add_tls_flags(p)
     add_join_flag(p)  # a friend's trainer: the job's data comes from the scheduler
-    p.add_argument("--out", type=Path, help="write the trained model's state_dict here")
-    p.add_argument("--log", type=Path, help="write one JSON line per step here")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="with --stage-servers: write the trained model's state_dict here (a scheduler's "
+        "job: `swarm export`)",
+    )
+    p.add_argument(
+        "--log",
+        type=Path,
+        help="with --stage-servers: write one JSON line per step here (a scheduler's job: "
+        "`swarm status`)",
+    )
     p.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -275,6 +285,17 @@ def run(command: str, args: argparse.Namespace) -> int:
 def _run_trainer(args: argparse.Namespace) -> int:
     if args.scheduler and not args.stage_servers:
         from client.remote import run_remote_trainer
+
+        # What only a trainer of its own stage servers writes: here it would be nothing, said
+        # nowhere (a review found them taken and left unwritten).
+        alone = [f for f in ("out", "log", "checkpoint_dir", "routes") if getattr(args, f)]
+        if alone:
+            flags = ", ".join("--" + f.replace("_", "-") for f in alone)
+            raise SwarmError(
+                f"{flags}: only with --stage-servers; a scheduler's job keeps its own (`swarm "
+                "export JOB --out FILE` for the model, `--routes FILE` for the route record, "
+                "`swarm status JOB` for its steps)"
+            )
 
         return asyncio.run(
             run_remote_trainer(

@@ -12,7 +12,7 @@ import sys
 from typing import Protocol, cast
 
 from swarm.errors import SwarmError
-from swarm.flags import HelpFormatter, env_default
+from swarm.flags import HelpFormatter, env_default, env_name
 
 __all__ = ["COMMANDS", "CommandModule", "build_parser", "main", "parse"]
 
@@ -111,7 +111,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--log-level",
         default=env_default("log-level", "WARNING"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level",
+        help=f"logging level [env {env_name('log-level')}]",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help) in COMMANDS.items():

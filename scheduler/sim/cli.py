@@ -17,71 +17,69 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import ConfigError
-from swarm.flags import env_default
 from swarm.job.config import RebalanceConfig
 
 __all__ = ["add_arguments", "cmd_simulate", "run"]
 
 Command = Callable[[argparse.Namespace], int]
 CommandFactory = Callable[[str, Command, str], argparse.ArgumentParser]
-EnvDefault = Callable[[str, Any], Any]
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    _add_flags(p, env_default)
+    _add_flags(p)
 
 
 def run(command: str, args: argparse.Namespace) -> int:
     return cmd_simulate(args)
 
 
-def _add_flags(p: argparse.ArgumentParser, env: EnvDefault) -> None:
-    p.add_argument("--peers", type=int, default=env("peers", 1000), help="peers at the start")
-    p.add_argument("--stages", type=int, default=env("stages", 8), help="pipeline stages")
-    p.add_argument("--hours", type=float, default=env("hours", 24.0), help="simulated hours")
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    # No flag here reads the environment, unlike the roles' (`swarm.flags`): a simulation's
+    # inputs are its command line, and a deployment's SWARM_MIN_REPLICAS (say) is not one.
+    p.add_argument("--peers", type=int, default=1000, help="peers at the start")
+    p.add_argument("--stages", type=int, default=8, help="pipeline stages")
+    p.add_argument("--hours", type=float, default=24.0, help="simulated hours")
     p.add_argument(
         "--churn",
         type=float,
-        default=env("churn", 1.0),
+        default=1.0,
         metavar="LIFETIME_HOURS",
         help="mean peer lifetime in hours, exponential; a departure is a crash (0: no churn)",
     )
     p.add_argument(
         "--join-rate",
         type=float,
-        default=env("join-rate", None),
+        default=None,
         help="peer joins per hour, Poisson (default: peers / churn, a pool of about constant size)",
     )
-    p.add_argument("--seed", type=int, default=env("seed", 0), help="random seed")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "--policy",
         choices=["none", "swarm"],
-        default=env("policy", "swarm"),
+        default="swarm",
         help="swarm: rebalance every period; none: never",
     )
     p.add_argument(
         "--hysteresis",
         type=float,
-        default=env("hysteresis", RebalanceConfig().hysteresis),
+        default=RebalanceConfig().hysteresis,
         help="a move must raise the bottleneck by more than this factor, or the bottleneck be this "
         "factor below the mean stage total (>= 1)",
     )
     p.add_argument(
         "--min-replicas",
         type=int,
-        default=env("min_replicas", 1),
+        default=1,
         help="replicas every stage gets before any gets more, and keeps (a job's "
         "runtime.min_replicas)",
     )
     p.add_argument(
         "--skew",
         type=float,
-        default=env("skew", 0.0),
+        default=0.0,
         help="share of stage 0's initial peers placed elsewhere instead",
     )
-    p.add_argument(
-        "--window", type=float, default=env("window", 1.0), help="reporting window, hours"
-    )
+    p.add_argument("--window", type=float, default=1.0, help="reporting window, hours")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
     p.add_argument(
         "--plot",

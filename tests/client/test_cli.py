@@ -201,3 +201,19 @@ async def test_jobs_follows_the_pages_and_delete(
     assert f"job {job} deleted" in capsys.readouterr().out and api.store.get(job) is None
     assert await swarm("delete", job, *at) == 2
     assert "unknown job" in capsys.readouterr().err
+
+
+def test_a_scheduler_trainer_refuses_what_only_a_trainer_of_its_own_servers_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out` and `--log` were taken under a scheduler and nothing was written, nor said (a
+    review found it); `--checkpoint-dir` and `--routes` the same."""
+    from swarm.cli import main
+
+    argv = ["trainer", "--scheduler", "127.0.0.1:1", "--job", "j-1"]
+    asked = ["--out", str(tmp_path / "m.pt"), "--log", str(tmp_path / "steps.jsonl")]
+    assert main([*argv, *asked]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("swarm trainer: error: --out, --log: only with --stage-servers;"), err
+    assert "swarm export JOB --out FILE" in err
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "steps.jsonl").exists()

@@ -185,3 +185,14 @@ def test_peers_on_shared_machines_and_routers_run_near_the_optimum_spread_over_t
     placed = registry.place_all()
     # a, c on host-0 and b, d on host-1: each stage gets one of each (blind: a, c on one)
     assert placed["a"] != placed["c"] and placed["b"] != placed["d"], placed
+
+
+def test_the_simulator_reads_no_deployments_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its flags defaulted from `SWARM_<FLAG>` without its `--help` saying so: a scheduler's
+    SWARM_MIN_REPLICAS changed what `swarm simulate` simulated (a review found it)."""
+    from swarm.cli import parse
+
+    monkeypatch.setenv("SWARM_MIN_REPLICAS", "3")
+    monkeypatch.setenv("SWARM_PEERS", "7")
+    args = parse(["simulate"])
+    assert (args.min_replicas, args.peers) == (1, 1000)
