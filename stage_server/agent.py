@@ -59,6 +59,7 @@ from swarm.job.states import TERMINAL_PROTO
 from swarm.net import tls
 from swarm.net.addresses import announced_host, host_port
 from swarm.ops.lifecycle import install_signal_handlers, print_ready, unless_stopped
+from swarm.ops.rated import RatedLog
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc import lan
 from swarm.rpc.cache_room import Use, Uses
@@ -231,6 +232,9 @@ class PeerAgent:
     async def _report_load(self) -> None:
         """While serving, publish queue depth and seconds/sample for the trainers' wiring."""
         servicer = self.running.servicer
+        # Unsent for long, the scheduler counts the peer gone (`load_silence_s`): said here too,
+        # once a minute, where the peer's operator looks.
+        unsent = RatedLog(log, every_s=60.0)
         while True:
             await asyncio.sleep(self.load_period_s)
             if self.state != cpb.PEER_STATE_SERVING or self.stage is None:
@@ -255,7 +259,7 @@ class PeerAgent:
             try:
                 await self.bus.publish(self.bus.topics.load(self.peer), report)
             except Exception as e:  # a broker hiccup must not stop the reports for good
-                log.debug("%s: load report not sent: %s", self.peer, e)
+                unsent.warning("load", "%s: load report not sent: %s", self.peer, e)
 
     async def _consume(self, messages: object) -> None:
         async for topic, message in messages:  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal, Protocol
 
 from swarm.net.bandwidth import format_rate
+from swarm.ops.rated import RatedLog
 from swarm.proto.framing import Framed
 
 __all__ = [
@@ -289,17 +290,20 @@ async def reannounce(
     if metrics is None:
         return
     meter = metrics.link
+    unsaid = RatedLog(log, every_s=60.0)  # a broker away for long: said once a minute
     while True:
         await asyncio.sleep(period_s)
-        now = meter.rates()
-        if not material(meter.announced, now, change):
+        now, said = meter.rates(), meter.announced
+        if not material(said, now, change):
+            continue
+        try:
+            await announce()  # it marks what it sends as announced (`fill_rates`)
+        except Exception as e:  # a broker away: not announced, so the next check tries again
+            meter.announced = said
+            unsaid.warning("unsent", "link rates not announced (tried again): %s", e)
             continue
         log.info(
             "link measured at %s up, %s down: announced",
             format_rate(now[0]),
             format_rate(now[1]),
         )
-        try:
-            await announce()
-        except Exception as e:  # a broker hiccup: the next check announces them
-            log.debug("link rates not announced: %s", e)
