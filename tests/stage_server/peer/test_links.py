@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,15 +217,26 @@ def test_what_is_material_to_announce_again() -> None:
     assert not material((0.0, 0.0), (0.0, 0.0))
 
 
-async def test_rates_are_announced_again_when_they_move_materially() -> None:
-    metrics = StageMetrics("p")
-    announced: list[tuple[float, float]] = []
+def _announcer(
+    metrics: StageMetrics, sent: list[tuple[float, float]], failing: int = 0
+) -> Callable[[], Awaitable[None]]:
+    """A peer's announcement of its rates: each kept in `sent`; the first `failing` raise, as
+    with the broker away."""
 
     async def announce() -> None:
         msg = cpb.PeerAnnouncement(peer="p")
         fill_rates(msg, metrics)
-        announced.append((msg.upload_bytes_per_second, msg.download_bytes_per_second))
+        sent.append((msg.upload_bytes_per_second, msg.download_bytes_per_second))
+        if len(sent) <= failing:
+            raise BusNotConnected("bus p: not connected")
 
+    return announce
+
+
+async def test_rates_are_announced_again_when_they_move_materially() -> None:
+    metrics = StageMetrics("p")
+    announced: list[tuple[float, float]] = []
+    announce = _announcer(metrics, announced)
     task = asyncio.create_task(reannounce(metrics, announce, period_s=0.01))
     try:
         await asyncio.sleep(0.1)
@@ -489,14 +500,7 @@ async def test_rates_whose_announcement_failed_are_announced_again(
     was said at DEBUG (a review found it)."""
     metrics = StageMetrics("p")
     tries: list[tuple[float, float]] = []
-
-    async def announce() -> None:
-        msg = cpb.PeerAnnouncement(peer="p")
-        fill_rates(msg, metrics)
-        tries.append((msg.upload_bytes_per_second, msg.download_bytes_per_second))
-        if len(tries) == 1:
-            raise BusNotConnected("bus p: not connected")
-
+    announce = _announcer(metrics, tries, failing=1)
     metrics.moved("up", 20 * MiB, 1.0)
     with caplog.at_level(logging.WARNING, logger="stage_server.peer.links"):
         task = asyncio.create_task(reannounce(metrics, announce, period_s=0.01))
