@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from swarm.net import dial, paths
+from swarm.ops.rated import RatedLog
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import stage_pb2_grpc
 
@@ -105,6 +106,7 @@ class Shortcuts:
         self._direct: set[str] = set()
         self._retry_at: dict[str, float] = {}
         self._probing: dict[str, asyncio.Task[None]] = {}
+        self._broken = RatedLog(log, every_s=60.0, clock=clock)
 
     def direct(self, address: str, token: str | None) -> bool:
         """Whether to dial `address` past its relay now. A relayed address not probed yet (or
@@ -143,8 +145,17 @@ class Shortcuts:
     async def _probe(self, address: str, token: str | None) -> None:
         try:
             reached = await self._prober(address, token)
-        except Exception:  # a probe that breaks leaves the relay path, as one that fails
-            log.debug("probing %s's LAN address failed", address, exc_info=True)
+        except Exception as e:  # a probe that breaks leaves the relay path, as one that fails
+            # Not a peer that did not answer (the prober says that with False): a bug, or a dial
+            # set up wrong, which would keep every LAN shortcut off unseen.
+            self._broken.warning(
+                type(e).__name__,
+                "probing %s's LAN address broke (%s: %s); calling it through its relay",
+                address,
+                type(e).__name__,
+                e,
+            )
+            log.debug("probing %s's LAN address broke", address, exc_info=True)
             reached = False
         if reached:
             self._direct.add(address)

@@ -7,6 +7,7 @@ relays here are dead ports: a call that reaches the peer at all went past its re
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 from pathlib import Path
@@ -111,6 +112,27 @@ async def test_an_address_that_does_not_answer_is_tried_again_later() -> None:
     assert not shortcuts.direct(address, None)
     await shortcuts.probed()
     assert len(probes) == 2
+
+
+async def test_a_probe_that_breaks_is_said_and_the_relay_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A probe that raises (a bug, a dial or TLS set-up gone wrong; a peer that does not answer
+    is not this) left the relay path, said at DEBUG: LAN shortcuts off for good, no cause seen
+    (a review found it). It is said at WARNING, once a minute per kind."""
+
+    async def broken(address: str, token: str | None) -> bool:
+        raise ValueError("no TLS identity for the LAN dial")
+
+    shortcuts = Shortcuts(broken, retry_s=0.0, clock=_Clock())
+    address = _relayed(PEER, "10.0.0.7:5000")
+    with caplog.at_level(logging.WARNING, logger="swarm.rpc.lan"):
+        for _ in range(3):
+            assert not shortcuts.direct(address, None)
+            await shortcuts.probed()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "no TLS identity for the LAN dial" in said[0], said
+    assert "ValueError" in said[0] and "through its relay" in said[0], said
 
 
 async def test_a_direct_path_lost_goes_back_to_the_relay_and_is_tried_again() -> None:
