@@ -182,6 +182,11 @@ ATTACKS: dict[str, str] = {
     "and sent on every change",
     "fetch-offset": "a token holder fetches a job's file from an offset past 2^62: the seek "
     "fails as a bug, an ERROR traceback for each call",
+    "page-overflow": "a token holder lists jobs from page token 0x1p2000/0: the cursor's float "
+    "overflows as a bug, an ERROR traceback for each call",
+    "echo-whole": "a token holder's request field (a page token, a path) of megabytes is echoed "
+    "whole in its refusal: a log line several times the request per call, and a status past "
+    "the caller's metadata limit",
     # (route-inf also: a serving peer's announced speed of NaN, inf or -1 in every lease)
     "route-inf": "a token holder's push names a next-stage member of infinite throughput: the "
     "receiver's forward runs, then the push fails as a bug (INTERNAL, a traceback at ERROR)",

@@ -26,12 +26,12 @@ def position(cursor: str) -> tuple[float, int]:
     created, _, row = cursor.partition("/")
     try:
         found = float.fromhex(created), int(row)
-    except ValueError:
+    except (ValueError, OverflowError):  # "0x1p2000": past a float's range
         found = (math.nan, 0)
     # a rowid is SQLite's 64-bit integer: a larger one overflowed at the query, as a bug
     if not math.isfinite(found[0]) or not 0 <= found[1] < 1 << 63:
         raise InvalidArgument(
-            f"page_token {cursor!r} is not one this scheduler gave; list again without one"
+            f"page_token {cursor[:80]!r} is not one this scheduler gave; list again without one"
         )
     return found
 

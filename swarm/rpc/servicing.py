@@ -31,10 +31,11 @@ from swarm.net.told_ahead import refuse
 from swarm.rpc.reader_idle import taken_within
 from swarm.rpc.status import error_metadata, status_code
 
-__all__ = ["Observe", "Servicing"]
+__all__ = ["SAID_CHARS", "Observe", "Servicing", "said"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SAID_CHARS = 2000  # the most of a refusal's details said (`said`)
 
 Observe = Callable[[str, str, float], None]
 """`(method, status code name, seconds)` of one finished call."""
@@ -97,9 +98,10 @@ class Servicing:
             code = grpc.StatusCode.INVALID_ARGUMENT  # a wire error of no particular kind
         if code is None:  # a bug, not bad input: report it, keep serving
             log.error("%s %s failed", self.name, method, exc_info=error)
-            return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
-        log.info("%s %s refused: %s: %s", self.name, method, code.name, error)
-        return code, str(error)
+            return grpc.StatusCode.INTERNAL, said(f"{type(error).__name__}: {error}")
+        details = said(str(error))
+        log.info("%s %s refused: %s: %s", self.name, method, code.name, details)
+        return code, details
 
     async def _abort(
         self, method: str, context: grpc.aio.ServicerContext, error: Exception, start: float
@@ -128,3 +130,12 @@ def _drop_tracebacks(error: BaseException) -> None:
         seen.add(id(e))
         e.__traceback__ = None
         todo += [e.__cause__, e.__context__]
+
+
+def said(details: str, most: int = SAID_CHARS) -> str:
+    """`details` as a refusal's log line and status say it: at most `most` characters (an
+    error may echo a request's field whole: a 4 MB page token was a 16 MB log line per call,
+    and a status over the caller's metadata limit)."""
+    if len(details) <= most:
+        return details
+    return f"{details[:most]}... ({len(details)} characters)"

@@ -33,6 +33,8 @@ from swarm.job.config import verify_data
 from swarm.job.key_depth import check_key_depth
 from swarm.job.schema import MAX_SPEC_BYTES
 from swarm.proto import control_pb2, scheduler_pb2, scheduler_pb2_grpc
+from swarm.rpc import servicing
+from swarm.rpc.servicing import SAID_CHARS
 from swarm.rpc.status import status_code
 from tests.support.api import RunningApi, start_api
 from tests.support.disks import fill, tiny_disk
@@ -456,6 +458,35 @@ async def test_malformed_submissions_and_pages_are_refused_as_bad_input(
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert api.store.list() == []
+
+
+@pytest.mark.attack("page-overflow")
+@pytest.mark.attack("echo-whole")
+async def test_a_page_token_past_a_floats_range_or_huge_is_bad_input_said_short(
+    api: RunningApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "0x1p2000/0" overflowed the float its cursor is read as: an INTERNAL error with an ERROR
+    traceback at each call. A 1 MB token was echoed whole in the refusal: a log line four times
+    the request per call, and a status past the caller's metadata limit (a review found both)."""
+    caplog.set_level(logging.INFO, logger="swarm.rpc.servicing")
+    async with grpc.aio.insecure_channel(api.address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        for token in ("0x1p2000/0", "\x00" * 1_000_000):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                request = scheduler_pb2.SchedulerListJobsRequest(page_token=token)
+                await stub.ListJobs(request, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert "is not one this scheduler gave" in (e.value.details() or "")
+            assert len(e.value.details() or "") <= SAID_CHARS + 40
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 2 and max(map(len, refused)) <= SAID_CHARS + 200, refused
+
+
+def test_a_refusal_says_at_most_so_many_characters() -> None:
+    assert servicing.said("short") == "short"
+    long = servicing.said("x" * 10_000)
+    assert long.startswith("x" * SAID_CHARS + "...") and long.endswith("(10000 characters)")
 
 
 def test_a_job_files_dots_in_strings_and_comments_are_no_keys_parts() -> None:
