@@ -25,6 +25,7 @@ from scheduler.data_hashes import DataHashes
 from scheduler.job_control import JobControl
 from scheduler.job_status import job_status
 from scheduler.known_jobs import KnownJobs
+from scheduler.parsed_jobs import ParsedJobs
 from scheduler.route_file import exportable
 from scheduler.store import JobRecord, JobStore
 from scheduler.trainer_calls import TrainerCalls
@@ -136,6 +137,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.trust = TrustMode(trusted_peers)
         self._exports = 0  # ExportModel calls under way (`MAX_EXPORTS`)
         self.data_hashes = DataHashes()  # each data file's hash, once
+        self._parsed_jobs = ParsedJobs()  # each job's config, parsed once for its fetches
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
@@ -442,6 +444,4 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             yield part
 
     async def _parsed(self, job_id: str) -> JobConfig:
-        record = self._job(job_id)
-        spec, base = record.spec, Path(record.base_dir)
-        return await asyncio.to_thread(parse_job, spec, base, record.name, check_data=False)
+        return await self._parsed_jobs.get(self._job(job_id))
