@@ -13,10 +13,10 @@ import logging
 import math
 import os
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from scheduler import data_root as roots
 from scheduler.admission import Admission
@@ -69,7 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 MiB = 1 << 20
 LIST_PAGE_SIZE = 100  # jobs per ListJobs page when the request sets none
 LIST_PAGE_MAX = 1000  # and at most (a request for more gets this many)
@@ -140,15 +139,8 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._parsed_jobs = ParsedJobs()  # each job's config, parsed once for its fetches
 
     # -- plumbing -------------------------------------------------------------------------------
-    async def _run(self, method: str, context: Any, body: Callable[[], T]) -> T:
-        """`body()` (synchronous: store reads and writes happen between awaits) under the error
-        mapping every servicer shares."""
-
-        async def call() -> T:
-            return body()
-
-        return await self._serving.run(method, context, call)
-
+    # Each call's body runs under the error mapping every servicer shares (`self._serving`); its
+    # store reads and writes come before its first await (one call's never interleave another's).
     def _job(self, job_id: str) -> JobRecord:
         record = self.store.get(job_id)
         if record is None:
@@ -159,7 +151,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """`events`: how many of the job's newest events to include."""
         mean = record.mean_speed if record.finished else 0.0  # in its row: no sum of its steps
         shown = self.store.events(record.id, events) if events else []
-        return self.trust.shown(job_status(record, self.control, shown, mean))
+        return job_status(record, self.control, shown, mean)  # `self.trust` says more, awaited
 
     # -- the service ----------------------------------------------------------------------------
     async def SubmitJob(
@@ -168,7 +160,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async def body() -> scheduler_pb2.SchedulerSubmitJobResponse:
             caller = self.callers.identify(context)
             request_id = _request_id(request)
-            made = self._made(caller.name, request_id)
+            made = await self._made(caller.name, request_id)
             if made is not None:  # asked again (its answer lost): the job it made then
                 return made
             self.admission.check_submit(self.store, caller.name)  # before any work for it
@@ -226,7 +218,7 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             check_spec_size(spec, "the job file with the hashes pinned")  # as trainers parse it
             # Again after the awaits, and with no await before the store has it: two calls of
             # one submitter at once cannot both take its last place, nor one request make two.
-            made = self._made(caller.name, request_id)
+            made = await self._made(caller.name, request_id)  # not suspended where it made none
             if made is not None:
                 return made
             self.admission.check_count(self.store, caller.name)
@@ -237,14 +229,16 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 "scheduler: job %s submitted by %r (%d steps)", record.id, caller.name, record.steps
             )
             self.control.submitted(record.id)
-            return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
+            status = await self.trust.shown(self._status(record))  # stored: awaits may come now
+            return scheduler_pb2.SchedulerSubmitJobResponse(job=status)
 
         return await self._serving.run("SubmitJob", context, body)
 
-    def _made(
+    async def _made(
         self, submitter: str, request_id: str
     ) -> scheduler_pb2.SchedulerSubmitJobResponse | None:
-        """The answer to a submission `submitter` made already by `request_id`, if it did."""
+        """The answer to a submission `submitter` made already by `request_id`, if it did. It
+        awaits only where it did: else the caller goes on in the same turn of the loop."""
         record = self.store.by_request(submitter, request_id)
         if record is None:
             return None
@@ -254,37 +248,37 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             submitter,
             record.id,
         )
-        return scheduler_pb2.SchedulerSubmitJobResponse(job=self._status(record))
+        status = await self.trust.shown(self._status(record))
+        return scheduler_pb2.SchedulerSubmitJobResponse(job=status)
 
     async def GetJob(
         self, request: scheduler_pb2.SchedulerGetJobRequest, context: Any
     ) -> scheduler_pb2.SchedulerGetJobResponse:
-        def body() -> scheduler_pb2.SchedulerGetJobResponse:
-            return scheduler_pb2.SchedulerGetJobResponse(
-                job=self._status(self._job(request.job), STATUS_EVENTS)
-            )
+        async def body() -> scheduler_pb2.SchedulerGetJobResponse:
+            job = self._status(self._job(request.job), STATUS_EVENTS)
+            return scheduler_pb2.SchedulerGetJobResponse(job=await self.trust.shown(job))
 
-        return await self._run("GetJob", context, body)
+        return await self._serving.run("GetJob", context, body)
 
     async def ListJobs(
         self, request: scheduler_pb2.SchedulerListJobsRequest, context: Any
     ) -> scheduler_pb2.SchedulerListJobsResponse:
-        def body() -> scheduler_pb2.SchedulerListJobsResponse:
+        async def body() -> scheduler_pb2.SchedulerListJobsResponse:
             # Pages, and no specs: every job at once, specs and all, outgrew any message. A page
             # also ends once past LIST_PAGE_BYTES (records stored before base_dir was bounded).
             size = min(request.page_size or LIST_PAGE_SIZE, LIST_PAGE_MAX)
             records, cursor = self.store.page(size, request.page_token, budget=LIST_PAGE_BYTES)
-            jobs = [self._status(r) for r in records]
+            jobs = [await self.trust.shown(self._status(r)) for r in records]
             return scheduler_pb2.SchedulerListJobsResponse(
                 jobs=jobs, next_page_token=cursor, caller_host=peer_host(context.peer())
             )
 
-        return await self._run("ListJobs", context, body)
+        return await self._serving.run("ListJobs", context, body)
 
     async def CancelJob(
         self, request: scheduler_pb2.SchedulerCancelJobRequest, context: Any
     ) -> scheduler_pb2.SchedulerCancelJobResponse:
-        def body() -> scheduler_pb2.SchedulerCancelJobResponse:
+        async def body() -> scheduler_pb2.SchedulerCancelJobResponse:
             record = self._job(request.job)
             self.callers.identify(context).may_manage(record, "cancel")
             if record.finished:
@@ -292,9 +286,10 @@ class JobApiServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             record = self.store.set_state(record.id, "cancelled", message="cancelled on request")
             log.info("scheduler: job %s cancelled at step %d", record.id, record.step)
             self.control.cancelled(record.id)
-            return scheduler_pb2.SchedulerCancelJobResponse(job=self._status(record))
+            job = await self.trust.shown(self._status(record))  # cancelled: an await may come
+            return scheduler_pb2.SchedulerCancelJobResponse(job=job)
 
-        return await self._run("CancelJob", context, body)
+        return await self._serving.run("CancelJob", context, body)
 
     async def DeleteJob(
         self, request: scheduler_pb2.SchedulerDeleteJobRequest, context: Any

@@ -7,6 +7,7 @@ store (`tests.support.api`)."""
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 
 import pytest
@@ -78,23 +79,26 @@ def test_the_scheduler_says_it_trusts_its_peers_with_one_switch() -> None:
     assert not parser.parse_args([]).trusted_peers  # secure by default
 
 
-def test_a_stored_spec_is_parsed_once_for_the_statuses_that_show_it(
+async def test_a_stored_spec_is_parsed_once_off_the_loop_for_the_statuses_that_show_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each GetJob parsed the job's spec on the event loop to say "audits off": 0.2 s for a spec
-    # of 1 MiB, at every call, and GetJob is not rated.
+    # of 1 MiB, at every call, and GetJob is not rated. Then once, but on the loop still: a
+    # submission's answer, and every status after a restart (a review found it).
     parsed: list[str] = []
+    on = threading.get_ident()
 
     def counted(spec: str) -> bool:
+        assert threading.get_ident() != on, "parsed on the event loop"
         parsed.append(spec)
         return audits_off(spec)
 
     monkeypatch.setattr(trusted_peers, "audits_off", counted)
     mode, spec = TrustMode(True), trusted(render(BASE))
     for _ in range(3):
-        assert AUDITS_OFF in mode.shown(JobStatus(spec=spec)).warnings
+        assert AUDITS_OFF in (await mode.shown(JobStatus(spec=spec))).warnings
     assert parsed == [spec]
     for i in range(trusted_peers.KEPT_SPECS + 1):  # a bounded memory of them
-        mode.shown(JobStatus(spec=f"{spec}\n# {i}\n"))
-    mode.shown(JobStatus(spec=spec))
+        await mode.shown(JobStatus(spec=f"{spec}\n# {i}\n"))
+    await mode.shown(JobStatus(spec=spec))
     assert len(parsed) == trusted_peers.KEPT_SPECS + 3  # the first was forgotten: read again
