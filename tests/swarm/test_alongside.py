@@ -30,14 +30,16 @@ async def _bare_group(until: Awaitable[Any], helpers: list[Coroutine[Any, Any, A
         raise failed.exceptions[0] from failed
 
 
+async def _fails(what: str) -> None:
+    """A helper that fails at its first turn (a peer gone)."""
+    await asyncio.sleep(0)
+    raise SwarmError(what)
+
+
 async def _cancelled_while_winding_down(run: Runner) -> asyncio.Task[None]:
     """One helper fails (a peer gone) while another is busy with its cleanup, and the caller is
     cancelled then (a user's `swarm cancel`)."""
     winding, release = asyncio.Event(), asyncio.Event()
-
-    async def fails() -> None:
-        await asyncio.sleep(0)
-        raise SwarmError("peer gone")
 
     async def cleans_up_slowly() -> None:
         try:
@@ -46,7 +48,9 @@ async def _cancelled_while_winding_down(run: Runner) -> asyncio.Task[None]:
             winding.set()
             await release.wait()
 
-    caller = asyncio.create_task(run(asyncio.Event().wait(), [fails(), cleans_up_slowly()]))
+    caller = asyncio.create_task(
+        run(asyncio.Event().wait(), [_fails("peer gone"), cleans_up_slowly()])
+    )
     await within(winding.wait(), WAIT_S)
     caller.cancel()
     await asyncio.sleep(0)
@@ -75,10 +79,6 @@ async def test_a_cancellation_while_winding_down_after_an_error_is_kept(
 async def test_the_first_error_is_raised_after_every_helper_has_ended() -> None:
     cleaned: list[str] = []
 
-    async def fails() -> None:
-        await asyncio.sleep(0)
-        raise SwarmError("first")
-
     async def fails_later() -> None:
         try:
             await asyncio.sleep(60)
@@ -94,7 +94,8 @@ async def test_the_first_error_is_raised_after_every_helper_has_ended() -> None:
 
     with pytest.raises(SwarmError, match="first"):
         await within(
-            alongside(asyncio.Event().wait(), [fails(), fails_later()], [to_the_end()]), WAIT_S
+            alongside(asyncio.Event().wait(), [_fails("first"), fails_later()], [to_the_end()]),
+            WAIT_S,
         )
     assert sorted(cleaned) == ["later", "trainer"]
 
