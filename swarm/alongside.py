@@ -59,9 +59,19 @@ async def alongside(
     except asyncio.CancelledError:
         if failed.done():  # said, since what is raised is the cancellation
             log.warning("cancelled while winding down after an error: %s", failed.result())
+        _say_unraised(ended)
         raise
     finally:
         ended.cancel()
     if failed.done():
+        _say_unraised(ended)
         raise failed.result()
     ended.result()  # its own error, if it ended with one
+
+
+def _say_unraised(ended: asyncio.Future[Any]) -> None:
+    """`until`'s own error where another is raised (a helper's, or the cancellation): said,
+    and taken out of the task (asyncio's "exception was never retrieved", at some collection
+    later, told neither when nor what it came beside)."""
+    if ended.done() and not ended.cancelled() and (error := ended.exception()) is not None:
+        log.warning("its wait failed too, as it wound down: %s: %s", type(error).__name__, error)

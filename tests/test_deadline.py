@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sys
 from collections.abc import Awaitable
 from pathlib import Path
-
-import pytest
 
 from swarm.deadline import cancel_kept, within
 
@@ -80,9 +79,32 @@ async def test_cancel_kept_lets_a_cleanup_after_a_cancellation_go_on() -> None:
 
 
 async def test_cancel_kept_leaves_an_enclosing_timeout_a_timeout() -> None:
-    with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.01):
-            await cancel_kept(asyncio.sleep(5.0))
+    """The timeout fires as a library's wait ends, in the window its `wait_for` swallows the
+    timeout's cancellation in: raised again, the timeout's own, so it is a `TimeoutError`."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    scopes: list[asyncio.Timeout] = []
+
+    async def bounded(wait: object) -> None:
+        async with asyncio.timeout(None) as scope:
+            scopes.append(scope)
+            await wait(_library_wait(done, 5.0))  # type: ignore[operator]
+
+    async def expired_as_it_ends(wait: object) -> asyncio.Task[None]:
+        task = asyncio.create_task(bounded(wait))
+        await asyncio.sleep(0)  # it waits now
+        done.set_result(None)  # the wait's end and the timeout, in one turn of the loop
+        scopes[-1].reschedule(loop.time())
+        await asyncio.wait([task], timeout=1.0)
+        return task
+
+    task = await expired_as_it_ends(cancel_kept)
+    assert task.done() and isinstance(task.exception(), TimeoutError)
+    if sys.version_info < (3, 12):  # 3.12's `wait_for` keeps the cancellation itself
+        # the control: without `cancel_kept` the library's `wait_for` returned, the timeout lost
+        done, scopes = loop.create_future(), []
+        lost = await expired_as_it_ends(lambda aw: aw)
+        assert lost.done() and lost.exception() is None
 
 
 async def test_within_bounds_the_wait() -> None:

@@ -30,6 +30,11 @@ __all__ = ["Dialer", "Link"]
 # a bad user name or password (4, 134), or not authorised (5, 135).
 _AUTH_REFUSALS = {4, 5, 134, 135}
 _BAD_PASSWORD = {4, 134}
+# aiomqtt warns past this many publishes awaiting their PUBACK (its default: 10). The scheduler
+# withdraws an ended job's assignments all at once, one retained publish per peer (up to
+# `scheduler.peer_room`'s 16,384 peers), so many at once is a job's normal end, not a broker in
+# trouble: a broker that does not confirm is said by each publish's own timeout.
+PENDING_PUBLISHES_WARN = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +198,7 @@ class Dialer:
         return None
 
     def client(self) -> aiomqtt.Client:
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             self.address.host,
             self.address.port,
             username=self.username,
@@ -206,6 +211,8 @@ class Dialer:
             tls_context=self.tls,
             logger=_paho_log(),
         )
+        client.pending_calls_threshold = PENDING_PUBLISHES_WARN
+        return client
 
 
 def _fail_before_connack(client: aiomqtt.Client) -> Callable[[], None]:

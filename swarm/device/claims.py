@@ -34,9 +34,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from swarm.ops.rated import RatedLog
+
 __all__ = ["CLAIMS_DIR", "Claim", "Claims"]
 
 log = logging.getLogger(__name__)
+# A claim that cannot be read is read again at every look (each activation a window keeps):
+# said once an hour for each, not at every microbatch. One left by a dead claimant of another
+# user stays (its sticky folder lets only that user remove it) and is counted until a reboot.
+_unread = RatedLog(log, every_s=3600.0)
 
 _SHM = Path("/dev/shm")
 CLAIMS_DIR = (_SHM if _SHM.is_dir() else Path(tempfile.gettempdir())) / "swarm-device-claims"
@@ -151,14 +157,18 @@ def _read_live(path: Path) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as e:  # another user's, made before claims were opened to all: alive
-        log.warning("device claim %s: unreadable (%s): counted, as holding nothing", path.name, e)
+        _unread.warning(
+            path.name, "device claim %s: unreadable (%s): counted, as holding nothing", path.name, e
+        )
         return 0
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                log.warning("device claim %s: cannot tell if alive (%s): counted", path.name, e)
+                _unread.warning(
+                    path.name, "device claim %s: cannot tell if alive (%s): counted", path.name, e
+                )
                 return 0
             data = os.pread(fd, _HELD.size, 0)
             return _HELD.unpack(data)[0] if len(data) == _HELD.size else 0

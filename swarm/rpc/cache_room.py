@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -45,6 +46,7 @@ __all__ = [
     "drop_unused_items",
     "hold",
     "holding",
+    "make_room",
     "tidy",
     "use_file",
 ]
@@ -221,6 +223,27 @@ def drop_unused_items(
     return removed
 
 
+def make_room(
+    folder: Path,
+    locks: Path,
+    kind: str,
+    using: str,
+    need: int,
+    free: Callable[[Path], int] = _free_bytes,
+) -> None:
+    """Room in `folder` for `need` more bytes of item `using`: `drop_unused_items`, then, where
+    the disk still has less than `need` free (what is left is held, or could not be removed:
+    each said), a `ConfigError` that says so before a fetch fills the disk and dies of it."""
+    drop_unused_items(folder, locks, kind, using, need, free=free)
+    left = free(folder)
+    if left < need:
+        raise ConfigError(
+            f"no room under {folder} for {kind} {using[:16]}: {need / 1e9:.3g} GB more needed, "
+            f"{left / 1e9:.3g} GB free; the cached items left there are in use or could not be "
+            "removed (the warnings say which)"
+        )
+
+
 def _last_use(item: Path, use: Path) -> tuple[float, bool]:
     """When `item` was last held (its use file's time), or fetched (one from before holds);
     and whether that is its use file's."""
@@ -241,7 +264,10 @@ def _removed_item(item: Path, use: Path, unused_since: float | None) -> bool:
         if unused_since is not None and os.fstat(fd).st_mtime > unused_since:
             return False  # held and let go since it was listed: used, not stale
         going = item.with_name(f"{item.name}.{REMOVING}")
-        _remove(going)  # a removal a crash cut short, of an item fetched again since
+        if not _remove(going):  # a removal cut short (a crash) or stuck, of an item fetched again
+            # since: what is stuck keeps its name, and this one takes another (a rename onto a
+            # directory not empty failed, and with it every later use of the pin)
+            going = item.with_name(f"{item.name}.{secrets.token_hex(4)}.{REMOVING}")
         try:
             item.rename(going)
         except FileNotFoundError:

@@ -30,7 +30,7 @@ from swarm.net import dial
 from swarm.net.invite import cache_dir
 from swarm.proto import scheduler_pb2 as spb
 from swarm.proto import scheduler_pb2_grpc
-from swarm.rpc.cache_room import Uses, drop_unused_items, holding, tidy
+from swarm.rpc.cache_room import Uses, holding, make_room, tidy
 from swarm.rpc.fetch_file import Source, cache_lock, durably_renamed, fetch_file
 from swarm.rpc.status import from_rpc_error
 from swarm.wire.chunking import grpc_options
@@ -100,9 +100,10 @@ async def _fetch_directory(fetch: InitFetch, kept: Path, pin: str, locks: Path) 
         )
     entries = parse(await asyncio.to_thread(manifest.read_bytes), pin)
     staging.mkdir(parents=True, exist_ok=True)
-    # room for what is left to fetch: checkpoints nobody holds go, least recently used first
+    # room for what is left to fetch: checkpoints nobody holds go, least recently used first;
+    # refused, with why, where that leaves too little
     need = sum(max(0, e.size - _have(staging / e.path)) for e in entries)
-    await asyncio.to_thread(drop_unused_items, kept.parent, locks, "init", pin, need)
+    await asyncio.to_thread(make_room, kept.parent, locks, "init", pin, need)
     root = staging.resolve()
     for entry in entries:
         target = staging / entry.path

@@ -134,3 +134,33 @@ async def test_the_waits_own_error_is_raised() -> None:
 
     with pytest.raises(SwarmError, match="the wait broke"):
         await within(alongside(broken(), [asyncio.sleep(60)]), WAIT_S)
+
+
+async def test_the_waits_error_beside_a_helpers_is_said_not_left_unretrieved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A helper fails, and the wait fails too as the helpers wind down: the helper's error is
+    raised, and the wait's was left in its task, for asyncio to log at some later collection
+    ("Task exception was never retrieved", without context) or never. It is said with the
+    rest now."""
+    winding = asyncio.Event()
+
+    async def wait_breaks_as_it_winds_down() -> None:
+        await winding.wait()
+        raise SwarmError("the wait broke")
+
+    async def slow_cleanup() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            winding.set()
+            await asyncio.sleep(0.05)  # the wait breaks meanwhile
+
+    helpers = [_fails("peer gone"), slow_cleanup()]
+    with (
+        caplog.at_level(logging.WARNING, logger="swarm.alongside"),
+        pytest.raises(SwarmError, match="peer gone"),
+    ):
+        await within(alongside(wait_breaks_as_it_winds_down(), helpers), WAIT_S)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["its wait failed too, as it wound down: SwarmError: the wait broke"], said

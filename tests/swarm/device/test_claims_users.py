@@ -8,6 +8,7 @@ of another user could not reach this Python, under /root."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -90,3 +91,31 @@ def test_a_claim_of_another_user_with_umask_077_is_counted(shared_root: Path) ->
     finally:
         os.close(a_go)
         os.waitpid(a, 0)
+
+
+def test_a_claim_that_cannot_be_read_is_said_once_not_at_every_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user's claim made before claims were opened to all cannot be opened: it was said
+    at WARNING at every look, and a window looks at each activation it keeps (a review found
+    it). The open is refused here as the kernel refuses it there."""
+    claims = Claims(tmp_path)
+    mine, theirs = claims.claim("GPU-0"), claims.claim("GPU-0")
+    real_open = os.open
+
+    def refusing(path: object, *args: object, **kwargs: object) -> int:
+        if Path(str(path)) == theirs.path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refusing)
+    try:
+        with caplog.at_level(logging.WARNING, logger="swarm.device.claims"):
+            looks = [mine.others() for _ in range(100)]
+    finally:
+        monkeypatch.undo()
+        mine.close()
+        theirs.close()
+    assert looks == [[0]] * 100  # alive, as holding nothing, at every look
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "unreadable" in said[0] and theirs.path.name in said[0], said

@@ -24,6 +24,7 @@ from swarm.rpc.cache_room import (
     drop_stale_partials,
     drop_unused_items,
     hold,
+    make_room,
     use_file,
 )
 from tests.support.disks import tiny_disk
@@ -239,11 +240,11 @@ def test_a_removal_cut_short_leaves_nothing_under_the_items_name(
     _item(cache, "p", OLD_ITEM, directory=True)
     real, calls = cache_room._remove, []
 
-    def killed(path: Path) -> None:
+    def killed(path: Path) -> bool:
         calls.append(path.name)
         if len(calls) == 2:  # the item's own rmtree (the first clears an old leftover)
             raise KeyboardInterrupt("killed mid-removal")
-        real(path)
+        return real(path)
 
     monkeypatch.setattr(cache_room, "_remove", killed)
     with pytest.raises(KeyboardInterrupt):
@@ -303,3 +304,43 @@ def test_an_item_that_cannot_be_removed_is_said_and_not_counted_as_room(
         assert len(said) == 1 and "stuck" in said[0] and "busy" in said[0], said
         assert "removed" not in " ".join(said)
     assert not (cache / "stuck").exists()  # out of its name all the same: never taken as whole
+
+
+def test_an_item_fetched_again_beside_its_stuck_removal_is_removed_all_the_same(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An item whose removal is stuck (`stuck.removing`, a mount inside it) and that was fetched
+    again: its next removal renamed it onto the stuck one, which failed (`ENOTEMPTY`) out of
+    `drop_unused_items`, so every later use of the pin did too (a review found it). Now it
+    goes under a name of its own."""
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    stuck = _item(cache, "stuck", OLD_ITEM, directory=True)
+    mounts = (stuck / "mounted", cache / "stuck.removing" / "mounted")
+    with tiny_disk(mounts[0], unmount=mounts):
+        (stuck / "mounted" / "shard").write_bytes(b"x")
+        _aged(stuck, OLD_ITEM)
+        with caplog.at_level(logging.WARNING, logger="swarm.rpc.cache_room"):
+            assert drop_unused_items(cache, locks, "init", using="mine") == []
+            _item(cache, "stuck", OLD_ITEM, directory=True)  # fetched again, unused since
+            assert drop_unused_items(cache, locks, "init", using="mine") == ["stuck"]
+        assert not (cache / "stuck").exists()
+        left = sorted(p.name for p in cache.iterdir())
+        assert left == ["stuck.removing"], left  # the stuck one alone, still said
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 2 and all("stuck.removing" in s for s in said), said
+
+
+def test_no_room_left_after_the_unused_items_went_is_said_before_a_fetch(
+    tmp_path: Path,
+) -> None:
+    cache, locks = tmp_path / "init", tmp_path / "locks"
+    _item(cache, "old", 60.0, directory=True)  # used a minute ago: stays unless room is short
+
+    def free(_: Path) -> int:
+        return HEADROOM + 100  # what no removal here changes (nothing held but the item)
+
+    make_room(cache, locks, "init", "mine", 50, free=free)  # room enough: nothing removed
+    assert (cache / "old").is_dir()
+    with pytest.raises(ConfigError, match=r"no room under .* for init mine: .* GB more needed"):
+        make_room(cache, locks, "init", "mine", HEADROOM + 200, free=free)
+    assert not (cache / "old").exists()  # tried first: gone, and still not room enough

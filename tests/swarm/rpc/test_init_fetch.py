@@ -22,6 +22,7 @@ from swarm.job.config import JobConfig
 from swarm.job.manifest import digest, encode, manifest_of
 from swarm.rpc.cache_room import ITEM_STALE_S, Uses, drop_unused_items, use_file
 from swarm.rpc.init_fetch import local_init
+from tests.support.disks import tiny_disk
 from tests.support.jobs import make_job
 
 
@@ -162,3 +163,19 @@ async def test_a_fetch_that_fails_holds_nothing(tmp_path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
+
+
+async def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_its_files_are_fetched(
+    tmp_path: Path,
+) -> None:
+    """Room was made where unused checkpoints could go, and the fetch started whether or not
+    that left enough: it filled the disk and died of it, an `OSError` mid-file (a review found
+    it). Now the peer says there is no room, and fetches nothing past the manifest."""
+    served = _checkpoint(tmp_path / "served")
+    (served / "model.safetensors").write_bytes(bytes(1 << 20))  # 1 MiB on a 256 KiB disk
+    pin = digest(manifest_of(served))
+    scheduler, cache = _Scheduler(served), tmp_path / "cache"
+    refused = pytest.raises(ConfigError, match=r"no room under .* for init .*GB more needed")
+    with tiny_disk(cache), refused:
+        await local_init(_job(tmp_path, pin), scheduler.fetch, cache, Uses(), "j")
+    assert scheduler.asked == [("", 0)]  # its manifest alone
