@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from scheduler.build_crashes import BuildCrashes
 from scheduler.no_shows import NoShows
 from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
@@ -73,6 +74,7 @@ class Assignments:
         self._sent: dict[str, tuple[str, int, float]] = {}
         self._held_back: set[str] = set()  # peers not placed for their host's seats, said
         self.no_shows = NoShows(serve_timeout_s)  # peers given stages they did not serve
+        self.crashes = BuildCrashes(registry.clock)  # peers gone while building their stage
         self.changed = asyncio.Event()  # set by whoever feeds the registry announcements
 
     def reached(self, report: cpb.ReachabilityReport) -> None:
@@ -137,7 +139,8 @@ class Assignments:
                         f"peer(s) measured): {REMEDY} ({more} more)"
                         + self._unreachable(job_id)
                         + self._refused(job_id)
-                        + self.no_shows.words(job_id, self._incarnations()),
+                        + self.no_shows.words(job_id, self._incarnations())
+                        + self.crashes.words(job_id),
                     )
                     await self._change(5.0)
                     continue
@@ -189,8 +192,11 @@ class Assignments:
                 del self._sent[peer]  # arrived, gone, or given up on
                 if there is not None and arrived and there.stage == stage:
                     self.no_shows.served(job, peer)
+                    self.crashes.served(job, peer)
                 elif there is not None and not arrived:  # dropped it without a word
                     self.no_shows.missed(job, peer, stage, there.incarnation)
+                elif there is None:  # went away before it served: stopped, or killed building
+                    self.crashes.lost(job, peer, stage)
             elif job == job_id and stage < stages:
                 result[stage].append(peer)
         return result
@@ -203,11 +209,13 @@ class Assignments:
         for peer, there in self.registry.peers.items():  # serving it: no miss in a row now
             if (there.state, there.job) == (cpb.PEER_STATE_SERVING, job_id):
                 self.no_shows.served(job_id, peer)
+                self.crashes.served(job_id, peer)
         incarnations = self._incarnations()
         return {
             peer: speeds
             for peer, speeds in self.registry.available(job_id, stages).items()
             if not self.no_shows.left_out(job_id, peer, incarnations[peer])
+            and not self.crashes.left_out(job_id, peer)
         }
 
     def _incarnations(self) -> dict[str, str]:
@@ -225,6 +233,7 @@ class Assignments:
         )
         self.registry.withdrawn(job_id)
         self.no_shows.forget(job_id)
+        self.crashes.forget(job_id)
         for peer in [p for p, sent in self._sent.items() if sent[0] == job_id]:
             del self._sent[peer]  # its assignments are void: none is a miss
 
@@ -372,9 +381,18 @@ class Assignments:
         return path_speeds(speeds, {p: None for p in speeds if self.registry.relayed(p)})
 
     async def _wait_serving(self, job_id: str, stages: list[int]) -> None:
+        """Until `stages` serve, at most `serve_timeout_s`; over at once where a stage that had
+        peers on the way has none any more (they went away: `BuildCrashes`), to be placed
+        again."""
         deadline = time.monotonic() + self.serve_timeout_s
+        count = max(stages) + 1
+        given = [k for k, peers in enumerate(self.on_the_way(job_id, count)) if peers]
         while time.monotonic() < deadline:
-            if all(k in self.registry.serving(job_id) for k in stages):
+            serving = self.registry.serving(job_id)
+            if all(k in serving for k in stages):
+                return
+            coming = self.on_the_way(job_id, count)
+            if any(k not in serving and not coming[k] for k in given):
                 return
             await self._change(1.0)
         log.warning(

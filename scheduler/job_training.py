@@ -276,9 +276,29 @@ class JobTraining:
             counted=coordinator.replicas,
             lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
             domains=self.peer_registry.domains,
-            # the embedded trainer's, or one of the remote trainers' as they gave work back
-            cause=lambda: trainer.failure or coordinator.trainers_failure,
+            # the embedded trainer's, or one of the remote trainers' as they gave work back, or
+            # that no trainer asks for work at all
+            cause=lambda: (
+                trainer.failure
+                or coordinator.trainers_failure
+                or self._no_trainer(job_id, coordinator)
+            ),
             patience_s=job.runtime.patience_s,
+        )
+
+    def _no_trainer(self, job_id: str, coordinator: LocalCoordinator) -> str | None:
+        """That no trainer has asked `job_id` for work for longer than a lease lasts, and what to
+        do (under `--no-embedded-trainer` a job waits for a remote one: the stall watch said
+        nothing of it, or blamed a replica); None while one asks."""
+        silent = coordinator.trainers_silent_s()
+        if silent is None:
+            return None
+        if self.embedded_trainer:
+            return f"no trainer has asked for work for {silent:.0f} s, the scheduler's own included"
+        return (
+            f"no trainer has asked for work for {silent:.0f} s: this scheduler runs none of its "
+            f"own (--no-embedded-trainer); start one: swarm trainer --scheduler HOST:PORT --job "
+            f"{job_id}"
         )
 
     def _stand_by(self, job_id: str, job: JobConfig, coordinator: LocalCoordinator) -> None:

@@ -288,6 +288,11 @@ class LocalCoordinator:
         waiting = self._receipts.waits.said(ledgers[0]) if ledgers else ""
         return self._window.progress() + waiting
 
+    def trainers_silent_s(self) -> float | None:
+        """How long no trainer has asked for work, once past a lease's time (`Shares.silent_s`);
+        else None."""
+        return self._shares.silent_s()
+
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""
         return self.membership.replicas()

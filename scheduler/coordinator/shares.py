@@ -21,10 +21,18 @@ class Shares:
         self.clock, self.horizon_s = clock, horizon_s
         # trainer -> its last lease call, oldest first: the silent ones leave from the front
         self._heard: OrderedDict[str, float] = OrderedDict()
+        self._last = clock.now()  # any trainer's last lease call (none yet: the start)
 
     def heard(self, trainer: str) -> None:
-        self._heard[trainer] = self.clock.now()
+        self._heard[trainer] = self._last = self.clock.now()
         self._heard.move_to_end(trainer)
+
+    def silent_s(self) -> float | None:
+        """How long no trainer has asked for work (since the start, where none ever has), once
+        that is past `horizon_s`, so longer than any lease a trainer might still be working
+        under; else None. A job without a trainer waits for one: this says so."""
+        silent = self.clock.now() - self._last
+        return silent if silent > self.horizon_s else None
 
     def share(self, ledger: StepLedger, trainer: str, available: int) -> int:
         """Costs no scan of the trainers or the step: the ledger keeps who holds leases. Every

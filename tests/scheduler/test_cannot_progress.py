@@ -94,7 +94,17 @@ async def test_a_remote_trainers_cause_reaches_the_stalled_status(tmp_path: Path
     # calls its job API hands to the job's coordinator (`Scheduler.report`). Its failures
     # stayed in its own log: the job read "stalled at step 0: no step committed ...; see the
     # scheduler's log", whose log did not have the cause either.
-    job = _job(tmp_path)
+    _, text = await _stalled_without_the_embedded_trainer(_job(tmp_path), tmp_path, remote=True)
+    assert text.startswith("stalled at step 0: cannot progress"), text
+    assert f"FAILED_PRECONDITION: {REFUSAL}" in text, text
+
+
+async def _stalled_without_the_embedded_trainer(
+    job: JobConfig, tmp_path: Path, *, remote: bool
+) -> tuple[str, str]:
+    """(the job's id, its first stalled status) under `--no-embedded-trainer`: with `remote`,
+    stage 1 refuses every call and a remote trainer (the coordinator's, as the job API hands
+    it) trains; without, no trainer at all."""
     swarm = Swarm(job)
     said: list[tuple[JobState | None, str]] = []
 
@@ -106,36 +116,36 @@ async def test_a_remote_trainers_cause_reaches_the_stalled_status(tmp_path: Path
         store.set_state(job_id, "placing")
         training_run = job_training(store, swarm, tmp_path / "ckpt", set_status, False)
         run: asyncio.Task[None] | None = None
-        remote: PipelineTrainer | None = None
+        trainer: PipelineTrainer | None = None
+        trains: asyncio.Task[None] | None = None
         try:
             for stage in range(job.training.stages):
                 server = await swarm.add(stage)
                 server.servicer.serve(server.runtime, job_id)
-            Refusing(swarm.servers[1][0], FailedPrecondition(REFUSAL))
+            if remote:
+                Refusing(swarm.servers[1][0], FailedPrecondition(REFUSAL))
             run = asyncio.create_task(training_run.run(job_id, job, []))
             async with asyncio.timeout(30):
                 while job_id not in training_run.coordinators:
                     await asyncio.sleep(0.05)
-            coordinator = training_run.coordinators[job_id]
-            remote = PipelineTrainer(job, coordinator, job_id=job_id, trainer_id="remote-1")
-            trains = asyncio.create_task(remote.run())
+            if remote:
+                coordinator = training_run.coordinators[job_id]
+                trainer = PipelineTrainer(job, coordinator, job_id=job_id, trainer_id="remote-1")
+                trains = asyncio.create_task(trainer.run())
             async with asyncio.timeout(60):
                 while not any(state == "stalled" for state, _ in said):
                     assert not run.done(), f"the run ended: {run.exception()!r}"
-                    assert not trains.done(), f"the trainer ended: {trains.exception()!r}"
+                    assert trains is None or not trains.done(), f"it ended: {trains.exception()!r}"
                     await asyncio.sleep(0.05)
-            trains.cancel()
-            await asyncio.gather(trains, return_exceptions=True)
         finally:
-            if remote is not None:
-                await remote.close()
-            if run is not None:
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
+            for task in (trains, run):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            if trainer is not None:
+                await trainer.close()
             await swarm.close()
-    text = next(text for state, text in said if state == "stalled")
-    assert text.startswith("stalled at step 0: cannot progress"), text
-    assert f"FAILED_PRECONDITION: {REFUSAL}" in text, text
+    return job_id, next(text for state, text in said if state == "stalled")
 
 
 def _status(record: JobRecord | None) -> spb.JobStatus:
@@ -151,3 +161,17 @@ def _status(record: JobRecord | None) -> spb.JobStatus:
         created=record.created,
         updated=record.updated,
     )
+
+
+async def test_a_job_no_trainer_asks_for_work_is_stalled_saying_so(tmp_path: Path) -> None:
+    """`--no-embedded-trainer` and no `swarm trainer` started (or every one gone): the job
+    waits for a trainer. Its status said nothing of it (no step, no failure: not even stalled)
+    or, after a step, blamed a hung replica (a review found it)."""
+    training = {"stages": 2, "steps": 100_000, "target_batch_size": 4}
+    runtime = {"data_plane": "push", "patience_s": 2.0, "lease_timeout_s": 1.0}
+    job = make_job(tmp_path, training=training, runtime=runtime, rebalance={"enabled": False})
+    job_id, text = await _stalled_without_the_embedded_trainer(job, tmp_path, remote=False)
+    assert text.startswith("stalled at step 0: cannot progress"), text
+    assert "no trainer has asked for work for " in text, text
+    start = f"start one: swarm trainer --scheduler HOST:PORT --job {job_id}"
+    assert f"runs none of its own (--no-embedded-trainer); {start}" in text, text

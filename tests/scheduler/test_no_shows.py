@@ -19,47 +19,22 @@ from swarm.clock import FakeClock
 from swarm.deadline import within
 from swarm.proto import control_pb2 as cpb
 from tests.support.fakes import SilentBus
+from tests.support.placement import measured, placement
 from tests.support.waiting import wait_until
 
 TIMEOUT_S = 60.0
 
 
-def _joining(peer: str, incarnation: str = "1") -> cpb.PeerAnnouncement:
-    return cpb.PeerAnnouncement(
-        peer=peer,
-        address=f"{peer}:1",
-        job="j",
-        state=cpb.PEER_STATE_JOINING,
-        samples_per_second={0: 5.0},
-        incarnation=incarnation,
-    )
-
-
 def _placement(clock: FakeClock) -> tuple[PeerRegistry, Assignments]:
-    registry = PeerRegistry(clock, load_silence_s=1e9, serve_timeout_s=TIMEOUT_S)
-
-    async def say(job: str, text: str) -> None:
-        pass
-
-    return registry, Assignments(
-        registry, SilentBus(), say, grace_s=0.0, serve_timeout_s=TIMEOUT_S, lost_stage_grace_s=0.0
-    )
+    return placement(clock, TIMEOUT_S)
 
 
 async def test_a_peer_that_never_serves_its_stage_is_said_and_left_out_after_three(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = FakeClock()
-    registry = PeerRegistry(clock, load_silence_s=1e9, serve_timeout_s=TIMEOUT_S)
-    said: list[str] = []
-
-    async def say(job: str, text: str) -> None:
-        said.append(text)
-
-    assignments = Assignments(
-        registry, SilentBus(), say, grace_s=0.0, serve_timeout_s=TIMEOUT_S, lost_stage_grace_s=0.0
-    )
-    registry.announce(_joining("x"))  # measured for the one-stage job; drops what it is given
+    registry, assignments = placement(clock, TIMEOUT_S)
+    registry.announce(measured("x"))  # measured for the one-stage job; drops what it is given
     given: list[str] = []
     for _ in range(NO_SHOWS + 2):
         await assignments._assign_available("j", assignments.available("j", 1), given, 1)
@@ -71,10 +46,10 @@ async def test_a_peer_that_never_serves_its_stage_is_said_and_left_out_after_thr
     words = assignments.no_shows.words("j", {"x": "1"})
     assert "left out after 3 assignments in a row they did not serve: x (stage 0)" in words
     # restarted (its clock fixed): placed again
-    registry.announce(_joining("x", incarnation="2"))
+    registry.announce(measured("x", incarnation="2"))
     assert assignments.available("j", 1) == {"x": [5.0]}
     # and a peer that serves what it is given is never counted
-    registry.announce(_joining("y"))
+    registry.announce(measured("y"))
     await assignments._assign_available("j", {"y": [5.0]}, given, 1)
     registry.announce(
         cpb.PeerAnnouncement(
@@ -91,7 +66,7 @@ async def test_an_ended_jobs_misses_and_gone_peers_are_forgotten() -> None:
     registry, assignments = _placement(clock)
     for peer in ("x", "z"):
         assignments.no_shows.missed("j", peer, 0, "1")
-    registry.announce(_joining("x"))
+    registry.announce(measured("x"))
     assignments.available("j", 1)  # z is not here: forgotten
     assert set(k[1] for k in assignments.no_shows._missed) == {"x"}
     await assignments.withdraw("j", {"x"})
@@ -113,7 +88,7 @@ async def test_a_peer_serving_the_job_has_no_misses_in_a_row_and_a_withdrawn_job
     assignments.available("j", 1)  # it serves now: days later one more miss is not its third
     assert assignments.no_shows._missed == {}
     # a job withdrawn while its peer built: that assignment is void, never a miss
-    registry.announce(_joining("y"))
+    registry.announce(measured("y"))
     await assignments._assign_available("k", {"y": [5.0]}, [], 1)
     await assignments.withdraw("k", {"y"})
     clock.advance(TIMEOUT_S + 1)
