@@ -18,18 +18,18 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from scheduler.build_crashes import BuildCrashes
 from scheduler.no_shows import NoShows
-from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry
+from scheduler.registry import PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
 from scheduler.stalls import Health
+from scheduler.waiting_words import refused_words, unreachable_words
 from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.net.seats import MAX_SEATS, seat
-from swarm.ops.printable import quoted
 from swarm.policy.placement import path_speeds, place_new
 from swarm.proto import control_pb2 as cpb
 from swarm.rpc.lease import Replica
@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 
 #: `say(job_id, message)`: tell `swarm status` what the job waits for.
 Say = Callable[[str, str], Awaitable[None]]
-
-
-# The peers' refusals a job's waiting message names at most (the others counted).
-REFUSALS_SHOWN = 3
 
 
 class Assignments:
@@ -58,18 +54,21 @@ class Assignments:
         lost_stage_grace_s: float,
         health: Callable[[str], Health] = lambda _: Health(),
         min_replicas: int = 1,
+        banned: Callable[[str], Collection[str]] = lambda _: (),
     ) -> None:
         """`grace_s`: once enough peers are measured, wait this long for more; `serve_timeout_s`:
         assigned peers must serve within this, else the stages are placed again;
         `lost_stage_grace_s`: a trained job's unserved stage waits this long for a replica with
         the trained state before fresh peers take it (and the job rolls back); `health(job)`:
         where `place` keeps since when the job waits; `min_replicas`: the floor of jobs that
-        set none (`floor`)."""
+        set none (`floor`); `banned(job)`: the peers banned from a job (its coordinators leave
+        them out: a stage only they serve has no replica, and they are given none)."""
         self.registry, self.bus, self.say, self.health = registry, bus, say, health
         self.grace_s = grace_s
         self.serve_timeout_s = serve_timeout_s
         self.lost_stage_grace_s = lost_stage_grace_s
         self.min_replicas = min_replicas
+        self.banned = banned
         # peer -> (job, stage, clock time) of its last assignment, until it serves there
         self._sent: dict[str, tuple[str, int, float]] = {}
         self._held_back: set[str] = set()  # peers not placed for their host's seats, said
@@ -103,7 +102,7 @@ class Assignments:
         waiting = self.health(job_id)
         try:
             while True:
-                serving = self.registry.serving(job_id)
+                serving = self._serving(job_id, stages)
                 missing = [k for k in range(stages) if k not in serving]
                 if not missing:
                     return
@@ -137,8 +136,8 @@ class Assignments:
                         f"job's {stages} stage(s) need at least {stages} stage server(s), one "
                         f"per stage ({stages - len(missing)} served, {len(available)} more "
                         f"peer(s) measured): {REMEDY} ({more} more)"
-                        + self._unreachable(job_id)
-                        + self._refused(job_id)
+                        + unreachable_words(self.registry, job_id)
+                        + refused_words(self.registry, job_id)
                         + self.no_shows.words(job_id, self._incarnations())
                         + self.crashes.words(job_id),
                     )
@@ -210,13 +209,24 @@ class Assignments:
             if (there.state, there.job) == (cpb.PEER_STATE_SERVING, job_id):
                 self.no_shows.served(job_id, peer)
                 self.crashes.served(job_id, peer)
-        incarnations = self._incarnations()
+        incarnations, banned = self._incarnations(), self.banned(job_id)
         return {
             peer: speeds
             for peer, speeds in self.registry.available(job_id, stages).items()
             if not self.no_shows.left_out(job_id, peer, incarnations[peer])
             and not self.crashes.left_out(job_id, peer)
+            and peer not in banned
         }
+
+    def _serving(self, job_id: str, stages: int) -> Collection[int]:
+        """The stages of `job_id` a replica serves (`registry.serving`), but those served by
+        peers banned from the job alone: its coordinators leave them out."""
+        serving = self.registry.serving(job_id)
+        banned = self.banned(job_id)
+        if not banned:
+            return serving
+        on = self.registry.members(job_id, stages)
+        return {k for k in serving if k < stages and any(r.peer not in banned for r in on[k])}
 
     def _incarnations(self) -> dict[str, str]:
         return {peer: a.incarnation for peer, a in self.registry.peers.items()}
@@ -347,35 +357,6 @@ class Assignments:
             out[peer] = stage
         return out
 
-    def _unreachable(self, job_id: str) -> str:
-        """The job's peers nobody can dial, with why and the remedy ("" when none): they wait
-        too, but a dial-back found no path to them, and none serves until that is fixed."""
-        reports = self.registry.unreachable(job_id)
-        if not reports:
-            return ""
-        shown = reports[:UNREACHABLE_SHOWN]  # a crowd of them is counted (`UNREACHABLE_SHOWN`)
-        who = "; ".join(f"{r.peer} at {r.address} ({r.detail})" for r in shown)
-        more = len(reports) - len(shown)
-        who += f" (and {more} more)" if more > 0 else ""
-        return f"; not placed, UNREACHABLE: {who}: {reports[0].remedy}"
-
-    def _refused(self, job_id: str) -> str:
-        """The peers that say they refused the job, with why ("" when none): a server is there,
-        and its own log alone said why it is not measured."""
-        refusals = sorted(
-            (p, a.refused)
-            for p, a in self.registry.peers.items()
-            if a.refused_job == job_id and a.refused  # the peer's word, said as such
-        )
-        if not refusals:
-            return ""
-        # At most a few, each quoted and escaped: any token holder's peer may say it refused
-        # any job, and the job's message is stored, logged and sent with its status; within
-        # its quotes a peer's words cannot pass for the scheduler's ("; left out after ...").
-        said = "; ".join(f"{peer}: {quoted(why)}" for peer, why in refusals[:REFUSALS_SHOWN])
-        more = len(refusals) - REFUSALS_SHOWN
-        return f"; refused by {said}" + (f" (and {more} more)" if more > 0 else "")
-
     def _priced(self, speeds: dict[str, list[float]]) -> dict[str, list[float]]:
         """`speeds` as placement counts them: a relayed peer's at its path's share."""
         return path_speeds(speeds, {p: None for p in speeds if self.registry.relayed(p)})
@@ -388,7 +369,7 @@ class Assignments:
         count = max(stages) + 1
         given = [k for k, peers in enumerate(self.on_the_way(job_id, count)) if peers]
         while time.monotonic() < deadline:
-            serving = self.registry.serving(job_id)
+            serving = self._serving(job_id, count)
             if all(k in serving for k in stages):
                 return
             coming = self.on_the_way(job_id, count)

@@ -142,10 +142,14 @@ class JobTraining:
             book = self.ban_books.get(job_id)
             if book is not None and not book.waiting:
                 del self.ban_books[job_id]
-            await trainer.close()
-            await coordinator.close()
-            if routes is not None:
-                routes.close()
+            try:  # each closed whatever the one before did, a cancellation included
+                await trainer.close()
+            finally:
+                try:
+                    await coordinator.close()
+                finally:
+                    if routes is not None:
+                        routes.close()
 
     def forget(self, job_id: str) -> None:
         """Let go of what was kept for `job_id` across its attempts, now that it has ended."""
@@ -259,10 +263,9 @@ class JobTraining:
     ) -> StallWatch:
         """What watches the job for what it waits on: stages without replicas, steps that
         stopped (naming the embedded trainer's last failure, issue 63)."""
-        stages = job.training.stages
         return StallWatch(
             job_id,
-            lambda: self.peer_registry.members(job_id, stages),
+            coordinator.members,  # the registry's, less the peers banned from the job
             lambda: self._step(job_id),
             coordinator.recovery.latest,
             lambda text, state: self.set_status(job_id, state, text),
@@ -275,6 +278,7 @@ class JobTraining:
             min_replicas=floor,
             counted=coordinator.replicas,
             lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
+            barred=coordinator.barred,
             domains=self.peer_registry.domains,
             # the embedded trainer's, or one of the remote trainers' as they gave work back, or
             # that no trainer asks for work at all

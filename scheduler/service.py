@@ -102,6 +102,7 @@ class Scheduler:
             lost_stage_grace_s=opts.lost_stage_grace_s,
             health=self.health_of,
             min_replicas=opts.min_replicas,
+            banned=lambda job_id: {ban.peer for ban in store.bans(job_id)},
         )
         self.reachability = ReachabilityChecker(
             dialer or StageDialer(opts.token), retained_on(bus), self.assignments.reached
@@ -216,6 +217,9 @@ class Scheduler:
         coordinator = self._coordinators.get(job_id)
         membership = coordinator.membership if coordinator is not None else None
         waits = membership.waits() if membership is not None else {}
+        if coordinator is not None:  # serving, and no member: nothing it does counts
+            for banned in coordinator.barred(list(range(len(result)))).values():
+                waits.update(dict.fromkeys(banned, "banned from this job (its history says why)"))
         standbys = membership.standbys.peers() if membership is not None else set()  # STANDBY
         admitted = self.admitted(job_id)
         for shown in self.peer_registry.shown(job_id, admitted, waits, len(result), standbys):

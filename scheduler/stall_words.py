@@ -57,11 +57,13 @@ def lost_stage_text(
     plans: dict[int, str] | None = None,
     relays: dict[int, str] | None = None,
     homes: dict[int, tuple[str, list[str]]] | None = None,
+    barred: dict[int, list[str]] | None = None,
 ) -> str:
     """The message of a job stalled because `missing` stages have no replica; `plans`: what the
     scheduler does about some of them (`Mover.refill`); `relays`: the relay gone that cut others
     off (`relay_down_text`); `homes`: the router every replica of others sat behind (and those
-    replicas), one home's outage (`home_down_text`); the others' remedy is `REMEDY`."""
+    replicas), one home's outage (`home_down_text`); the others' remedy is `REMEDY`. `barred`:
+    the servers still on some of them that are banned from the job (no replica of it), named."""
     at = time.strftime("%H:%M:%S", time.localtime(since))
     verb = "has" if len(missing) == 1 else "have"
     if checkpoint > 0:
@@ -105,7 +107,12 @@ def lost_stage_text(
     else:
         each = "; ".join(f"{stages_text(ks)}: {what}" for what, ks in fixes.items())
         remedy = f"{each}; once every stage is served, {then}"
-    return f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}; {remedy}"
+    bans = [f"{stages_text([k])}'s {', '.join(p)}" for k, p in (barred or {}).items() if p]
+    why = f" (banned from this job: {'; '.join(bans)})" if bans else ""
+    return (
+        f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}{why}; "
+        f"{remedy}"
+    )
 
 
 def single_replica_text(stages: list[int], peers: list[str], checkpoint: int) -> str:

@@ -86,6 +86,7 @@ class StallWatch:
         refill: Callable[[list[int]], Awaitable[dict[int, str]]] | None = None,
         min_replicas: int = 1,
         counted: Callable[[], list[list[Replica]]] | None = None,
+        barred: Callable[[list[int]], dict[int, list[str]]] | None = None,
         lost: Callable[[list[int]], dict[int, str]] | None = None,
         domains: Callable[[], Mapping[str, Domains]] | None = None,
         cause: Callable[[], str | None] = lambda: None,
@@ -100,7 +101,8 @@ class StallWatch:
         (`Mover.refill`); `min_replicas`: the job's, for its warnings; `counted()`: the replicas
         that count for the warnings, those whose join succeeded (default: `members()`);
         `lost(stages)`: of `stages`, those cut off by a relay that is gone, with that relay
-        (`PeerRegistry.lost_relays`).
+        (`PeerRegistry.lost_relays`); `barred(stages)`: of `stages`, the servers still on them
+        that are banned from the job (so no replica), by stage.
         `domains()`: the peers' failure domains (None: not known, no warning of them).
         `cause()`: why the job's last microbatch failed, if none went through since (its
         trainer's `failure`); `patience_s`: the job's `runtime.patience_s`, the longest a job
@@ -114,6 +116,7 @@ class StallWatch:
         self._relays: dict[int, str] = {}  # the relay gone that cut off each stage nobody serves
         self._stalled = False  # the job's state is "stalled" (set by this watch)
         self.counted = counted or members
+        self.barred = barred
         self.lost = lost or (lambda stages: {})
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
@@ -142,6 +145,7 @@ class StallWatch:
                 plans = await self.refill(missing)
         relays = self.lost(missing) if missing else {}
         homes = self._homes(members, missing, relays)
+        bans = self.barred(missing) if missing and self.barred is not None else {}
         for k in missing:
             what = plans.get(k)
             down = relay_down_text(relays[k]) if k in relays and not what else None
@@ -149,6 +153,8 @@ class StallWatch:
                 down = (
                     f"its replicas ({', '.join(homes[k][1])}) all sat behind router {homes[k][0]}"
                 )
+            if bans.get(k) and not what and not down:
+                down = f"its server(s) {', '.join(bans[k])} banned from this job; {REMEDY}"
             if k not in self._lost:
                 self._lost[k] = now
                 self.history.record(
@@ -182,7 +188,7 @@ class StallWatch:
         elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
-            text = lost_stage_text(missing, step, checkpoint, since, plans, relays, homes)
+            text = lost_stage_text(missing, step, checkpoint, since, plans, relays, homes, bans)
             if text != self._said or not self._stalled:
                 self._said = text
                 await self.say(text, None if self._stalled else "stalled")

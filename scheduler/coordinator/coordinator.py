@@ -47,7 +47,7 @@ from scheduler.coordinator.round_strategy import rounds_of
 from scheduler.coordinator.shares import Shares
 from scheduler.coordinator.step_records import StepRecords
 from scheduler.coordinator.trust.bans import Bans, OnBan
-from scheduler.coordinator.trust.standing import BanBook, Standing
+from scheduler.coordinator.trust.standing import BanBook, Members, Standing
 from scheduler.coordinator.voids import Voids
 from swarm.clock import Clock, MonotonicClock
 from swarm.device.kernels import audits
@@ -104,6 +104,7 @@ class LocalCoordinator:
         `on_ban(ban)`: a peer was banned, and why (`Ban.text`); `bans`: the job's bans kept."""
         self.metrics = metrics or CoordinatorMetrics(job_id, CollectorRegistry())
         standing = Standing(job_id, bans)  # who is banned: the one filter of every view
+        self.barred = _barred(members, standing)
         members = standing.members(members)
         self.job, self.job_id, self.members, self.token = job, job_id, members, token
         self.steps = steps if steps is not None else job.training.steps
@@ -204,6 +205,7 @@ class LocalCoordinator:
             self.recovery,
             self.metrics,
             members,
+            barred=self.barred,
             open_step=self._open,
             on_rollback=on_rollback,
             wake=self._wake,
@@ -273,9 +275,15 @@ class LocalCoordinator:
         self._rollback.cancel()
         self._receipts.cancel()
         self.rounds.cancel()
-        await self.recovery.close(finished=self.finished.is_set())
-        await self.membership.close()
-        await self.clients.close()
+        # Each part is closed whatever the one before did, a cancellation included (a `swarm
+        # cancel` while the last checkpoint is flushed): none is left open, or writing.
+        try:
+            await self.recovery.close(finished=self.finished.is_set())
+        finally:
+            try:
+                await self.membership.close()
+            finally:
+                await self.clients.close()
 
     def client(self, stage: int, replica: Replica) -> StageReplica:
         """The connection to `replica` at `stage` (the model's export downloads through it)."""
@@ -571,3 +579,14 @@ class LocalCoordinator:
     async def flush(self) -> None:
         """Wait until the checkpoint being written, if any, is sealed or skipped."""
         await self.recovery.flush()
+
+
+def _barred(members: Members, standing: Standing) -> Callable[[list[int]], dict[int, list[str]]]:
+    """Of some stages, the servers on them (the registry's `members`) that are banned from the
+    job, by stage: why a stage served by them has no replica all the same."""
+
+    def barred(stages: list[int]) -> dict[int, list[str]]:
+        on = members()
+        return {k: [r.peer for r in on[k] if standing.bars(r.peer)] for k in stages if k < len(on)}
+
+    return barred

@@ -160,16 +160,19 @@ class Recovery:
 
     async def close(self, finished: bool) -> None:
         """Let the job's last checkpoint end when the job `finished`; cancel it otherwise."""
-        if self._saving is None:
+        saving = self._saving
+        if saving is None:
             return
-        if finished:
-            await self.flush(self.job.runtime.commit_timeout_s)
-        self._saving.cancel()
-        # It ends once its write threads have (`to_thread_to_the_end`); wait for that even when
-        # this close is cancelled: the job is not shut down while a thread still writes.
-        await settled(self._saving)
-        if not self._saving.cancelled():
-            self._saving.exception()  # retrieved (the task logs what it must)
+        try:
+            if finished:
+                await self.flush(self.job.runtime.commit_timeout_s)
+        finally:  # a close cancelled while it waited still ends the write (a `swarm cancel`)
+            saving.cancel()
+            # It ends once its write threads have (`to_thread_to_the_end`); wait for that even
+            # when this close is cancelled: the job is not shut down while a thread still writes.
+            await settled(saving)
+            if not saving.cancelled():
+                saving.exception()  # retrieved (the task logs what it must)
 
     def due(self, step: int) -> bool:
         """Whether the state at `step` (just reached) is to be checkpointed: every
@@ -287,7 +290,7 @@ class Recovery:
         ended left (a scheduler killed mid-checkpoint) is removed, on a thread."""
         if not self.directory or not self.directory.is_dir():
             return
-        gone = await asyncio.to_thread(checkpoint.sweep, self.directory)
+        gone = await to_thread_to_the_end(checkpoint.sweep, self.directory)
         if gone:
             log.warning("checkpoint writes that never ended removed: %s", ", ".join(gone))
 
@@ -321,7 +324,7 @@ class Recovery:
         step = self._sealed_at_most(at_most)
         self._bans.append(step)  # and the one being written, if after it (`_banned_since`)
         self._going_back = step  # and those begun before the states are loaded (`restore`)
-        dropped = await asyncio.to_thread(self._drop_after, step)
+        dropped = await to_thread_to_the_end(self._drop_after, step)
         if dropped:
             log.warning("checkpoints of steps %s deleted: they hold a banned peer's work", dropped)
         return step

@@ -50,11 +50,13 @@ class Rollback:
         wake: Callable[[], None],
         fail: Callable[[BaseException], None],
         on_status: Callable[[str], Awaitable[None] | None] | None = None,
+        barred: Callable[[list[int]], dict[int, list[str]]] | None = None,
     ) -> None:
         """`members()`: per stage, the replicas serving it now; `open_step(step)` opens the
         step rolled back to; `on_rollback(step)` tells the world; `wake()`: leases look again;
         `fail(error)`: the job fails with `error`; `on_status(text)`: what `swarm status` should
-        say meanwhile (a rollback that waits, and for what)."""
+        say meanwhile (a rollback that waits, and for what); `barred(stages)`: the servers on
+        those stages that are banned from the job, by stage (why they count as none)."""
         self.job, self.clock, self.window, self.rounds = job, clock, window, rounds
         self.membership, self.recovery, self.metrics, self.members = (
             membership,
@@ -63,7 +65,7 @@ class Rollback:
             members,
         )
         self.open_step, self.on_rollback, self.wake, self.fail = open_step, on_rollback, wake, fail
-        self.on_status = on_status
+        self.on_status, self.barred = on_status, barred
         self._waiting: tuple[int, ...] | None = None  # the silent stages a wait was said for
         self._unloaded: str | None = None  # the stages no replica loaded, and whose, said last
         self.error: BaseException | None = None  # what failed the job, if a rollback did
@@ -292,9 +294,16 @@ class Rollback:
         return target
 
     def _why(self, missing: list[int]) -> str:
-        """Why `missing` stages have no replica when theirs did not answer at all: not a replica
-        behind, but one nobody can dial (issue 42: a peer behind NAT was assigned and served
-        nothing); "" when they answered."""
+        """Why `missing` stages have no replica when the servers on them are banned from the
+        job, or when theirs did not answer at all: not a replica behind, but one nobody can dial
+        (issue 42: a peer behind NAT was assigned and served nothing); "" when they answered."""
+        banned = {k: p for k, p in (self.barred(missing) if self.barred else {}).items() if p}
+        if banned:
+            who = "; ".join(f"stage {k}: {', '.join(p)}" for k, p in sorted(banned.items()))
+            return (
+                f": the servers on it are banned from this job ({who}); start a stage server "
+                "for it, which takes the stage"
+            )
         silent = {
             k: self.membership.unanswered[k] for k in missing if k in self.membership.unanswered
         }

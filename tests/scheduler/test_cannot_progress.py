@@ -15,7 +15,9 @@ import pytest
 from client.live import status_lines
 from client.trainer import PipelineTrainer
 from scheduler.store import JobRecord, JobState, JobStore
-from swarm.errors import FailedPrecondition
+from scheduler.store_bans import BanRow
+from swarm.deadline import within
+from swarm.errors import FailedPrecondition, SwarmError
 from swarm.job.config import JobConfig
 from swarm.job.states import job_state_proto
 from swarm.proto import scheduler_pb2 as spb
@@ -175,3 +177,37 @@ async def test_a_job_no_trainer_asks_for_work_is_stalled_saying_so(tmp_path: Pat
     assert "no trainer has asked for work for " in text, text
     start = f"start one: swarm trainer --scheduler HOST:PORT --job {job_id}"
     assert f"runs none of its own (--no-embedded-trainer); {start}" in text, text
+
+
+async def test_a_stage_whose_only_replica_is_banned_says_so(tmp_path: Path) -> None:
+    """The one server of stage 1 is banned from the job (a ban kept from before: a restart
+    reads it): the coordinator leaves it out, so the stage has no replica. The attempt's start
+    failed with "no replica of stages [1] is at step 0" while the stage looked served, and the
+    scheduler tried again and again with that alone (a review found it): the ban is named,
+    and what to do."""
+    job = _job(tmp_path)
+    swarm = Swarm(job)
+
+    async def set_status(job_id: str, state: JobState | None, text: str) -> None:
+        pass
+
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job_id = store.create(job.name, "", str(tmp_path), job.training.steps).id
+        store.set_state(job_id, "placing")
+        training_run = job_training(store, swarm, tmp_path / "ckpt", set_status)
+        training_run.assignments.lost_stage_grace_s = 1.0  # the start's wait for stage 1
+        try:
+            for stage in range(job.training.stages):
+                server = await swarm.add(stage)
+                server.servicer.serve(server.runtime, job_id)
+            banned = swarm.servers[1][0].address  # its peer id here
+            reason = "its contribution to stage 1's sum was off by 50 (a test's)"
+            store.record_ban(job_id, BanRow(banned, 1, 0, 0, reason, replayed=True))
+            with pytest.raises(SwarmError) as failed:
+                await within(training_run.run(job_id, job, []), 30.0)
+        finally:
+            await swarm.close()
+    assert str(failed.value) == (
+        "no replica of stages [1] is at step 0: the servers on it are banned from this job "
+        f"(stage 1: {banned}); start a stage server for it, which takes the stage"
+    )

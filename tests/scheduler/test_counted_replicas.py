@@ -136,3 +136,18 @@ def _gauges(swarm: ScheduledSwarm, job: str) -> dict[tuple[str, str], float]:
                 if sample.labels["job"] == job:
                     found[(sample.labels["stage"], sample.labels["state"])] = sample.value
     return found
+
+
+async def test_a_banned_replica_shows_as_banned_not_as_joining(tmp_path: Path) -> None:
+    """A peer banned from the job still serves its stage (nothing withdraws it), and counts for
+    nothing: status showed it joining, "waiting for a step's end to download state from a
+    member", which it never does (a review found it)."""
+    async with scheduled_swarm(tmp_path) as swarm:
+        job = await swarm.start_job(LONG_SPEC, tmp_path)
+        coordinator = swarm.scheduler._coordinators[job]
+        banned = next(iter(_rows(swarm.status(job))))
+        stage = _rows(swarm.status(job))[banned][0]
+        coordinator.membership.synced.discard(banned)  # as a ban leaves it: no member
+        coordinator.barred = lambda stages: {stage: [banned]}  # type: ignore[method-assign]
+        row = _rows(swarm.status(job))[banned]
+        assert row == (stage, "joining", "banned from this job (its history says why)"), row

@@ -115,6 +115,30 @@ def test_a_lost_stage_is_named_with_its_remedy_and_what_follows(tmp_path: Path) 
         assert health.warnings == []
 
 
+def test_a_stage_only_banned_servers_are_on_is_lost_naming_them(tmp_path: Path) -> None:
+    """The watch reads the members less the peers banned from the job (the coordinator's view):
+    a stage served by banned servers alone has no replica, and its message names them."""
+    now = [1000.0]
+    members = [[Replica("a", "h:1")], []]
+    message: list[str] = ["training"]
+
+    def barred(stages: list[int]) -> dict[int, list[str]]:
+        return {k: ["x"] for k in stages if k == 1}
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        job, _, watch = _watch(store, members, lambda: 89, lambda: 0, message, now, barred=barred)
+        asyncio.run(watch.look())
+        said = message[0]
+        assert said.startswith("stalled at step 89: stage 1 has no replica since "), said
+        assert " (banned from this job: stage 1's x); start a stage server for this job" in said
+        stall = [e.text for e in store.events(job) if e.kind == "stall"]
+        assert stall == [
+            "stage 1 lost its last replica at step 89: training stalled; its server(s) x banned "
+            "from this job; start a stage server for this job (`swarm stage-server --broker URL`"
+            ", as for the others)"
+        ], stall
+
+
 def test_steps_that_stop_while_every_stage_is_served_are_a_stall_too(tmp_path: Path) -> None:
     now = [0.0]
     members = [[Replica("a", "h:1"), Replica("b", "h:2")]]

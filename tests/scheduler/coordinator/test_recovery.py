@@ -267,3 +267,20 @@ async def test_a_checkpoint_not_written_is_said_in_the_jobs_status_once_until_on
     assert "a rollback goes back to step 0" in told[0]
     assert told[1] == "checkpoints are written again: step 6's is sealed"
     assert told[2].startswith("checkpoint of step 8 not written (no replica of stage 0 gave its")
+
+
+async def test_a_close_cancelled_while_it_flushes_still_ends_the_write(tmp_path: Path) -> None:
+    """A job's last checkpoint is being written as the job ends; its close waits for it
+    (`flush`), and a `swarm cancel` (or SIGTERM) then cancelled the close: the write went on
+    after the job's task had ended, and DeleteJob or retention raced it (a review found it).
+    The write is ended, and waited for, whatever cancels the close."""
+    job = make_job(tmp_path, training={"stages": 1})
+    recovery = Recovery(job, ReplicaClients(grpc_replicas(job, "job")), tmp_path)
+    writing = asyncio.Event()
+    recovery._saving = asyncio.create_task(writing.wait())  # a write under way, not ending
+    closing = asyncio.create_task(recovery.close(finished=True))
+    await asyncio.sleep(0.05)  # it waits for the write now
+    closing.cancel()
+    await asyncio.gather(closing, return_exceptions=True)
+    assert closing.cancelled()
+    assert recovery._saving.done(), "the write outlived the job's close"

@@ -1,0 +1,48 @@
+"""Placement and the job's bans: a peer banned from a job is no member of it (its coordinators
+leave it out), so a stage only it serves has no replica, and it is given no stage of the job.
+Placement counted it all the same: a job whose stage only a banned peer served was never placed
+again, and its start failed at every attempt (a review found it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from swarm.clock import FakeClock
+from swarm.deadline import within
+from swarm.proto import control_pb2 as cpb
+from tests.support.placement import measured, placement
+from tests.support.waiting import wait_until
+
+TIMEOUT_S = 60.0
+
+
+def _serving(peer: str, stage: int) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(
+        peer=peer,
+        address=f"{peer}:1",
+        job="j",
+        stage=stage,
+        state=cpb.PEER_STATE_SERVING,
+        samples_per_second={0: 5.0},
+        incarnation="1",
+    )
+
+
+async def test_a_stage_only_a_banned_peer_serves_is_placed_again_and_it_is_given_nothing() -> None:
+    registry, assignments = placement(FakeClock(), TIMEOUT_S)
+    assignments.banned = lambda job: {"x", "z"} if job == "j" else set()
+    registry.announce(_serving("x", 0))  # serves stage 0, banned
+    registry.announce(measured("z"))  # free and measured, banned
+    registry.announce(measured("y"))
+    assert assignments.available("j", 1) == {"y": [5.0]}
+    given: list[str] = []
+    placing = asyncio.create_task(assignments.place("j", 1, lambda: 0, given))
+    try:
+        await wait_until(lambda: given == ["y"], "y given stage 0", timeout_s=5)
+        registry.announce(_serving("y", 0))
+        assignments.changed.set()
+        await within(placing, 5.0)
+    finally:
+        placing.cancel()
+        await asyncio.gather(placing, return_exceptions=True)
+    assert given == ["y"]
