@@ -17,6 +17,7 @@ from client.patience import Patience
 from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
+from swarm.alongside import alongside
 from swarm.job.config import JobConfig
 from swarm.job.fingerprint import fingerprint
 from swarm.model.routes import Record, write_record
@@ -118,9 +119,10 @@ async def _train(
         patience.committed()  # the patience counts from the start of training
         job_id = fingerprint(job)
         async with load_followed(broker, job_id, runs, token=token, registry=registry):
-            await _bounded(
-                asyncio.gather(*(t.run() for t in runs), coordinator.finished.wait()), patience
-            )
+            # every trainer to its end and the job's; one failing ends the others (a gather
+            # left them leasing from the coordinator the close below closes)
+            together = alongside(coordinator.finished.wait(), [], [t.run() for t in runs])
+            await _bounded(together, patience)
         if coordinator.error:
             raise coordinator.error
         return await gather_state(coordinator)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["cancel_kept", "cancelled_since", "cancels", "within"]
+__all__ = ["cancel_kept", "cancelled_since", "cancels", "settled", "within"]
 
 T = TypeVar("T")
 
@@ -63,3 +63,18 @@ def cancelled_since(before: int) -> bool:
     """Whether the calling task was cancelled since `cancels()` said `before`: a cancellation
     it had already handled (a cleanup under way) is not a new one."""
     return cancels() > before
+
+
+async def settled(*futures: asyncio.Future[Any]) -> None:
+    """Wait until every one of `futures` is done, even when cancelled meanwhile (the
+    cancellation is raised after); their results and exceptions are left to their owners. For
+    work that reads or writes what its caller lets go as it returns (a thread's write, a
+    digest of a push's tensors): a plain wait cancelled would let go of it under the work."""
+    cancelled = False
+    while not all(f.done() for f in futures):
+        try:
+            await asyncio.wait(futures)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -226,10 +226,16 @@ class PushAudits:
         # it from this
         own = asyncio.ensure_future(self._fetched(records, k)) if drawn else None
         done, redone = StageAudit(), False
-        if seed:
-            done, redone = await self.contributions.audit(
-                step, index, k, seed, records, ids, labels, loss
-            )
+        try:
+            if seed:
+                done, redone = await self.contributions.audit(
+                    step, index, k, seed, records, ids, labels, loss
+                )
+        except BaseException:  # cut or failed: the fetch beside it ends with it, not after
+            if own is not None:
+                own.cancel()
+                await asyncio.gather(own, return_exceptions=True)
+            raise
         if own is None:
             return done
         work = await own

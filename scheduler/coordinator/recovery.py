@@ -19,6 +19,7 @@ import torch
 from scheduler.coordinator.replicas import ReplicaClients
 from scheduler.coordinator.status_news import OnStatus, tell
 from swarm.clock import Clock, MonotonicClock
+from swarm.deadline import settled
 from swarm.errors import SwarmError
 from swarm.job.config import JobConfig
 from swarm.job.rule import rule_of
@@ -26,23 +27,10 @@ from swarm.model import checkpoint, stage_state
 from swarm.model.optim import is_boundary
 from swarm.rpc.lease import Replica
 
-__all__ = ["Recovery", "settled", "to_thread_to_the_end"]
+__all__ = ["Recovery", "to_thread_to_the_end"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-async def settled(future: asyncio.Future[Any]) -> None:
-    """Wait until `future` is done, even when cancelled meanwhile (the cancellation is raised
-    after); its result or exception is left to its owner."""
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.wait([future])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:

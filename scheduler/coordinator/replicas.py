@@ -379,7 +379,8 @@ class ReplicaClients:
     def __init__(self, factory: ReplicaFactory, grace_s: float = 0.0) -> None:
         self.factory, self.grace_s = factory, grace_s
         self._open: dict[tuple[str, int, str], StageReplica] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        # each delayed close, with the clients it closes: `close` closes those at once
+        self._closing: dict[asyncio.Task[None], list[StageReplica]] = {}
 
     def get(self, stage: int, replica: Replica) -> StageReplica:
         key = (replica.peer, stage, replica.address)
@@ -408,8 +409,8 @@ class ReplicaClients:
         # Closing a channel cancels its calls in flight (a void's Discard, an export's
         # download): let them run to their deadlines first.
         task = asyncio.create_task(self._close_after(clients, self.grace_s))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing[task] = clients
+        task.add_done_callback(lambda done: self._closing.pop(done, None))
 
     @staticmethod
     async def _close_after(clients: list[StageReplica], delay_s: float) -> None:
@@ -417,9 +418,10 @@ class ReplicaClients:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
     async def close(self) -> None:
-        for task in list(self._closing):
-            task.cancel()
-        clients, self._open = list(self._open.values()), {}
+        """Every connection closed now: the open ones, and those waiting out their grace (their
+        channels were left to the collector before)."""
+        waiting = [c for task, cs in list(self._closing.items()) if task.cancel() for c in cs]
+        clients, self._open = list(self._open.values()) + waiting, {}
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
     def __len__(self) -> int:

@@ -28,6 +28,9 @@ class TakeUp:
 
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
+        # A refused take-up while it turns to the next job (`refused`): no take-up is under way
+        # (the next may start), but a stop must still end it, or it starts one after the stop.
+        self._tail: asyncio.Task[None] | None = None
         self.job = ""  # the job under way ("": none)
         self.fetching = False  # its starting checkpoint is being fetched (else: measured)
 
@@ -61,23 +64,25 @@ class TakeUp:
         finally:
             self.fetching = False
         if not taken:
-            self._task = None  # over: the job it turns to next is a take-up of its own
-            await refused()
+            # over: the job it turns to next is a take-up of its own
+            self._tail, self._task = self._task, None
+            try:
+                await refused()
+            finally:
+                if self._tail is asyncio.current_task():
+                    self._tail = None
 
     async def stop(self) -> str | None:
         """End the take-up under way, if any: what it was doing then ("fetching", "measuring"),
         None where none was."""
+        tail, self._tail = self._tail, None
+        if tail is not None and tail is not asyncio.current_task():
+            await _ended(tail)  # a refused one turning to the next job turns to none
         task = self._task
         if task is None or task.done():
             return None
         doing = "fetching" if self.fetching else "measuring"
-        before = cancels()
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            if cancelled_since(before):  # the caller's own cancel: not swallowed
-                raise
+        await _ended(task)
         self._task = None
         return doing
 
@@ -85,3 +90,14 @@ class TakeUp:
         """Wait until no take-up is under way (one refused may have started the next)."""
         while (task := self._task) is not None and not task.done():
             await asyncio.wait({task})
+
+
+async def _ended(task: asyncio.Task[None]) -> None:
+    """Cancel `task` and wait for it; the caller's own cancellation meanwhile is raised."""
+    before = cancels()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        if cancelled_since(before):  # the caller's own cancel: not swallowed
+            raise

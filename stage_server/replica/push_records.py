@@ -41,6 +41,7 @@ from typing import Protocol
 
 import torch
 
+from swarm.deadline import settled
 from swarm.errors import ActivationsNotCached, Busy
 from swarm.proto import stage_pb2 as pb
 from swarm.proto import tensor_pb2
@@ -195,10 +196,13 @@ class PushRecord:
         return self._commitment
 
     async def settled(self) -> None:
-        """Every digest taken: the tensors they read may go."""
-        pending = list(self._pending.values())
+        """Every digest taken: the tensors they read may go. A caller cancelled meanwhile (its
+        caller hung up) still waits for them, then is cancelled: a cancelled gather cancelled
+        the queued digests and left the running one reading tensors its push let go."""
+        pending = [asyncio.wrap_future(f) for f in self._pending.values()]
         if pending:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending))
+            await settled(*pending)
+            await asyncio.gather(*pending)  # a digest's failure, as before
 
     def _commit(self, name: str, take: Callable[[], bytes]) -> None:
         """Commit `name` to the digest `take` computes: on the digester, or here and now."""

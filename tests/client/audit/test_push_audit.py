@@ -21,6 +21,7 @@ from client.audit.push_audit import PushAudits
 from client.audit.reexecute import StageReexecutor
 from client.metrics import TrainerMetrics
 from swarm.clock import MonotonicClock
+from swarm.deadline import within
 from swarm.job.config import JobConfig
 from swarm.policy.wiring import Wiring
 from swarm.proto import stage_pb2 as pb
@@ -230,3 +231,35 @@ async def test_a_record_larger_than_its_microbatch_is_a_verdict_and_never_decode
     assert (await push.audit(3, 1, 7, ["s0", "s1"], IDS, IDS))[0] == ()
     assert made["s0"].asked == [False, True]
     assert decoded and not any(on_loop for _, on_loop in decoded), decoded
+
+
+async def test_a_stage_audit_cut_mid_way_ends_its_record_fetch_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage drawn for both audits fetches its own record beside the contribution's redo; an
+    audit cut there (the step moved on: `LateAudits.cut`, or the trainer stopping) left the fetch
+    running across the trainer's link after the cut, unawaited (a review found it)."""
+    job = make_job(tmp_path, training={"stages": 2}, runtime={"data_plane": "push"})
+    push, _ = _push_audits(job, [["s0", "t0"], ["s1"]])
+    fetching, redoing = asyncio.Event(), asyncio.Event()
+    fetch_cancelled: list[bool] = []
+
+    async def fetched(records: Any, k: int) -> None:
+        fetching.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            fetch_cancelled.append(True)
+            raise
+
+    async def redo(*args: Any) -> Any:
+        redoing.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(push, "_fetched", fetched)
+    monkeypatch.setattr(push.contributions, "audit", redo)
+    stage = asyncio.create_task(push._stage(3, 1, 0, True, 99, None, IDS, IDS, 7.0))  # type: ignore[arg-type]
+    await within(asyncio.gather(fetching.wait(), redoing.wait()), 5.0)
+    stage.cancel()
+    await asyncio.gather(stage, return_exceptions=True)
+    assert fetch_cancelled == [True]

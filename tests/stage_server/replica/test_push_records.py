@@ -146,3 +146,30 @@ async def test_a_record_asked_while_its_digests_are_taken_waits_off_the_event_lo
         held.set()
         answer = await asyncio.wait_for(asked, 10)
     assert answer.commitment.inputs == digest(torch.ones(4))
+
+
+async def test_a_push_cancelled_while_its_digests_are_taken_still_waits_for_them() -> None:
+    """A caller hung up while its push waited for its record's digests: the wait was cancelled
+    with them, the queued digests with it and the running one left reading tensors the push let
+    go, and the kept record then answered a cancellation (a review found it). The push waits for
+    every digest, then is cancelled."""
+    release = threading.Event()
+
+    def slow_digest(t: torch.Tensor) -> bytes:
+        release.wait(5.0)
+        return digest(t)
+
+    with ThreadPoolExecutor(1) as digester:
+        record = PushRecords("s1r0", lambda: 4, digester).begin(1, 0, 0, run=5)
+        record._commit("inputs", lambda: slow_digest(torch.ones(2)))  # the running one
+        record.received("grad_outputs", torch.zeros(2))  # queued behind it
+        waiting = asyncio.create_task(record.settled())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.05)
+        assert not waiting.done(), "the push went on while its digests were taken"
+        release.set()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert waiting.cancelled()
+        assert all(f.done() and not f.cancelled() for f in record._pending.values())
+        assert record.commitment.grad_outputs == digest(torch.zeros(2))
