@@ -25,7 +25,7 @@ from scheduler.no_shows import NoShows
 from scheduler.registry import PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
 from scheduler.stalls import Health
-from scheduler.waiting_words import refused_words, unreachable_words
+from scheduler.waiting_words import present_words, refused_words, unreachable_words
 from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
@@ -136,6 +136,7 @@ class Assignments:
                         f"job's {stages} stage(s) need at least {stages} stage server(s), one "
                         f"per stage ({stages - len(missing)} served, {len(available)} more "
                         f"peer(s) measured): {REMEDY} ({more} more)"
+                        + present_words(self.registry, job_id, stages)
                         + unreachable_words(self.registry, job_id)
                         + refused_words(self.registry, job_id)
                         + self.no_shows.words(job_id, self._incarnations())

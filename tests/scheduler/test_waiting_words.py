@@ -1,0 +1,42 @@
+"""A job waiting for peers says what the stage servers present are doing: the message asked
+for more stage servers ("0 more peer(s) measured: start a stage server") where some were still
+measuring the job, or were held by another job still placing (a review found it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from swarm.clock import FakeClock
+from swarm.proto import control_pb2 as cpb
+from tests.support.placement import placement
+from tests.support.waiting import wait_until
+
+
+def _peer(peer: str, job: str, state: int, **fields: object) -> cpb.PeerAnnouncement:
+    return cpb.PeerAnnouncement(
+        peer=peer,
+        address=f"{peer}:1",
+        job=job,
+        state=state,  # type: ignore[arg-type]
+        role=cpb.PEER_ROLE_STAGE_SERVER,
+        incarnation="1",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+async def test_waiting_for_peers_names_those_measuring_and_those_another_job_holds() -> None:
+    said: list[str] = []
+    registry, assignments = placement(FakeClock(), 60.0, said)
+    registry.announce(_peer("m", "", cpb.PEER_STATE_JOINING))  # measuring: no figures yet
+    registry.announce(_peer("o1", "other", cpb.PEER_STATE_SERVING, stage=0))
+    registry.announce(_peer("o2", "other", cpb.PEER_STATE_JOINING, samples_per_second={0: 1.0}))
+    placing = asyncio.create_task(assignments.place("j", 2, lambda: 0, []))
+    try:
+        await wait_until(lambda: bool(said), "the job says what it waits for", timeout_s=5)
+    finally:
+        placing.cancel()
+        await asyncio.gather(placing, return_exceptions=True)
+    text = said[0]
+    assert text.startswith("waiting for peers: stages 0, 1 without a replica"), text
+    assert "; present: 1 free stage server(s) not measured yet (measuring, or about to)" in text
+    assert "; 2 stage server(s) held by other jobs (2 by job other): a stage server takes" in text
