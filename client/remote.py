@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import torch
@@ -18,7 +18,9 @@ from tqdm import tqdm
 
 from client.job_data import local_data
 from client.metrics import TrainerMetrics
+from client.patience import Patience, bounded
 from client.trainer import PipelineTrainer, load_followed
+from swarm.alongside import alongside
 from swarm.errors import ConfigError, PeerUnavailable
 from swarm.job.config import parse_job, verify_init
 from swarm.net import dial
@@ -42,7 +44,7 @@ from swarm.rpc.lease import (
 from swarm.rpc.status import from_rpc_error
 from swarm.wire.chunking import grpc_options
 
-__all__ = ["RemoteCoordinator", "run_remote_trainer"]
+__all__ = ["Failing", "RemoteCoordinator", "run_patiently", "run_remote_trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +263,7 @@ async def run_remote_trainer(
                 async with load_followed(
                     broker, job_id, [trainer], token=token, registry=metrics.registry
                 ):
-                    await trainer.run()
+                    await run_patiently(trainer, job.runtime.patience_s)
             finally:
                 await trainer.close()
         print(
@@ -273,3 +275,30 @@ async def run_remote_trainer(
         uses.close()
         await remote.close()
     return 0
+
+
+class Failing(Protocol):
+    """What `run_patiently` needs of a trainer."""
+
+    failure: str | None  # its last failure, None since its last microbatch went through
+
+    async def run(self) -> None: ...
+
+
+async def run_patiently(trainer: Failing, patience_s: float) -> None:
+    """`trainer.run()`, unless every microbatch it tries fails for `patience_s`: then it stops
+    with `NoProgress`, naming its last failure. A remote trainer cut off from one stage (a
+    firewall) retried for ever, its failures released to a scheduler whose other trainers went
+    on, so the job's status never named them (a review found it). Waiting for work is no
+    failure: a job stalled for its own reasons is the scheduler's to say."""
+    patience = Patience(
+        patience_s, lambda: trainer.failure, waited="no microbatch of this trainer went through"
+    )
+
+    async def not_failing() -> None:
+        while True:
+            if trainer.failure is None:
+                patience.committed()
+            await asyncio.sleep(min(1.0, patience_s / 4))
+
+    await bounded(alongside(trainer.run(), [not_failing()]), patience)

@@ -3,17 +3,16 @@ trains, then optionally saves the model."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from client.metrics import TrainerMetrics
-from client.patience import Patience
+from client.patience import Patience, bounded
 from client.trainer import PipelineTrainer, load_followed
 from scheduler.coordinator import LocalCoordinator, gather_state
 from scheduler.coordinator.metrics import CoordinatorMetrics
@@ -122,7 +121,7 @@ async def _train(
             # every trainer to its end and the job's; one failing ends the others (a gather
             # left them leasing from the coordinator the close below closes)
             together = alongside(coordinator.finished.wait(), [], [t.run() for t in runs])
-            await _bounded(together, patience)
+            await bounded(together, patience)
         if coordinator.error:
             raise coordinator.error
         return await gather_state(coordinator)
@@ -130,21 +129,6 @@ async def _train(
         for t in runs:
             await t.close()
         await coordinator.close()
-
-
-async def _bounded(work: Awaitable[object], patience: Patience) -> None:
-    """`work`, unless `patience` runs out first: then it is cancelled and `NoProgress` raised,
-    naming the last failure (`client.patience`)."""
-    done, watch = asyncio.ensure_future(work), asyncio.ensure_future(patience.watch())
-    try:
-        await asyncio.wait([done, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:  # cancelled too, or one of them ended: the other goes
-        for task in (done, watch):
-            task.cancel()
-        await asyncio.gather(done, watch, return_exceptions=True)
-    if watch.done() and not watch.cancelled():
-        watch.result()  # NoProgress: the work was cancelled for it
-    done.result()
 
 
 async def run_trainer(

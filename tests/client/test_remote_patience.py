@@ -1,0 +1,48 @@
+"""A remote trainer (`swarm trainer --scheduler`) whose every microbatch fails stops after the
+job's `runtime.patience_s`, naming its last failure: cut off from one stage (a firewall), it
+retried for ever, and the job, trained on by the scheduler's other trainers, never said so (a
+review found it). One that only waits for work (the job stalled for its own reasons) waits on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client.patience import NoProgress
+from client.remote import run_patiently
+from swarm.deadline import within
+
+REFUSAL = "UNAVAILABLE: failed to connect to 10.0.0.7:7701 (stage 1)"
+
+
+class _Trainer:
+    def __init__(self, failure: str | None) -> None:
+        self.failure, self.turns = failure, 0
+
+    async def run(self) -> None:
+        while True:
+            self.turns += 1
+            await asyncio.sleep(0.01)
+
+
+async def test_a_trainer_whose_every_microbatch_fails_stops_naming_the_cause() -> None:
+    trainer = _Trainer(REFUSAL)
+    with pytest.raises(NoProgress) as stopped:
+        await within(run_patiently(trainer, 0.3), 5.0)
+    assert str(stopped.value) == (
+        "no microbatch of this trainer went through for 0.3 s (runtime.patience_s); the last "
+        f"failure: {REFUSAL}"
+    )
+    turns = trainer.turns
+    await asyncio.sleep(0.05)
+    assert trainer.turns == turns  # stopped
+
+
+async def test_a_trainer_waiting_for_work_waits_on() -> None:
+    trainer = _Trainer(None)
+    running = asyncio.create_task(run_patiently(trainer, 0.3))
+    await asyncio.sleep(1.0)
+    assert not running.done()
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
