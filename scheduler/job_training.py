@@ -235,7 +235,7 @@ class JobTraining:
             self.assignments,
             self.moves,
             floor,
-            coordinator.membership.standbys.peers,
+            coordinator.set_aside,  # its standbys and its banned peers: no replicas to move
             lambda: coordinator.membership.standbys.short,
         )
         watch = self._stall_watch(job_id, job, coordinator, trainer, reports, mover, floor)

@@ -51,8 +51,8 @@ class Mover:
         self.job_id, self.stages, self.config = job_id, stages, config
         self.assignments, self.moves = assignments, moves
         self.rebalancer = Rebalancer(config, min_replicas)
-        # The job's standbys (`scheduler.coordinator.standbys`): no replica to move or to count
-        # as one, and no work measured.
+        # The job's standbys (`scheduler.coordinator.standbys`), and the peers banned from it:
+        # no replica to move or to count as one, and no work measured.
         self.standbys = standbys
         # The stages that want a standby none of their own peers may be (`Standbys.short`).
         self.short = short

@@ -296,6 +296,12 @@ class LocalCoordinator:
         waiting = self._receipts.waits.said(ledgers[0]) if ledgers else ""
         return self._window.progress() + waiting
 
+    def set_aside(self) -> set[str]:
+        """The peers on the job's stages that serve it no work: its standbys, and the peers
+        banned from it (the rebalancer neither moves them nor counts them as replicas)."""
+        banned = self.barred(list(range(self.job.training.stages))).values()
+        return self.membership.standbys.peers() | {peer for peers in banned for peer in peers}
+
     def trainers_silent_s(self) -> float | None:
         """How long no trainer has asked for work, once past a lease's time (`Shares.silent_s`);
         else None."""
