@@ -281,24 +281,40 @@ class Failing(Protocol):
     """What `run_patiently` needs of a trainer."""
 
     failure: str | None  # its last failure, None since its last microbatch went through
+    failed_at: float  # when (`time.monotonic`) that failure came
 
     async def run(self) -> None: ...
 
 
-async def run_patiently(trainer: Failing, patience_s: float) -> None:
-    """`trainer.run()`, unless every microbatch it tries fails for `patience_s`: then it stops
-    with `NoProgress`, naming its last failure. A remote trainer cut off from one stage (a
-    firewall) retried for ever, its failures released to a scheduler whose other trainers went
-    on, so the job's status never named them (a review found it). Waiting for work is no
-    failure: a job stalled for its own reasons is the scheduler's to say."""
+# A trainer whose last failure is older than this is not failing: it waits for work (a job
+# whose stage lost its replica hands out none). One cut off from a stage fails every few
+# seconds: each microbatch goes back within `client.trainer`'s 2 s pause, and is leased again.
+QUIET_S = 60.0
+
+
+async def run_patiently(trainer: Failing, patience_s: float, quiet_s: float = QUIET_S) -> None:
+    """`trainer.run()`, unless its microbatches keep failing, none going through, for
+    `patience_s`: then it stops with `NoProgress`, naming its last failure. A remote trainer cut
+    off from one stage (a firewall) retried for ever, its failures released to a scheduler
+    whose other trainers went on, so the job's status never named them (a review found it).
+    Waiting for work is no failure (no failure for `quiet_s`): a job stalled for its own reasons
+    (a stage without a replica, a pause between attempts) is the scheduler's to say."""
     patience = Patience(
         patience_s, lambda: trainer.failure, waited="no microbatch of this trainer went through"
     )
+    ran = asyncio.Event()
 
     async def not_failing() -> None:
         while True:
-            if trainer.failure is None:
+            if trainer.failure is None or time.monotonic() - trainer.failed_at > quiet_s:
                 patience.committed()
             await asyncio.sleep(min(1.0, patience_s / 4))
 
-    await bounded(alongside(trainer.run(), [not_failing()]), patience)
+    async def run() -> None:
+        try:
+            await trainer.run()
+        finally:
+            ran.set()
+
+    # the run to its end, awaited whatever ends it (a `NoProgress` cancels it, then waits)
+    await bounded(alongside(ran.wait(), [not_failing()], [run()]), patience)

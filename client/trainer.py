@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
@@ -94,6 +95,7 @@ class PipelineTrainer:
         # Why the last microbatch failed, until one goes through again: what a job that stops
         # progressing names as its cause (`client.patience`, the scheduler's stall watch).
         self.failure: str | None = None
+        self.failed_at = 0.0  # when (monotonic) `failure` came: one long ago is not failing now
         # Once a rate window for each cause: a stage that refuses everything fails every slot's
         # microbatch every few seconds, each line naming the same cause.
         self._failed_log = RatedLog(log, FAILURE_LOG_S)
@@ -246,7 +248,7 @@ class PipelineTrainer:
         try:
             result: MicrobatchResult | None = await self._microbatch(task)
         except TrainerError as e:  # the hop loop handled every failed stage call itself
-            self.failure = str(e)
+            self.failure, self.failed_at = str(e), time.monotonic()
             self._failed_log.warning(
                 kind(self.failure),
                 "%s: microbatch %d/%d failed: %s",

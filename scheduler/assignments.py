@@ -127,9 +127,13 @@ class Assignments:
                     )
                     await self._change(min(5.0, max(self.lost_stage_grace_s - held, 0.1)))
                     continue
+                # a stage a peer is on the way to needs no other (one went away, its stage was
+                # placed again at once: `_wait_serving`)
+                coming = self.on_the_way(job_id, stages)
+                unmet = [k for k in missing if not coming[k]]
                 available = self.available(job_id, stages)
-                if len(available) < len(missing):
-                    more = len(missing) - len(available)
+                if len(available) < len(unmet):
+                    more = len(unmet) - len(available)
                     await self.say(
                         job_id,
                         f"waiting for peers: {stages_text(missing)} without a replica; this "
@@ -146,7 +150,7 @@ class Assignments:
                     continue
                 await self._settle(job_id, stages)  # let late peers finish measuring
                 available = self.available(job_id, stages)
-                if len(available) < len(missing):
+                if len(available) < len(unmet):
                     continue  # some left during the grace period
                 await self._assign_available(job_id, available, assigned, min_replicas)
                 await self._wait_serving(job_id, missing)
@@ -264,13 +268,19 @@ class Assignments:
             return
         stages = len(next(iter(available.values())))
         available = self._priced(available)
-        members = self.registry.members(job_id, stages)
+        banned = self.banned(job_id)  # no members: their throughput and seats count for nothing
+        members = [
+            [r for r in stage if r.peer not in banned]
+            for stage in self.registry.members(job_id, stages)
+        ]
+        coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
+        # None: a first placement (`place`); where peers are on the way already (one of them
+        # went away, its stage placed again) the others' stages count as taken
         totals = (
             [sum(self._priced({r.peer: [r.throughput]})[r.peer][0] for r in s) for s in members]
-            if any(members)
+            if any(members) or any(coming)
             else None
         )
-        coming = self.on_the_way(job_id, stages)  # so a burst of joins is not all sent to one
         sizes = [len(stage) + len(more) for stage, more in zip(members, coming, strict=True)]
         # said once each while it is known: not every id ever held back (a token holder makes
         # up ids on one host freely; the registry keeps those present only)
@@ -310,14 +320,21 @@ class Assignments:
             log.warning("job %s: no placement of %s (%r): they wait", job_id, sorted(rest), e)
             placed = {}
         placement = self._capped(dict(sorted((kept | placed).items())), members, coming)
+        await self._publish(job_id, placement, available, assigned)
+
+    async def _publish(
+        self,
+        job_id: str,
+        placement: dict[str, int],
+        speeds: dict[str, list[float]],
+        assigned: list[str],
+    ) -> None:
+        """Give each peer of `placement` its stage (one generation for them all), each logged
+        with its samples/s there (`speeds`), kept in `assigned`; said as the job's message."""
         generation = time.time_ns() // 1000  # one for the whole placement
         for peer, stage in sorted(placement.items()):
             log.info(
-                "job %s: stage %d -> %s (%.1f samples/s)",
-                job_id,
-                stage,
-                peer,
-                available[peer][stage],
+                "job %s: stage %d -> %s (%.1f samples/s)", job_id, stage, peer, speeds[peer][stage]
             )
             await self.assign(job_id, peer, stage, generation)
             assigned.append(peer)
@@ -371,9 +388,9 @@ class Assignments:
         given = [k for k, peers in enumerate(self.on_the_way(job_id, count)) if peers]
         while time.monotonic() < deadline:
             serving = self._serving(job_id, count)
+            coming = self.on_the_way(job_id, count)  # arrivals recorded: served, none lost
             if all(k in serving for k in stages):
                 return
-            coming = self.on_the_way(job_id, count)
             if any(k not in serving and not coming[k] for k in given):
                 return
             await self._change(1.0)

@@ -280,12 +280,12 @@ class JobTraining:
             lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
             barred=coordinator.barred,
             domains=self.peer_registry.domains,
-            # the embedded trainer's, or one of the remote trainers' as they gave work back, or
-            # that no trainer asks for work at all
+            # that no trainer asks for work at all (first: a gone trainer's failure is not why),
+            # else the embedded trainer's failure, or one a remote trainer gave work back with
             cause=lambda: (
-                trainer.failure
+                self._no_trainer(job_id, coordinator)
+                or trainer.failure
                 or coordinator.trainers_failure
-                or self._no_trainer(job_id, coordinator)
             ),
             patience_s=job.runtime.patience_s,
         )
@@ -294,14 +294,15 @@ class JobTraining:
         """That no trainer has asked `job_id` for work for longer than a lease lasts, and what to
         do (under `--no-embedded-trainer` a job waits for a remote one: the stall watch said
         nothing of it, or blamed a replica); None while one asks."""
-        silent = coordinator.trainers_silent_s()
-        if silent is None:
+        since = coordinator.trainers_silent_since()
+        if since is None:
             return None
+        at = time.strftime("%H:%M:%S", time.localtime(since))
         if self.embedded_trainer:
-            return f"no trainer has asked for work for {silent:.0f} s, the scheduler's own included"
+            return f"no trainer has asked for work since {at}, the scheduler's own included"
         return (
-            f"no trainer has asked for work for {silent:.0f} s: this scheduler runs none of its "
-            f"own (--no-embedded-trainer); start one: swarm trainer --scheduler HOST:PORT --job "
+            f"no trainer has asked for work since {at}: this scheduler runs none of its own "
+            f"(--no-embedded-trainer); start one: swarm trainer --scheduler HOST:PORT --job "
             f"{job_id}"
         )
 

@@ -302,10 +302,10 @@ class LocalCoordinator:
         banned = self.barred(list(range(self.job.training.stages))).values()
         return self.membership.standbys.peers() | {peer for peers in banned for peer in peers}
 
-    def trainers_silent_s(self) -> float | None:
-        """How long no trainer has asked for work, once past a lease's time (`Shares.silent_s`);
-        else None."""
-        return self._shares.silent_s()
+    def trainers_silent_since(self) -> float | None:
+        """Since when no trainer has asked for work, once past a lease's time
+        (`Shares.silent_since`); else None."""
+        return self._shares.silent_since()
 
     def replicas(self) -> list[list[Replica]]:
         """Per stage, the members at the coordinator's step: trainers see and use only these."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from scheduler.coordinator.ledger import StepLedger
@@ -21,18 +22,21 @@ class Shares:
         self.clock, self.horizon_s = clock, horizon_s
         # trainer -> its last lease call, oldest first: the silent ones leave from the front
         self._heard: OrderedDict[str, float] = OrderedDict()
-        self._last = clock.now()  # any trainer's last lease call (none yet: the start)
+        # any trainer's last lease call (none yet: the start), on the clock and on the wall
+        self._last, self._last_wall = clock.now(), time.time()
 
     def heard(self, trainer: str) -> None:
         self._heard[trainer] = self._last = self.clock.now()
+        self._last_wall = time.time()
         self._heard.move_to_end(trainer)
 
-    def silent_s(self) -> float | None:
-        """How long no trainer has asked for work (since the start, where none ever has), once
-        that is past `horizon_s`, so longer than any lease a trainer might still be working
-        under; else None. A job without a trainer waits for one: this says so."""
-        silent = self.clock.now() - self._last
-        return silent if silent > self.horizon_s else None
+    def silent_since(self) -> float | None:
+        """Since when (unix seconds) no trainer has asked for work (the start, where none ever
+        has), once that is longer than `horizon_s`, so longer than any lease a trainer might
+        still be working under; else None. A job without a trainer waits for one: this says
+        so. A time, not a duration: the words made of it stay the same while it lasts."""
+        silent = self.clock.now() - self._last > self.horizon_s
+        return self._last_wall if silent else None
 
     def share(self, ledger: StepLedger, trainer: str, available: int) -> int:
         """Costs no scan of the trainers or the step: the ledger keeps who holds leases. Every

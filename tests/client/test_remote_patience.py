@@ -6,6 +6,7 @@ review found it). One that only waits for work (the job stalled for its own reas
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -17,19 +18,24 @@ REFUSAL = "UNAVAILABLE: failed to connect to 10.0.0.7:7701 (stage 1)"
 
 
 class _Trainer:
-    def __init__(self, failure: str | None) -> None:
-        self.failure, self.turns = failure, 0
+    """Tries a microbatch every 10 ms: each fails with `failure` while `failing`."""
+
+    def __init__(self, failure: str | None, failing: bool = True) -> None:
+        self.failure, self.failing, self.turns = failure, failing, 0
+        self.failed_at = time.monotonic()
 
     async def run(self) -> None:
         while True:
             self.turns += 1
+            if self.failing:
+                self.failed_at = time.monotonic()
             await asyncio.sleep(0.01)
 
 
 async def test_a_trainer_whose_every_microbatch_fails_stops_naming_the_cause() -> None:
     trainer = _Trainer(REFUSAL)
     with pytest.raises(NoProgress) as stopped:
-        await within(run_patiently(trainer, 0.3), 5.0)
+        await within(run_patiently(trainer, 0.3, quiet_s=0.2), 5.0)
     assert str(stopped.value) == (
         "no microbatch of this trainer went through for 0.3 s (runtime.patience_s); the last "
         f"failure: {REFUSAL}"
@@ -39,9 +45,12 @@ async def test_a_trainer_whose_every_microbatch_fails_stops_naming_the_cause() -
     assert trainer.turns == turns  # stopped
 
 
-async def test_a_trainer_waiting_for_work_waits_on() -> None:
-    trainer = _Trainer(None)
-    running = asyncio.create_task(run_patiently(trainer, 0.3))
+@pytest.mark.parametrize("failure", [None, REFUSAL])
+async def test_a_trainer_waiting_for_work_waits_on(failure: str | None) -> None:
+    """Nothing failed, or its last failure is old: a stage lost its replica, say, and the job
+    hands out no work meanwhile (a review found the trainer stopping there)."""
+    trainer = _Trainer(failure, failing=False)
+    running = asyncio.create_task(run_patiently(trainer, 0.3, quiet_s=0.2))
     await asyncio.sleep(1.0)
     assert not running.done()
     running.cancel()

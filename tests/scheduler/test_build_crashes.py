@@ -17,6 +17,7 @@ from swarm.clock import FakeClock
 from swarm.deadline import within
 from swarm.proto import control_pb2 as cpb
 from tests.support.placement import measured, placement
+from tests.support.waiting import wait_until
 
 TIMEOUT_S = 60.0
 
@@ -92,3 +93,49 @@ def test_what_is_kept_is_bounded_and_a_served_stage_or_an_ended_job_clears_it() 
     crashes.lost("j", "x", 1)
     crashes.forget("j")
     assert not crashes._lost
+
+
+async def test_a_peer_that_served_and_then_went_away_is_no_build_crash() -> None:
+    """The wait ended as every stage served, before the arrival was recorded: a peer lost a
+    moment later (its first microbatch's memory) was counted as lost while building."""
+    clock = FakeClock()
+    registry, assignments = placement(clock, TIMEOUT_S)
+    registry.announce(measured("x", "1"))
+    await assignments._assign_available("j", assignments.available("j", 1), [], 1)
+    waiting = asyncio.create_task(assignments._wait_serving("j", [0]))
+    await asyncio.sleep(0.05)  # it waits for x now
+    registry.announce(
+        cpb.PeerAnnouncement(
+            peer="x", address="x:1", job="j", stage=0, state=cpb.PEER_STATE_SERVING, incarnation="1"
+        )
+    )
+    assignments.changed.set()
+    await within(waiting, 5.0)
+    registry.announce(_gone("x"))
+    assignments.available("j", 1)
+    assert not assignments.crashes._lost
+
+
+async def test_a_stage_whose_peer_went_away_is_given_to_a_free_one_while_another_builds() -> None:
+    """Two stages: p, given one, is killed building it while q still builds the other, and r is
+    free: placement counted q's stage as needing a peer too, asked for one more, and r waited
+    until q served (a review found it)."""
+    clock = FakeClock()
+    registry, assignments = placement(clock, TIMEOUT_S)
+    two = {0: 5.0, 1: 5.0}
+    for peer in ("p", "q"):
+        registry.announce(measured(peer, "1", speeds=two))
+    given: list[str] = []
+    await assignments._assign_available("j", assignments.available("j", 2), given, 1)
+    lost = registry.given("j", "p")
+    placing = asyncio.create_task(assignments.place("j", 2, lambda: 0, given))
+    try:
+        await asyncio.sleep(0.05)
+        registry.announce(_gone("p"))
+        registry.announce(measured("r", "1", speeds=two))
+        assignments.changed.set()
+        await wait_until(lambda: "r" in given, "r is given p's stage", timeout_s=5)
+        assert registry.given("j", "r") == lost
+    finally:
+        placing.cancel()
+        await asyncio.gather(placing, return_exceptions=True)

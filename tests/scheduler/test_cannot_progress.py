@@ -96,17 +96,20 @@ async def test_a_remote_trainers_cause_reaches_the_stalled_status(tmp_path: Path
     # calls its job API hands to the job's coordinator (`Scheduler.report`). Its failures
     # stayed in its own log: the job read "stalled at step 0: no step committed ...; see the
     # scheduler's log", whose log did not have the cause either.
-    _, text = await _stalled_without_the_embedded_trainer(_job(tmp_path), tmp_path, remote=True)
+    _, (text, *_) = await _stalled_without_the_embedded_trainer(
+        _job(tmp_path), tmp_path, remote=True
+    )
     assert text.startswith("stalled at step 0: cannot progress"), text
     assert f"FAILED_PRECONDITION: {REFUSAL}" in text, text
 
 
 async def _stalled_without_the_embedded_trainer(
-    job: JobConfig, tmp_path: Path, *, remote: bool
-) -> tuple[str, str]:
-    """(the job's id, its first stalled status) under `--no-embedded-trainer`: with `remote`,
-    stage 1 refuses every call and a remote trainer (the coordinator's, as the job API hands
-    it) trains; without, no trainer at all."""
+    job: JobConfig, tmp_path: Path, *, remote: bool, after_s: float = 0.0
+) -> tuple[str, list[str]]:
+    """(the job's id, its statuses from the first stalled one on, `after_s` more) under
+    `--no-embedded-trainer`: with `remote`, stage 1 refuses every call and a remote trainer (the
+    coordinator's, as the job API hands it) trains; without, no trainer at all, a trainer gone
+    before having left its last failure."""
     swarm = Swarm(job)
     said: list[tuple[JobState | None, str]] = []
 
@@ -130,15 +133,18 @@ async def _stalled_without_the_embedded_trainer(
             async with asyncio.timeout(30):
                 while job_id not in training_run.coordinators:
                     await asyncio.sleep(0.05)
+            coordinator = training_run.coordinators[job_id]
             if remote:
-                coordinator = training_run.coordinators[job_id]
                 trainer = PipelineTrainer(job, coordinator, job_id=job_id, trainer_id="remote-1")
                 trains = asyncio.create_task(trainer.run())
+            else:
+                coordinator.trainers_failure = "UNAVAILABLE: a gone trainer's last failure"
             async with asyncio.timeout(60):
                 while not any(state == "stalled" for state, _ in said):
                     assert not run.done(), f"the run ended: {run.exception()!r}"
                     assert trains is None or not trains.done(), f"it ended: {trains.exception()!r}"
                     await asyncio.sleep(0.05)
+            await asyncio.sleep(after_s)
         finally:
             for task in (trains, run):
                 if task is not None:
@@ -147,7 +153,8 @@ async def _stalled_without_the_embedded_trainer(
             if trainer is not None:
                 await trainer.close()
             await swarm.close()
-    return job_id, next(text for state, text in said if state == "stalled")
+    first = next(i for i, (state, _) in enumerate(said) if state == "stalled")
+    return job_id, [text for _, text in said[first:]]
 
 
 def _status(record: JobRecord | None) -> spb.JobStatus:
@@ -172,9 +179,16 @@ async def test_a_job_no_trainer_asks_for_work_is_stalled_saying_so(tmp_path: Pat
     training = {"stages": 2, "steps": 100_000, "target_batch_size": 4}
     runtime = {"data_plane": "push", "patience_s": 2.0, "lease_timeout_s": 1.0}
     job = make_job(tmp_path, training=training, runtime=runtime, rebalance={"enabled": False})
-    job_id, text = await _stalled_without_the_embedded_trainer(job, tmp_path, remote=False)
+    job_id, said = await _stalled_without_the_embedded_trainer(
+        job, tmp_path, remote=False, after_s=2.5
+    )
+    text = said[0]
     assert text.startswith("stalled at step 0: cannot progress"), text
-    assert "no trainer has asked for work for " in text, text
+    # first: the last failure of a trainer gone is not why (a review found it named instead)
+    assert "; the last failure: no trainer has asked for work since " in text, text
+    # a time, not a count of seconds: said once, not rewritten at each look (each write sends
+    # the job's announcement, its spec with it, to every peer)
+    assert said == [text], said
     start = f"start one: swarm trainer --scheduler HOST:PORT --job {job_id}"
     assert f"runs none of its own (--no-embedded-trainer); {start}" in text, text
 

@@ -16,15 +16,22 @@ from tests.support.waiting import wait_until
 TIMEOUT_S = 60.0
 
 
-def _serving(peer: str, stage: int) -> cpb.PeerAnnouncement:
+def _serving(peer: str, stage: int, speeds: dict[int, float] | None = None) -> cpb.PeerAnnouncement:
     return cpb.PeerAnnouncement(
         peer=peer,
         address=f"{peer}:1",
         job="j",
         stage=stage,
         state=cpb.PEER_STATE_SERVING,
-        samples_per_second={0: 5.0},
+        samples_per_second=speeds or {0: 5.0},
         incarnation="1",
+    )
+
+
+def _load(peer: str, speed: float) -> cpb.LoadReport:
+    """What `peer` measures where it serves: `speed` samples/s."""
+    return cpb.LoadReport(
+        peer=peer, job="j", stage=1 if peer == "p" else 0, ema_seconds_per_sample=1.0 / speed
     )
 
 
@@ -46,3 +53,19 @@ async def test_a_stage_only_a_banned_peer_serves_is_placed_again_and_it_is_given
         placing.cancel()
         await asyncio.gather(placing, return_exceptions=True)
     assert given == ["y"]
+
+
+async def test_a_banned_peers_throughput_does_not_keep_a_replacement_from_its_stage() -> None:
+    """Two stages; stage 1 is served by a banned peer alone, faster than stage 0's: counting its
+    throughput, placement sent the free peer to stage 0 (a review found it), and stage 1 went on
+    without a replica."""
+    registry, assignments = placement(FakeClock(), TIMEOUT_S)
+    assignments.banned = lambda job: {"p"}
+    registry.announce(_serving("a", 0, speeds={0: 5.0, 1: 5.0}))
+    registry.announce(_serving("p", 1, speeds={0: 10.0, 1: 10.0}))  # banned
+    registry.announce(measured("q", speeds={0: 5.0, 1: 5.0}))
+    for peer, speed in (("a", 5.0), ("p", 10.0)):
+        registry.report_load(_load(peer, speed))
+    given: list[str] = []
+    await assignments._assign_available("j", assignments.available("j", 2), given, 1)
+    assert given == ["q"] and registry.given("j", "q") == 1

@@ -40,3 +40,17 @@ async def test_waiting_for_peers_names_those_measuring_and_those_another_job_hol
     assert text.startswith("waiting for peers: stages 0, 1 without a replica"), text
     assert "; present: 1 free stage server(s) not measured yet (measuring, or about to)" in text
     assert "; 2 stage server(s) held by other jobs (2 by job other): a stage server takes" in text
+
+
+async def test_a_peer_that_refused_the_job_is_named_with_its_refusal_not_as_measuring() -> None:
+    said: list[str] = []
+    registry, assignments = placement(FakeClock(), 60.0, said)
+    refusal = "measuring its stages failed (OutOfMemoryError: ...)"
+    registry.announce(_peer("r", "", cpb.PEER_STATE_JOINING, refused_job="j", refused=refusal))
+    placing = asyncio.create_task(assignments.place("j", 1, lambda: 0, []))
+    try:
+        await wait_until(lambda: bool(said), "the job says what it waits for", timeout_s=5)
+    finally:
+        placing.cancel()
+        await asyncio.gather(placing, return_exceptions=True)
+    assert "not measured yet" not in said[0] and "; refused by r: " in said[0], said[0]

@@ -34,13 +34,16 @@ def placement(
     return registry, assignments
 
 
-def measured(peer: str, incarnation: str = "1") -> cpb.PeerAnnouncement:
-    """`peer` free and measured for job "j" of one stage (5 samples/s): one placement takes."""
+def measured(
+    peer: str, incarnation: str = "1", speeds: dict[int, float] | None = None
+) -> cpb.PeerAnnouncement:
+    """`peer` free and measured for job "j" (by default of one stage, 5 samples/s): one
+    placement takes."""
     return cpb.PeerAnnouncement(
         peer=peer,
         address=f"{peer}:1",
         job="j",
         state=cpb.PEER_STATE_JOINING,
-        samples_per_second={0: 5.0},
+        samples_per_second=speeds or {0: 5.0},
         incarnation=incarnation,
     )
