@@ -25,7 +25,7 @@ from scheduler.no_shows import NoShows
 from scheduler.registry import PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
 from scheduler.stalls import Health
-from scheduler.waiting_words import present_words, refused_words, unreachable_words
+from scheduler.waiting_words import Present, refused_words, unreachable_words
 from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
@@ -134,13 +134,17 @@ class Assignments:
                 available = self.available(job_id, stages)
                 if len(available) < len(unmet):
                     more = len(unmet) - len(available)
+                    present = Present.of(self.registry, job_id, stages)
+                    enough = present.measuring >= more  # no more servers needed, only time
+                    remedy = f"placed once measured ({more} more needed)" if enough else REMEDY
                     await self.say(
                         job_id,
                         f"waiting for peers: {stages_text(missing)} without a replica; this "
                         f"job's {stages} stage(s) need at least {stages} stage server(s), one "
                         f"per stage ({stages - len(missing)} served, {len(available)} more "
-                        f"peer(s) measured): {REMEDY} ({more} more)"
-                        + present_words(self.registry, job_id, stages)
+                        f"peer(s) measured): {remedy}"
+                        + ("" if enough else f" ({more} more)")
+                        + present.words()
                         + unreachable_words(self.registry, job_id)
                         + refused_words(self.registry, job_id)
                         + self.no_shows.words(job_id, self._incarnations())

@@ -8,44 +8,58 @@ servers where the ones there were measuring, or busy with another job."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry
 from swarm.ops.printable import quoted
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["REFUSALS_SHOWN", "present_words", "refused_words", "unreachable_words"]
+__all__ = ["REFUSALS_SHOWN", "Present", "refused_words", "unreachable_words"]
 
 REFUSALS_SHOWN = 3  # the peers' refusals a job's waiting message names at most (others counted)
 JOBS_SHOWN = 3  # the other jobs holding stage servers a job's waiting message names at most
 
 
-def present_words(registry: PeerRegistry, job_id: str, stages: int) -> str:
-    """The stage servers present that are not (yet) measured for the job ("" when none): free
-    ones still measuring it (a free one announces its figures once measured: until then it may
-    be measuring this job or another), and those another job holds (measured for it, or
-    serving it: a stage server takes one job at a time, until that job ends)."""
-    measuring, held = 0, Counter[str]()
-    for p in registry.peers.values():
-        if p.role != cpb.PEER_ROLE_STAGE_SERVER or registry.is_unreachable(p.peer):
-            continue
-        if p.refused_job == job_id and p.refused:  # named with its refusal (`refused_words`)
-            continue
-        if p.job in ("", job_id) and p.state == cpb.PEER_STATE_JOINING:
-            measuring += not all(k in p.samples_per_second for k in range(stages))
-        elif p.job not in ("", job_id):
-            held[p.job] += 1
-    said = []
-    if measuring:
-        said.append(f"{measuring} free stage server(s) not measured yet (measuring, or about to)")
-    if held:
-        jobs = ", ".join(f"{n} by job {job}" for job, n in held.most_common(JOBS_SHOWN))
-        more = len(held) - JOBS_SHOWN
-        jobs += f" (and {more} more job(s))" if more > 0 else ""
-        said.append(
-            f"{held.total()} stage server(s) held by other jobs ({jobs}): a stage server takes "
-            "one job at a time, until that job ends (`swarm cancel JOB` ends one)"
-        )
-    return f"; present: {'; '.join(said)}" if said else ""
+@dataclass(frozen=True)
+class Present:
+    """The stage servers present that are not (yet) measured for a job: free ones still
+    measuring it (`measuring`: a free one announces its figures once measured, until then it
+    may be measuring this job or another), and those other jobs hold (`held`, by job: measured
+    for it, or serving it; a stage server takes one job at a time, until that job ends)."""
+
+    measuring: int
+    held: Counter[str]
+
+    @classmethod
+    def of(cls, registry: PeerRegistry, job_id: str, stages: int) -> Present:
+        measuring, held = 0, Counter[str]()
+        for p in registry.peers.values():
+            if p.role != cpb.PEER_ROLE_STAGE_SERVER or registry.is_unreachable(p.peer):
+                continue
+            if p.refused_job == job_id and p.refused:  # named with its refusal (`refused_words`)
+                continue
+            if p.job in ("", job_id) and p.state == cpb.PEER_STATE_JOINING:
+                measuring += not all(k in p.samples_per_second for k in range(stages))
+            elif p.job not in ("", job_id):
+                held[p.job] += 1
+        return cls(measuring, held)
+
+    def words(self) -> str:
+        """What the job's waiting message adds ("" when nobody is present but those placed)."""
+        said = []
+        if self.measuring:
+            said.append(
+                f"{self.measuring} free stage server(s) not measured yet (measuring, or about to)"
+            )
+        if self.held:
+            jobs = ", ".join(f"{n} by job {job}" for job, n in self.held.most_common(JOBS_SHOWN))
+            more = len(self.held) - JOBS_SHOWN
+            jobs += f" (and {more} more job(s))" if more > 0 else ""
+            said.append(
+                f"{self.held.total()} stage server(s) held by other jobs ({jobs}): a stage server "
+                "takes one job at a time, until that job ends (`swarm cancel JOB` ends one)"
+            )
+        return f"; present: {'; '.join(said)}" if said else ""
 
 
 def unreachable_words(registry: PeerRegistry, job_id: str) -> str:
