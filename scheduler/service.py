@@ -46,7 +46,7 @@ from scheduler.speed import RecentSpeed
 from scheduler.stalls import Health
 from scheduler.status_writes import StatusWrites
 from scheduler.store import JobRecord, JobState, JobStore
-from swarm.bus.connection import BusLike
+from swarm.bus.connection import Bus, BusLike
 from swarm.bus.topics import TopicError
 from swarm.clock import MonotonicClock
 from swarm.errors import FailedPrecondition, NotFound, SwarmError
@@ -249,7 +249,20 @@ class Scheduler:
         health, far = self._health.get(job_id), unreachable_warnings(self.peer_registry, job_id)
         held = self._status.warning(job_id)  # a write of the job its store refused
         far = far if held is None else [held, *far]
+        far = [*self._link_down(), *far]
         return (health.waiting_since, [*health.warnings, *far]) if health else (0.0, far)
+
+    def _link_down(self) -> list[str]:
+        """The scheduler's own link to its broker, while it is down: peers hear none of its
+        jobs' announcements or assignments meanwhile, and a waiting job's message alone asked
+        for more stage servers (a review found it)."""
+        bus = self.bus
+        if not isinstance(bus, Bus) or bus.connected:
+            return []
+        return [
+            "the scheduler's link to its broker is down (its log says why, and each reconnect): "
+            "peers hear nothing of this job until it is back"
+        ]
 
     def rounds(self, job_id: str, step: int) -> spb.RoundStatus | None:
         coordinator = self._coordinators.get(job_id)

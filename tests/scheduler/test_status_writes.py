@@ -13,6 +13,8 @@ from scheduler.history import History
 from scheduler.service import Scheduler, SchedulerOptions
 from scheduler.status_writes import StatusWrites
 from scheduler.store import JobStore
+from swarm.bus.broker import EmbeddedBroker
+from tests.support.buses import bus
 from tests.support.disks import fill, tiny_disk
 from tests.support.fakes import SilentBus
 from tests.support.jobs import write_job
@@ -115,3 +117,25 @@ async def test_a_held_write_of_a_job_that_ended_meanwhile_is_dropped(tmp_path: P
 
 async def _announce(job_id: str) -> None:
     pass
+
+
+async def test_the_schedulers_broker_link_down_is_in_each_jobs_status(tmp_path: Path) -> None:
+    """Peers hear none of a job's announcements or assignments while the scheduler's own link
+    to its broker is down: the job's status said only "waiting for peers ... start a stage
+    server" (a review found it)."""
+    spec_file = write_job(tmp_path)
+    with JobStore(tmp_path / "jobs.db") as store:
+        job_id = store.create("j", spec_file.read_text(), str(tmp_path), 3).id
+        broker = EmbeddedBroker()
+        await broker.start()
+        async with bus(broker.url, "scheduler") as link:
+            await link.wait_connected(WAIT_S)
+            scheduler = Scheduler(store, link, SchedulerOptions(tmp_path / "ckpt"))
+            assert scheduler.health(job_id)[1] == []
+            await broker.stop()
+            await wait_until(lambda: not link.connected, "the link drops", timeout_s=WAIT_S)
+            warned = scheduler.health(job_id)[1]
+            assert warned == [
+                "the scheduler's link to its broker is down (its log says why, and each "
+                "reconnect): peers hear nothing of this job until it is back"
+            ]
