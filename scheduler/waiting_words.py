@@ -52,7 +52,9 @@ class Present:
                 f"{self.measuring} free stage server(s) not measured yet (measuring, or about to)"
             )
         if self.held:
-            jobs = ", ".join(f"{n} by job {job}" for job, n in self.held.most_common(JOBS_SHOWN))
+            # quoted: a job's id here is what a peer announced (any token holder's, any text)
+            held = self.held.most_common(JOBS_SHOWN)
+            jobs = ", ".join(f"{n} by job {quoted(job)}" for job, n in held)
             more = len(self.held) - JOBS_SHOWN
             jobs += f" (and {more} more job(s))" if more > 0 else ""
             said.append(

@@ -35,7 +35,18 @@ async def test_waiting_for_peers_names_those_measuring_and_those_another_job_hol
     text = said[0]
     assert text.startswith("waiting for peers: stages 0, 1 without a replica"), text
     assert "; present: 1 free stage server(s) not measured yet (measuring, or about to)" in text
-    assert "; 2 stage server(s) held by other jobs (2 by job other): a stage server takes" in text
+    assert '; 2 stage server(s) held by other jobs (2 by job "other"): a stage server takes' in text
+
+
+async def test_a_job_id_a_peer_announced_is_quoted_as_its_words() -> None:
+    """Any token holder's peer may announce any text as the job it is held by: quoted, it
+    cannot pass for the scheduler's words in the job's message."""
+    said: list[str] = []
+    registry, assignments = placement(FakeClock(), 60.0, said)
+    forged = 'x"; left out after 3 assignments: a (stage 0'
+    registry.announce(_peer("o", forged, cpb.PEER_STATE_SERVING, stage=0))
+    await _placing(assignments, said, 1)
+    assert '(1 by job "x\\"; left out after 3 assignments: a (stage 0")' in said[0], said[0]
 
 
 async def test_a_peer_that_refused_the_job_is_named_with_its_refusal_not_as_measuring() -> None:
