@@ -18,14 +18,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Container
 
 from scheduler.build_crashes import BuildCrashes
 from scheduler.no_shows import NoShows
 from scheduler.registry import PeerRegistry
 from scheduler.stall_words import REMEDY, stages_text
 from scheduler.stalls import Health
-from scheduler.waiting_words import Present, refused_words, unreachable_words
+from scheduler.waiting_words import Present, refusal, refused_words, unreachable_words
 from swarm.bus.connection import BusLike
 from swarm.deadline import within
 from swarm.job.config import JobConfig
@@ -54,15 +54,15 @@ class Assignments:
         lost_stage_grace_s: float,
         health: Callable[[str], Health] = lambda _: Health(),
         min_replicas: int = 1,
-        banned: Callable[[str], Collection[str]] = lambda _: (),
+        banned: Callable[[str], Container[str]] = lambda _: (),
     ) -> None:
         """`grace_s`: once enough peers are measured, wait this long for more; `serve_timeout_s`:
         assigned peers must serve within this, else the stages are placed again;
         `lost_stage_grace_s`: a trained job's unserved stage waits this long for a replica with
         the trained state before fresh peers take it (and the job rolls back); `health(job)`:
         where `place` keeps since when the job waits; `min_replicas`: the floor of jobs that
-        set none (`floor`); `banned(job)`: the peers banned from a job (its coordinators leave
-        them out: a stage only they serve has no replica, and they are given none)."""
+        set none (`floor`); `banned(job)`: the ids barred from a job, as its coordinators bar
+        them (`BarredIds`): a stage only they serve has no replica, and they are given none."""
         self.registry, self.bus, self.say, self.health = registry, bus, say, health
         self.grace_s = grace_s
         self.serve_timeout_s = serve_timeout_s
@@ -189,19 +189,22 @@ class Assignments:
 
     def on_the_way(self, job_id: str, stages: int) -> list[list[str]]:
         """Per stage, the peers assigned it that do not serve it yet (building it, or draining
-        their old stage), within `serve_timeout_s` of their assignment and still present."""
+        their old stage), within `serve_timeout_s` of their assignment, still present and not
+        refusing the job (a build that failed, said: waited for, it held the stage's place for
+        the whole timeout)."""
         now, peers = self.registry.clock.now(), self.registry.peers
         timeout, serving = self.registry.serve_timeout_s, cpb.PEER_STATE_SERVING
         result: list[list[str]] = [[] for _ in range(stages)]
         for peer, (job, stage, at) in list(self._sent.items()):
             there = peers.get(peer)
             arrived = there is not None and (there.state, there.job) == (serving, job)
-            if there is None or (arrived and there.stage == stage) or now - at > timeout:
-                del self._sent[peer]  # arrived, gone, or given up on
+            refused = refusal(there, job) is not None  # said why: no miss, nothing to wait for
+            if there is None or (arrived and there.stage == stage) or now - at > timeout or refused:
+                del self._sent[peer]  # arrived, gone, refused, or given up on
                 if there is not None and arrived and there.stage == stage:
                     self.no_shows.served(job, peer)
                     self.crashes.served(job, peer)
-                elif there is not None and not arrived:  # dropped it without a word
+                elif there is not None and not arrived and not refused:  # dropped it, no word
                     self.no_shows.missed(job, peer, stage, there.incarnation)
                 elif there is None:  # went away before it served: stopped, or killed building
                     self.crashes.lost(job, peer, stage)

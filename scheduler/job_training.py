@@ -279,6 +279,7 @@ class JobTraining:
             counted=coordinator.replicas,
             lost=lambda missing: self.peer_registry.lost_relays(job_id, missing),
             barred=coordinator.barred,
+            refused=lambda: mover.refused,
             domains=self.peer_registry.domains,
             # that no trainer asks for work at all (first: a gone trainer's failure is not why),
             # else the embedded trainer's failure, or one a remote trainer gave work back with

@@ -23,7 +23,9 @@ from collections.abc import Callable, Collection
 from prometheus_client import Counter
 
 from scheduler.assignments import Assignments
+from scheduler.waiting_words import refusal
 from swarm.job.config import RebalanceConfig
+from swarm.ops.printable import quoted
 from swarm.policy.domains import Domains
 from swarm.policy.rebalance import Move, Rebalancer
 from swarm.policy.spares import spare
@@ -58,6 +60,9 @@ class Mover:
         self.short = short
         # stage -> (the peer sent to fill it, what was done in words, clock time it was sent)
         self._filling: dict[int, tuple[str, str, float]] = {}
+        # stage nobody serves -> the peer last sent to fill it that refused the job, and why
+        # (its build failed: out of memory, a full disk), until another is sent or it is served
+        self.refused: dict[int, str] = {}
 
     async def run(self) -> None:
         """Rebalance every `period_s` until cancelled."""
@@ -164,12 +169,17 @@ class Mover:
         registry = self.assignments.registry
         now = registry.clock.now()
         for k, (peer, _, at) in list(self._filling.items()):
+            why = refusal(registry.peers.get(peer), self.job_id)
+            if why is not None and k in missing:  # said at once: it never serves
+                self.refused[k] = f"{peer}, sent to it, refused the job: {quoted(why)}"
+                log.warning("job %s: stage %d has no replica: %s", self.job_id, k, self.refused[k])
             if (
                 k not in missing
                 or peer not in registry.peers
                 or now - at > registry.serve_timeout_s
+                or why is not None
             ):
-                del self._filling[k]  # served, or the peer sent is gone or never arrived
+                del self._filling[k]  # served, or the peer sent is gone, refused or never came
         coming = self.assignments.on_the_way(self.job_id, self.stages)
         for k in missing:  # sent there by placement (a peer that joined) or a move meanwhile
             if k not in self._filling and coming[k]:
@@ -180,6 +190,9 @@ class Mover:
             todo = [k for k in todo if k not in self._filling]
         if todo and self.config.enabled:
             await self._move_spares(todo, now)
+        self.refused = {
+            k: why for k, why in self.refused.items() if k in missing and k not in self._filling
+        }
         return {k: what for k, (_, what, _) in self._filling.items() if k in missing}
 
     async def _send_idle(self, todo: list[int], now: float) -> None:

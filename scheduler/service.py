@@ -55,6 +55,7 @@ from swarm.job.states import job_state_proto
 from swarm.model import checkpoint
 from swarm.model.transformer import layer_costs, partition
 from swarm.net.commit_auth import KEY_FILE, SchedulerKey
+from swarm.net.peer_names import BarredIds
 from swarm.proto import control_pb2 as cpb
 from swarm.proto import scheduler_pb2 as spb
 from swarm.rpc.lease import Lease, MicrobatchResult, Working
@@ -102,7 +103,9 @@ class Scheduler:
             lost_stage_grace_s=opts.lost_stage_grace_s,
             health=self.health_of,
             min_replicas=opts.min_replicas,
-            banned=lambda job_id: {ban.peer for ban in store.bans(job_id)},
+            banned=lambda job_id: BarredIds(
+                opts.bans_bind_credentials, (ban.peer for ban in store.bans(job_id))
+            ),
         )
         self.reachability = ReachabilityChecker(
             dialer or StageDialer(opts.token), retained_on(bus), self.assignments.reached

@@ -58,12 +58,14 @@ def lost_stage_text(
     relays: dict[int, str] | None = None,
     homes: dict[int, tuple[str, list[str]]] | None = None,
     barred: dict[int, list[str]] | None = None,
+    refused: dict[int, str] | None = None,
 ) -> str:
     """The message of a job stalled because `missing` stages have no replica; `plans`: what the
     scheduler does about some of them (`Mover.refill`); `relays`: the relay gone that cut others
     off (`relay_down_text`); `homes`: the router every replica of others sat behind (and those
     replicas), one home's outage (`home_down_text`); the others' remedy is `REMEDY`. `barred`:
-    the servers still on some of them that are banned from the job (no replica of it), named."""
+    the servers still on some of them that are banned from the job (no replica of it), named;
+    `refused`: the peer sent to some of them that refused the job, with its words."""
     at = time.strftime("%H:%M:%S", time.localtime(since))
     verb = "has" if len(missing) == 1 else "have"
     if checkpoint > 0:
@@ -109,6 +111,8 @@ def lost_stage_text(
         remedy = f"{each}; once every stage is served, {then}"
     bans = [f"{stages_text([k])}'s {', '.join(p)}" for k, p in (barred or {}).items() if p]
     why = f" (banned from this job: {'; '.join(bans)})" if bans else ""
+    said = [f"{stages_text([k])}: {what}" for k, what in (refused or {}).items() if k not in plans]
+    why += f" ({'; '.join(said)})" if said else ""
     return (
         f"stalled at step {step}: {stages_text(missing)} {verb} no replica since {at}{why}; "
         f"{remedy}"

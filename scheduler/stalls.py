@@ -88,6 +88,7 @@ class StallWatch:
         counted: Callable[[], list[list[Replica]]] | None = None,
         barred: Callable[[list[int]], dict[int, list[str]]] | None = None,
         lost: Callable[[list[int]], dict[int, str]] | None = None,
+        refused: Callable[[], Mapping[int, str]] = dict,
         domains: Callable[[], Mapping[str, Domains]] | None = None,
         cause: Callable[[], str | None] = lambda: None,
         patience_s: float = math.inf,
@@ -102,7 +103,8 @@ class StallWatch:
         that count for the warnings, those whose join succeeded (default: `members()`);
         `lost(stages)`: of `stages`, those cut off by a relay that is gone, with that relay
         (`PeerRegistry.lost_relays`); `barred(stages)`: of `stages`, the servers still on them
-        that are banned from the job (so no replica), by stage.
+        that are banned from the job (so no replica), by stage; `refused()`: of the stages
+        nobody serves, those whose peer sent refused the job, with its words (`Mover.refused`).
         `domains()`: the peers' failure domains (None: not known, no warning of them).
         `cause()`: why the job's last microbatch failed, if none went through since (its
         trainer's `failure`); `patience_s`: the job's `runtime.patience_s`, the longest a job
@@ -114,9 +116,10 @@ class StallWatch:
         self.refill, self.min_replicas = refill, min_replicas
         self._plans: dict[int, str] = {}  # what is done for each stage nobody serves
         self._relays: dict[int, str] = {}  # the relay gone that cut off each stage nobody serves
+        self._refused: dict[int, str] = {}  # the refusal said for each stage nobody serves
         self._stalled = False  # the job's state is "stalled" (set by this watch)
         self.counted = counted or members
-        self.barred = barred
+        self.barred, self.refused = barred, refused
         self.lost = lost or (lambda stages: {})
         self._slow_since: float | None = None  # the last commit, while no step commits
         self._served_at = -math.inf  # when a lost stage was last served again
@@ -146,6 +149,7 @@ class StallWatch:
         relays = self.lost(missing) if missing else {}
         homes = self._homes(members, missing, relays)
         bans = self.barred(missing) if missing and self.barred is not None else {}
+        refused = {k: why for k, why in self.refused().items() if k in missing}
         for k in missing:
             what = plans.get(k)
             down = relay_down_text(relays[k]) if k in relays and not what else None
@@ -155,6 +159,8 @@ class StallWatch:
                 )
             if bans.get(k) and not what and not down:
                 down = f"its server(s) {', '.join(bans[k])} banned from this job; {REMEDY}"
+            if refused.get(k) and not what and not down:
+                down = f"{refused[k]}; {REMEDY}"
             if k not in self._lost:
                 self._lost[k] = now
                 self.history.record(
@@ -165,9 +171,11 @@ class StallWatch:
                 )
             elif what and self._plans.get(k) != what:  # a spare came later
                 self.history.record(self.job_id, "move", f"stage {k} has no replica: {what}")
-            elif down and self._relays.get(k) != relays[k]:  # its relay's loss known later
+            elif (down and k in refused and self._refused.get(k) != refused[k]) or (
+                down and k in relays and self._relays.get(k) != relays[k]
+            ):  # refused later
                 self.history.record(self.job_id, "stall", f"stage {k} has no replica: {down}")
-        self._plans, self._relays = plans, relays
+        self._plans, self._relays, self._refused = plans, relays, refused
         served_again = ""
         for k in [k for k in self._lost if k not in missing]:
             held = now - self._lost.pop(k)
@@ -188,7 +196,9 @@ class StallWatch:
         elif missing:
             since = min(self._lost.values())
             self.health.waiting_since = since
-            text = lost_stage_text(missing, step, checkpoint, since, plans, relays, homes, bans)
+            text = lost_stage_text(
+                missing, step, checkpoint, since, plans, relays, homes, bans, refused
+            )
             if text != self._said or not self._stalled:
                 self._said = text
                 await self.say(text, None if self._stalled else "stalled")

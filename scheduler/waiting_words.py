@@ -14,7 +14,7 @@ from scheduler.registry import UNREACHABLE_SHOWN, PeerRegistry
 from swarm.ops.printable import quoted
 from swarm.proto import control_pb2 as cpb
 
-__all__ = ["REFUSALS_SHOWN", "Present", "refused_words", "unreachable_words"]
+__all__ = ["REFUSALS_SHOWN", "Present", "refusal", "refused_words", "unreachable_words"]
 
 REFUSALS_SHOWN = 3  # the peers' refusals a job's waiting message names at most (others counted)
 JOBS_SHOWN = 3  # the other jobs holding stage servers a job's waiting message names at most
@@ -77,13 +77,19 @@ def unreachable_words(registry: PeerRegistry, job_id: str) -> str:
     return f"; not placed, UNREACHABLE: {who}: {reports[0].remedy}"
 
 
+def refusal(announced: cpb.PeerAnnouncement | None, job_id: str) -> str | None:
+    """Why the peer so announced refused `job_id` (its words: measuring it or building a stage
+    of it failed), or None: it says no refusal of the job, or has taken the job up since."""
+    if announced is None or announced.job == job_id or announced.refused_job != job_id:
+        return None
+    return announced.refused or None
+
+
 def refused_words(registry: PeerRegistry, job_id: str) -> str:
     """The peers that say they refused the job, with why ("" when none): a server is there,
     and its own log alone said why it is not measured."""
-    refusals = sorted(
-        (p, a.refused)
-        for p, a in registry.peers.items()
-        if a.refused_job == job_id and a.refused  # the peer's word, said as such
+    refusals = sorted(  # the peer's word, said as such
+        (p, why) for p, a in registry.peers.items() if (why := refusal(a, job_id)) is not None
     )
     if not refusals:
         return ""

@@ -40,6 +40,7 @@ from swarm.net.paths import PEER_DOMAIN, peer_name
 
 __all__ = [
     "RESERVED",
+    "BarredIds",
     "barred",
     "certified_ids",
     "certifies",
@@ -132,3 +133,31 @@ def barred(peer: str, credentials: Iterable[str]) -> bool:
     name = peer.lower()
     held = set(credentials)
     return name in held or name.partition(".")[2] in held - {""}
+
+
+class BarredIds:
+    """The peer ids a job's bans bar: each banned id, and where ids bind credentials
+    (`binds_credentials`) every id a banned one's credential certifies (`barred`). One rule for
+    the coordinator's members and the scheduler's placement: placement that read the banned ids
+    alone gave a banned invite's new id a stage its coordinator would never count."""
+
+    def __init__(self, binds_credentials: bool, banned: Iterable[str] = ()) -> None:
+        self.binds_credentials = binds_credentials
+        self._ids: set[str] = set()
+        self._credentials: set[str] = set()
+        for peer in banned:
+            self.add(peer)
+
+    def add(self, peer: str) -> None:
+        """`peer` is banned from now on."""
+        self._ids.add(peer)
+        if self.binds_credentials:
+            self._credentials |= credentials_of(peer)
+
+    def __contains__(self, peer: object) -> bool:
+        if not isinstance(peer, str):
+            return False
+        return peer in self._ids or (self.binds_credentials and barred(peer, self._credentials))
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)

@@ -54,7 +54,22 @@ async def test_a_peer_killed_building_its_stage_again_and_again_is_said_and_paus
     assert assignments.crashes.words("j") == ""
 
 
-async def test_placement_goes_on_at_once_when_the_peer_it_waits_for_is_gone() -> None:
+REFUSAL = "building stage 0 failed (OutOfMemoryError: CUDA out of memory)"
+
+
+@pytest.mark.parametrize(
+    "word",
+    [
+        _gone("x"),  # its last will: killed building
+        # free again, refusing the job, with why (`stage_server.agent`): the old code waited
+        # it out too, while the job's message said a stage server was starting
+        cpb.PeerAnnouncement(peer="x", refused_job="j", refused=REFUSAL),
+    ],
+    ids=["gone", "refused"],
+)
+async def test_placement_goes_on_at_once_when_the_peer_it_waits_for_will_not_serve(
+    word: cpb.PeerAnnouncement,
+) -> None:
     clock = FakeClock()
     registry, assignments = placement(clock, TIMEOUT_S)
     registry.announce(measured("x", "1"))
@@ -62,9 +77,11 @@ async def test_placement_goes_on_at_once_when_the_peer_it_waits_for_is_gone() ->
     waiting = asyncio.create_task(assignments._wait_serving("j", [0]))
     await asyncio.sleep(0.1)
     assert not waiting.done()  # x builds: waited for
-    registry.announce(_gone("x"))
+    registry.announce(word)
     assignments.changed.set()  # as the scheduler's bus reader does
     await within(waiting, 5.0)  # the old code waited out serve_timeout_s (60 s here)
+    assert assignments.on_the_way("j", 1) == [[]]
+    assert ("j", "x") not in assignments.no_shows._missed  # neither is a silent miss
 
 
 async def test_a_stage_nobody_was_given_is_waited_for_as_before() -> None:

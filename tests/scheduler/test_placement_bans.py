@@ -6,10 +6,18 @@ again, and its start failed at every attempt (a review found it)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import pytest
+
+from scheduler.service import Scheduler, SchedulerOptions
+from scheduler.store import JobStore
+from scheduler.store_bans import BanRow
 from swarm.clock import FakeClock
 from swarm.deadline import within
+from swarm.net.peer_names import BarredIds
 from swarm.proto import control_pb2 as cpb
+from tests.support.fakes import SilentBus
 from tests.support.placement import measured, placement
 from tests.support.waiting import wait_until
 
@@ -69,3 +77,36 @@ async def test_a_banned_peers_throughput_does_not_keep_a_replacement_from_its_st
     given: list[str] = []
     await assignments._assign_available("j", assignments.available("j", 2), given, 1)
     assert given == ["q"] and registry.given("j", "q") == 1
+
+
+async def test_where_ids_bind_credentials_a_banned_invites_other_ids_are_given_nothing() -> None:
+    """With the broker binding ids to certificates, a ban of `gpu1.alice` bars every id of
+    alice's invite from the job (its coordinators leave them out): placement gave `gpu2.alice`
+    a stage all the same, and counted the stage `gpu3.alice` serves as served, replicas its
+    coordinator would never count (a review found it). With the shared token alone another id
+    is another peer, audited again: it is placed and counted."""
+    for binds in (True, False):
+        registry, assignments = placement(FakeClock(), TIMEOUT_S)
+        assignments.banned = lambda job, b=binds: BarredIds(b, ["gpu1.alice"])  # type: ignore[misc]
+        registry.announce(_serving("gpu3.alice", 0))
+        registry.announce(measured("gpu2.alice"))
+        registry.announce(measured("bob"))
+        free = sorted(assignments.available("j", 1))
+        assert free == (["bob"] if binds else ["bob", "gpu2.alice"]), (binds, free)
+        assert set(assignments._serving("j", 1)) == (set() if binds else {0}), binds
+
+
+@pytest.mark.parametrize("binds", [True, False])
+def test_the_scheduler_places_by_the_bans_its_coordinators_keep(
+    tmp_path: Path, binds: bool
+) -> None:
+    """The scheduler's placement reads the job's kept bans by the coordinators' rule: where ids
+    bind credentials (`bans_bind_credentials`), a kept ban of `gpu1.alice` bars `gpu2.alice`."""
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        job = store.create("j", "", "/", 9).id
+        store.record_ban(job, BanRow("gpu1.alice", 1, 0, 0, "its outputs differ"))
+        opts = SchedulerOptions(tmp_path / "ckpt", bans_bind_credentials=binds)
+        scheduler = Scheduler(store, SilentBus(), opts)  # type: ignore[arg-type]
+        barred = scheduler.assignments.banned(job)
+        assert "gpu1.alice" in barred and "bob" not in barred
+        assert ("gpu2.alice" in barred) is binds

@@ -105,6 +105,26 @@ def test_a_peer_placement_sent_to_the_empty_stage_is_what_the_stall_says() -> No
     assert moves.labels(job="j")._value.get() == 0.0
 
 
+def test_an_idle_peer_that_refuses_the_stage_is_said_at_once_not_waited_for() -> None:
+    """The idle peer sent to the empty stage fails to build it (out of memory) and announces
+    itself free, refusing the job: the stall said "giving it to idle peer idle" until the serve
+    timeout ran out, though it would never serve (a review found it). Its refusal is said at
+    once, and the next idle peer is sent (no spare replica moves: rebalancing off)."""
+    registry, assignments, mover, _ = _scheduler(enabled=False)
+    _stage_1_lost(registry)
+    registry.announce(_joining("idle", [1.0, 1.0, 1.0]))
+    assert asyncio.run(mover.refill([1])) == {1: "giving it to idle peer idle"}
+    why = "building stage 1 failed (OutOfMemoryError: CUDA out of memory)"
+    registry.announce(cpb.PeerAnnouncement(peer="idle", refused_job="j", refused=why))
+    assert asyncio.run(mover.refill([1])) == {}
+    assert mover.refused == {1: f'idle, sent to it, refused the job: "{why}"'}
+    assert assignments.on_the_way("j", 3) == [[], [], []]  # not waited for either
+    registry.announce(_joining("other", [1.0, 1.0, 1.0]))
+    assert asyncio.run(mover.refill([1])) == {1: "giving it to idle peer other"}
+    assert mover.refused == {}  # another is on its way: the refusal is no news
+    assert asyncio.run(mover.refill([])) == {} and mover.refused == {}
+
+
 def test_joining_peers_fill_the_short_stage_once_counting_those_on_their_way() -> None:
     # min_replicas = 2; stage 1 has one replica. The first peer to join goes there (though stage
     # 0 is the bottleneck); the second, joining before the first serves, goes by throughput.

@@ -12,6 +12,7 @@ import pytest
 
 from scheduler.history import History
 from scheduler.speed import RecentSpeed
+from scheduler.stall_words import REMEDY
 from scheduler.stalls import CHECKPOINT_LOOK_S, Health, StallWatch
 from scheduler.store import JobState, JobStore
 from swarm.rpc.lease import Replica
@@ -128,6 +129,8 @@ def test_a_stage_only_banned_servers_are_on_is_lost_naming_them(tmp_path: Path) 
     with JobStore(tmp_path / "jobs.db") as store:
         job, _, watch = _watch(store, members, lambda: 89, lambda: 0, message, now, barred=barred)
         asyncio.run(watch.look())
+        now[0] += 1.0
+        asyncio.run(watch.look())  # a second look, the same: it ended in a KeyError (no relay)
         said = message[0]
         assert said.startswith("stalled at step 89: stage 1 has no replica since "), said
         assert " (banned from this job: stage 1's x); start a stage server for this job" in said
@@ -137,6 +140,32 @@ def test_a_stage_only_banned_servers_are_on_is_lost_naming_them(tmp_path: Path) 
             "from this job; start a stage server for this job (`swarm stage-server --broker URL`"
             ", as for the others)"
         ], stall
+
+
+def test_a_stage_whose_peer_sent_refused_it_says_the_refusal(tmp_path: Path) -> None:
+    """The peer the scheduler sent to an empty stage refused the job (`Mover.refused`): the
+    stall names it with its words, in the message and in the job's history, and stays said
+    through the looks after (a stage lost a second look with no plan, its relay up, was read
+    as a relay's loss: a KeyError ended the look)."""
+    now = [1000.0]
+    members = [[Replica("a", "h:1")], []]
+    message: list[str] = ["training"]
+    refused: dict[int, str] = {}
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        job, _, watch = _watch(
+            store, members, lambda: 89, lambda: 0, message, now, refused=lambda: refused
+        )
+        asyncio.run(watch.look())
+        refused[1] = "idle, sent to it, refused the job: 'building stage 1 failed (OOM)'"
+        for _ in range(2):
+            now[0] += 1.0
+            asyncio.run(watch.look())
+            said = message[0]
+            assert said.startswith("stalled at step 89: stage 1 has no replica since "), said
+            assert f" (stage 1: {refused[1]}); start a stage server for this job" in said, said
+        stall = [e.text for e in store.events(job) if e.kind == "stall"]
+        assert stall[1:] == [f"stage 1 has no replica: {refused[1]}; {REMEDY}"], stall
 
 
 def test_steps_that_stop_while_every_stage_is_served_are_a_stall_too(tmp_path: Path) -> None:

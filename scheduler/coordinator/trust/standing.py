@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from swarm.net.peer_names import barred, credentials_of
+from swarm.net.peer_names import BarredIds
 from swarm.rpc.lease import Replica
 
 __all__ = ["Ban", "BanBook", "Members", "Standing"]
@@ -83,7 +83,7 @@ class Standing:
         self.first_seen: dict[str, int] = dict(book.seen()) if book is not None else {}
         self.kept: list[Ban] = book.kept() if book is not None else []  # by coordinators before
         self.binds = book is not None and book.binds_credentials  # ids bind credentials
-        self._credentials: set[str] = set()  # those of the banned peers, where ids bind them
+        self._barred = BarredIds(self.binds)  # the banned ids, and their credentials' ids
         for ban in self.kept:
             self.bar(ban.peer, ban.evidence, ban.step)
         if self.banned:
@@ -97,13 +97,12 @@ class Standing:
 
     def bars(self, peer: str) -> bool:
         """Whether `peer` is no member: banned, or certified by a banned one's credential."""
-        return peer in self.banned or (self.binds and barred(peer, self._credentials))
+        return peer in self.banned or peer in self._barred
 
     def bar(self, peer: str, evidence: str, step: int) -> None:
         """`peer` is banned from now on, caught at `step`."""
         self.banned[peer], self.caught_at[peer] = evidence, step
-        if self.binds:
-            self._credentials |= credentials_of(peer)
+        self._barred.add(peer)
 
     def came(self, peer: str, step: int) -> None:
         """`peer` was a member at `step`, before any step known so far: kept in the book too."""
