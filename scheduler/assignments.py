@@ -232,13 +232,9 @@ class Assignments:
 
     def _serving(self, job_id: str, stages: int) -> Collection[int]:
         """The stages of `job_id` a replica serves (`registry.serving`), but those served by
-        peers banned from the job alone: its coordinators leave them out."""
-        serving = self.registry.serving(job_id)
-        banned = self.banned(job_id)
-        if not banned:
-            return serving
-        on = self.registry.members(job_id, stages)
-        return {k for k in serving if k < stages and any(r.peer not in banned for r in on[k])}
+        peers banned from the job alone: its coordinators leave them out. (Read from the
+        members, a stage whose replica's load reports were late counted as unserved.)"""
+        return {k for k in self.registry.serving(job_id, self.banned(job_id)) if k < stages}
 
     def _incarnations(self) -> dict[str, str]:
         return {peer: a.incarnation for peer, a in self.registry.peers.items()}

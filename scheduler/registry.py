@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Container, Mapping
 from dataclasses import dataclass
 
 from scheduler.failure_domains import domains_of
@@ -327,9 +327,9 @@ class PeerRegistry:
             result.append(Shown(p, stage, state, joining))
         return result
 
-    def serving(self, job_id: str) -> dict[int, str]:
+    def serving(self, job_id: str, barred: Container[str] = ()) -> dict[int, str]:
         """Per stage, the dial address of the fastest replica serving it (not an unreachable
-        one: it serves nobody)."""
+        one: it serves nobody; nor one `barred`, banned from the job: no replica of it)."""
         best: dict[int, tuple[float, str]] = {}
         for p in self.peers.values():
             if (
@@ -337,6 +337,7 @@ class PeerRegistry:
                 and p.state == cpb.PEER_STATE_SERVING
                 and p.HasField("stage")
                 and not self.is_unreachable(p.peer)
+                and p.peer not in barred
             ):
                 speed = known_speed(p.samples_per_second.get(p.stage, 0.0))  # an inf is no fastest
                 if p.stage not in best or speed > best[p.stage][0]:

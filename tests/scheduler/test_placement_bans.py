@@ -110,3 +110,18 @@ def test_the_scheduler_places_by_the_bans_its_coordinators_keep(
         barred = scheduler.assignments.banned(job)
         assert "gpu1.alice" in barred and "bob" not in barred
         assert ("gpu2.alice" in barred) is binds
+
+
+def test_a_ban_elsewhere_leaves_a_stage_whose_replica_is_quiet_served() -> None:
+    """A stage whose replica's load reports are late is served, as placement counts it without
+    bans; with a ban of another peer of the job, placement read the stages from the members
+    (which leave a quiet replica out) and counted it unserved."""
+    clock = FakeClock()
+    registry, assignments = placement(clock, TIMEOUT_S)
+    registry.load_silence_s = 1.0
+    registry.announce(_serving("a", 0))
+    clock.advance(10.0)  # its load reports stop
+    assert registry.members("j", 1) == [[]]
+    for banned in (set(), {"z"}):
+        assignments.banned = lambda job, b=banned: b  # type: ignore[misc]
+        assert set(assignments._serving("j", 1)) == {0}, banned
