@@ -61,8 +61,9 @@ class Mover:
         # stage -> (the peer sent to fill it, what was done in words, clock time it was sent)
         self._filling: dict[int, tuple[str, str, float]] = {}
         # stage nobody serves -> the peer last sent to fill it that refused the job, and why
-        # (its build failed: out of memory, a full disk), until another is sent or it is served
-        self.refused: dict[int, str] = {}
+        # (its build failed: out of memory, a full disk), until another is sent or it is
+        # served; and when it refused
+        self._refusals: dict[int, tuple[str, float]] = {}
 
     async def run(self) -> None:
         """Rebalance every `period_s` until cancelled."""
@@ -171,8 +172,9 @@ class Mover:
         for k, (peer, _, at) in list(self._filling.items()):
             why = refusal(registry.peers.get(peer), self.job_id)
             if why is not None and k in missing:  # said at once: it never serves
-                self.refused[k] = f"{peer}, sent to it, refused the job: {quoted(why)}"
-                log.warning("job %s: stage %d has no replica: %s", self.job_id, k, self.refused[k])
+                said = f"{peer}, sent to it, refused the job: {quoted(why)}"
+                self._refusals[k] = (said, now)
+                log.warning("job %s: stage %d has no replica: %s", self.job_id, k, said)
             if (
                 k not in missing
                 or peer not in registry.peers
@@ -188,12 +190,23 @@ class Mover:
         if todo:
             await self._send_idle(todo, now)
             todo = [k for k in todo if k not in self._filling]
+        # A spare replica moved there that refused it (the stage does not fit such a peer, say)
+        # left the job with its old stage; the next is moved once `serve_timeout_s` has
+        # passed, as before, not at the next look: one a timeout, not the stage's every spare.
+        timeout = registry.serve_timeout_s
+        todo = [k for k in todo if now - self._refusals.get(k, ("", -math.inf))[1] > timeout]
         if todo and self.config.enabled:
             await self._move_spares(todo, now)
-        self.refused = {
-            k: why for k, why in self.refused.items() if k in missing and k not in self._filling
+        self._refusals = {
+            k: r for k, r in self._refusals.items() if k in missing and k not in self._filling
         }
         return {k: what for k, (_, what, _) in self._filling.items() if k in missing}
+
+    @property
+    def refused(self) -> dict[int, str]:
+        """Of the stages nobody serves, those whose peer sent refused the job, in words, until
+        another is sent or the stage is served."""
+        return {k: said for k, (said, _) in self._refusals.items()}
 
     async def _send_idle(self, todo: list[int], now: float) -> None:
         """Idle peers measured for the job take the empty stages, the fastest at each."""

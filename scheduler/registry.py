@@ -329,16 +329,11 @@ class PeerRegistry:
 
     def serving(self, job_id: str, barred: Container[str] = ()) -> dict[int, str]:
         """Per stage, the dial address of the fastest replica serving it (not an unreachable
-        one: it serves nobody; nor one `barred`, banned from the job: no replica of it)."""
+        one, it serves nobody; nor one `barred`: banned from the job, it is no replica)."""
         best: dict[int, tuple[float, str]] = {}
         for p in self.peers.values():
-            if (
-                p.job == job_id
-                and p.state == cpb.PEER_STATE_SERVING
-                and p.HasField("stage")
-                and not self.is_unreachable(p.peer)
-                and p.peer not in barred
-            ):
+            serves = p.job == job_id and p.state == cpb.PEER_STATE_SERVING and p.HasField("stage")
+            if serves and not self.is_unreachable(p.peer) and p.peer not in barred:
                 speed = known_speed(p.samples_per_second.get(p.stage, 0.0))  # an inf is no fastest
                 if p.stage not in best or speed > best[p.stage][0]:
                     best[p.stage] = (speed, self.dial_address(p))

@@ -141,9 +141,10 @@ class StallWatch:
         checkpoint = self._checkpoint(now, step)
         missing = [k for k, replicas in enumerate(members) if not replicas]
         plans: dict[int, str] = {}
-        if missing and self.refill is not None:
+        if (missing or self._lost) and self.refill is not None:
             # A move publishes on the bus: a failure there is logged and tried again next look,
-            # never the end of the watch (and the job's training attempt with it).
+            # never the end of the watch (and the job's training attempt with it). Asked too at
+            # the look a stage is served again: what it keeps of that stage is let go then.
             with logged(log, f"job {self.job_id}: refill failed"):
                 plans = await self.refill(missing)
         relays = self.lost(missing) if missing else {}
@@ -152,15 +153,7 @@ class StallWatch:
         refused = {k: why for k, why in self.refused().items() if k in missing}
         for k in missing:
             what = plans.get(k)
-            down = relay_down_text(relays[k]) if k in relays and not what else None
-            if k in homes and not what and not down:
-                down = (
-                    f"its replicas ({', '.join(homes[k][1])}) all sat behind router {homes[k][0]}"
-                )
-            if bans.get(k) and not what and not down:
-                down = f"its server(s) {', '.join(bans[k])} banned from this job; {REMEDY}"
-            if refused.get(k) and not what and not down:
-                down = f"{refused[k]}; {REMEDY}"
+            down, source = (None, "") if what else _down(k, relays, homes, bans, refused)
             if k not in self._lost:
                 self._lost[k] = now
                 self.history.record(
@@ -171,9 +164,9 @@ class StallWatch:
                 )
             elif what and self._plans.get(k) != what:  # a spare came later
                 self.history.record(self.job_id, "move", f"stage {k} has no replica: {what}")
-            elif (down and k in refused and self._refused.get(k) != refused[k]) or (
-                down and k in relays and self._relays.get(k) != relays[k]
-            ):  # refused later
+            elif (source == "relay" and self._relays.get(k) != relays[k]) or (
+                source == "refused" and self._refused.get(k) != refused[k]
+            ):  # its relay's loss, or the refusal of the peer sent to it, known later
                 self.history.record(self.job_id, "stall", f"stage {k} has no replica: {down}")
         self._plans, self._relays, self._refused = plans, relays, refused
         served_again = ""
@@ -329,3 +322,27 @@ class StallWatch:
         while True:
             await self.look()
             await asyncio.sleep(period_s)
+
+
+def _down(
+    k: int,
+    relays: dict[int, str],
+    homes: dict[int, tuple[str, list[str]]],
+    bans: dict[int, list[str]],
+    refused: Mapping[int, str],
+) -> tuple[str | None, str]:
+    """Why stage `k`, which nobody serves and the scheduler sends nobody to, is down, in words,
+    and which of those it is ("relay", "home", "banned", "refused"); (None, "") when none is
+    known (the remedy is `REMEDY`)."""
+    if k in relays:
+        return relay_down_text(relays[k]), "relay"
+    if k in homes:
+        return (
+            f"its replicas ({', '.join(homes[k][1])}) all sat behind router {homes[k][0]}",
+            "home",
+        )
+    if bans.get(k):
+        return f"its server(s) {', '.join(bans[k])} banned from this job; {REMEDY}", "banned"
+    if refused.get(k):
+        return f"{refused[k]}; {REMEDY}", "refused"
+    return None, ""

@@ -36,7 +36,7 @@ class Present:
         for p in registry.peers.values():
             if p.role != cpb.PEER_ROLE_STAGE_SERVER or registry.is_unreachable(p.peer):
                 continue
-            if p.refused_job == job_id and p.refused:  # named with its refusal (`refused_words`)
+            if refusal(p, job_id) is not None:  # named with its refusal (`refused_words`)
                 continue
             if p.job in ("", job_id) and p.state == cpb.PEER_STATE_JOINING:
                 measuring += not all(k in p.samples_per_second for k in range(stages))

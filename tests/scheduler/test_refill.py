@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from scheduler.assignments import Assignments
 from scheduler.rebalance_loop import Mover
 from scheduler.registry import PeerRegistry
-from swarm.clock import MonotonicClock
+from swarm.clock import Clock, FakeClock, MonotonicClock
 from swarm.job.config import RebalanceConfig
 from swarm.proto import control_pb2 as cpb
 from tests.support.announcements import serving
@@ -31,9 +32,9 @@ def _stage_1_lost(registry: PeerRegistry) -> None:
 
 
 def _scheduler(
-    enabled: bool = True, min_replicas: int = 1
+    enabled: bool = True, min_replicas: int = 1, clock: Clock | None = None
 ) -> tuple[PeerRegistry, Assignments, Mover, Counter]:
-    registry = PeerRegistry(MonotonicClock(), load_silence_s=60.0, serve_timeout_s=60.0)
+    registry = PeerRegistry(clock or MonotonicClock(), load_silence_s=1e9, serve_timeout_s=60.0)
 
     async def say(job: str, text: str) -> None:
         pass
@@ -105,7 +106,9 @@ def test_a_peer_placement_sent_to_the_empty_stage_is_what_the_stall_says() -> No
     assert moves.labels(job="j")._value.get() == 0.0
 
 
-def test_an_idle_peer_that_refuses_the_stage_is_said_at_once_not_waited_for() -> None:
+def test_an_idle_peer_that_refuses_the_stage_is_said_at_once_not_waited_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The idle peer sent to the empty stage fails to build it (out of memory) and announces
     itself free, refusing the job: the stall said "giving it to idle peer idle" until the serve
     timeout ran out, though it would never serve (a review found it). Its refusal is said at
@@ -117,12 +120,34 @@ def test_an_idle_peer_that_refuses_the_stage_is_said_at_once_not_waited_for() ->
     why = "building stage 1 failed (OutOfMemoryError: CUDA out of memory)"
     registry.announce(cpb.PeerAnnouncement(peer="idle", refused_job="j", refused=why))
     assert asyncio.run(mover.refill([1])) == {}
-    assert mover.refused == {1: f'idle, sent to it, refused the job: "{why}"'}
+    said = f'idle, sent to it, refused the job: "{why}"'
+    assert mover.refused == {1: said}
+    assert f"job j: stage 1 has no replica: {said}" in caplog.text  # at WARNING
     assert assignments.on_the_way("j", 3) == [[], [], []]  # not waited for either
     registry.announce(_joining("other", [1.0, 1.0, 1.0]))
     assert asyncio.run(mover.refill([1])) == {1: "giving it to idle peer other"}
     assert mover.refused == {}  # another is on its way: the refusal is no news
     assert asyncio.run(mover.refill([])) == {} and mover.refused == {}
+
+
+def test_a_spare_that_refuses_the_stage_is_followed_by_the_next_after_the_timeout_only() -> None:
+    """A spare replica moved to the empty stage refuses it (the stage does not fit such a peer)
+    and leaves the job with its old stage. Sent on at the next look, the next spare would go
+    the same way at once, and the next: one is moved a `serve_timeout_s`, as before."""
+    clock = FakeClock()
+    registry, _, mover, moves = _scheduler(clock=clock)
+    for peer, stage in (("a", 0), ("b", 2), ("c", 2), ("d", 2)):
+        registry.announce(serving(peer, stage, speeds=[5.0, 5.0, 5.0]))
+    first = asyncio.run(mover.refill([1]))
+    assert list(first) == [1] and first[1].startswith("moving ")
+    sent = first[1].split()[1]
+    registry.announce(cpb.PeerAnnouncement(peer=sent, refused_job="j", refused="no room"))
+    assert asyncio.run(mover.refill([1])) == {}  # said, and no second spare moved yet
+    assert 1 in mover.refused and moves.labels(job="j")._value.get() == 1.0
+    clock.advance(61.0)  # the serve timeout (60 s) since the refusal
+    again = asyncio.run(mover.refill([1]))
+    assert list(again) == [1] and sent not in again[1], again
+    assert moves.labels(job="j")._value.get() == 2.0 and mover.refused == {}
 
 
 def test_joining_peers_fill_the_short_stage_once_counting_those_on_their_way() -> None:

@@ -168,6 +168,30 @@ def test_a_stage_whose_peer_sent_refused_it_says_the_refusal(tmp_path: Path) -> 
         assert stall[1:] == [f"stage 1 has no replica: {refused[1]}; {REMEDY}"], stall
 
 
+def test_the_look_a_stage_is_served_again_asks_refill_so_it_lets_the_stage_go(
+    tmp_path: Path,
+) -> None:
+    """`refill` keeps what it did for each stage nobody serves (a refusal, with its words) until
+    a look tells it the stage is served: asked only while stages were missing, it kept an old
+    refusal, named again when the stage was lost hours later (a review found it)."""
+    members = [[Replica("a", "h:1")], []]
+    asked: list[list[int]] = []
+
+    async def refill(missing: list[int]) -> dict[int, str]:
+        asked.append(list(missing))
+        return {}
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        _, _, watch = _watch(
+            store, members, lambda: 9, lambda: 0, ["training"], [1.0], refill=refill
+        )
+        asyncio.run(watch.look())
+        members[1].append(Replica("b", "h:2"))  # served again
+        asyncio.run(watch.look())
+        asyncio.run(watch.look())  # nothing lost since: not asked
+    assert asked == [[1], []], asked
+
+
 def test_steps_that_stop_while_every_stage_is_served_are_a_stall_too(tmp_path: Path) -> None:
     now = [0.0]
     members = [[Replica("a", "h:1"), Replica("b", "h:2")]]
