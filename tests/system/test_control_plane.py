@@ -236,7 +236,8 @@ def test_demo_trains_through_a_killed_replica_and_cleans_up(
     code = main(["demo", "--job", str(job)])
     result = capsys.readouterr()
     assert code == 0, result.out[-2000:] + result.err[-3000:]
-    assert "killed peer" in result.out + result.err
+    told = [line for line in (result.out + result.err).splitlines() if "** " in line]
+    assert any("killed peer" in line for line in told), told  # else the demo's why not
     assert "succeeded: 40 steps" in result.out
     # It ends with what the model learned: text sampled after the prompt, on one line.
     said = result.out.split("a sample of what it learned", 1)[1].splitlines()[1]
