@@ -54,6 +54,14 @@ R = TypeVar("R")
 FETCH_TIMEOUT_S = 3600.0
 
 
+def _at_its_cap(error: grpc.RpcError) -> bool:
+    """Whether the scheduler refused the call for its cap of calls in progress (gRPC's
+    `maximum_concurrent_rpcs`), not for the call itself."""
+    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (
+        error.details() or ""
+    )
+
+
 class RemoteCoordinator:
     """The scheduler's step coordinator, over gRPC."""
 
@@ -97,14 +105,17 @@ class RemoteCoordinator:
                 return await rpc()
             except grpc.RpcError as e:
                 error, delay = from_rpc_error(e), backoff.next()
-                # A scheduler restarting, or too busy to answer in time, is worth asking again.
-                # Anything else (an unknown job, a refused token, a bad request) is final, and
-                # so is TLS on one side only: asking again cannot change either side's flags.
+                # A scheduler restarting, or too busy to answer in time (or at its cap of calls
+                # in progress: a stage lost, every trainer's slots give work back at once), is
+                # worth asking again. Anything else (an unknown job, a refused token, a request
+                # too large) is final, and so is TLS on one side only: asking again cannot
+                # change either side's flags.
                 if isinstance(error, PeerUnavailable):
                     hint = explain_grpc(self.address, e.details() or "", "the scheduler")
                     if hint is not None:
                         raise ConfigError(hint) from e
-                if not isinstance(error, PeerUnavailable) or time.monotonic() + delay > give_up:
+                again = isinstance(error, PeerUnavailable) or _at_its_cap(e)
+                if not again or time.monotonic() + delay > give_up:
                     raise error from e
             log.warning("scheduler: %s failed (%s); asking again", what, error)
             await asyncio.sleep(delay)

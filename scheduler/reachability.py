@@ -324,8 +324,13 @@ class ReachabilityChecker:
             return report
         through = None
         if relay:
-            through = await self.scope.refuses(relay) or await self._paced(
-                peer, paths.relayed_address(peer, address, relay)
+            # none written for what it announced ('@' or '/' in its id or relay): said as the
+            # relay path's failure, where it raised out of the check, logged as a bug each time
+            relayed = paths.relayable(peer, address, relay)
+            through = await self.scope.refuses(relay) or (
+                await self._paced(peer, relayed)
+                if relayed is not None
+                else f"no relayed address for peer id {peer!r} through {relay!r}"
             )
             if through is None:
                 report.reachability, report.relay = cpb.REACHABILITY_RELAYED, relay

@@ -169,14 +169,15 @@ class PeerRegistry:
 
     def dial_address(self, p: cpb.PeerAnnouncement) -> str:
         """Where a call to `p` goes: through its relay when the dial-back reached it there (or,
-        not checked yet, when it announces one), else its announced address."""
+        not checked yet, when it announces one), else (or where its announcement names no
+        relayed address: `paths.relayable`) its announced address."""
         report = self._reach.get(p.peer)
         if report is not None and report.reachability == cpb.REACHABILITY_RELAYED:
             # The relay it announces now first: its relay died and it re-attached to that one
             # (checked again at once, but calls meanwhile would go to the dead one).
-            return paths.relayed_address(p.peer, p.address, p.relay or report.relay)
+            return paths.relayable(p.peer, p.address, p.relay or report.relay) or p.address
         if (report is None or report.reachability == cpb.REACHABILITY_UNKNOWN) and p.relay:
-            return paths.relayed_address(p.peer, p.address, p.relay)
+            return paths.relayable(p.peer, p.address, p.relay) or p.address
         return p.address
 
     def relayed(self, peer: str) -> bool:

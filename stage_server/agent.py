@@ -47,6 +47,7 @@ from stage_server.server import (
     check_device,
     start_grpc,
 )
+from stage_server.servicer import StageServicer
 from swarm.bus.bounds import MAX_TEXT_CHARS
 from swarm.bus.connection import Bus, BusLike, refusal_said
 from swarm.bus.topics import TopicKind, Topics, parse_broker_url
@@ -239,27 +240,33 @@ class PeerAgent:
             await asyncio.sleep(self.load_period_s)
             if self.state != cpb.PEER_STATE_SERVING or self.stage is None:
                 continue
-            runtime = servicer.runtime
-            mb = runtime.job.training.microbatch_size
-            # A microbatch's work here is a Forward and a Backward (one ForwardBackward at the
-            # last stage): per-sample seconds of that, comparable to the join-time measurement.
-            calls = 1 if runtime.is_last else 2
-            ema = servicer.ema_seconds * calls if servicer.ema_seconds else None
-            report = cpb.LoadReport(
-                peer=self.peer,
-                job=self.job_id,
-                stage=self.stage,
-                queue_depth=servicer.waiting,
-                in_flight=min(1, servicer.waiting),
-                ema_seconds_per_sample=ema / mb if ema else 0.0,
-                time=time.time(),
-                boundary=servicer.metrics.boundary.report(),  # what `swarm status` sums
-                activation_capacity=servicer.limits.capacity(runtime),  # trainers' windows
-            )
+            # A broker hiccup, or the device's claims unreadable for a moment (what the cache
+            # holds reads them), must not stop the reports for good: raised here, it ended the
+            # agent's task group, the process and every stage it served.
             try:
-                await self.bus.publish(self.bus.topics.load(self.peer), report)
-            except Exception as e:  # a broker hiccup must not stop the reports for good
-                unsent.warning("load", "%s: load report not sent: %s", self.peer, e)
+                await self.bus.publish(self.bus.topics.load(self.peer), self._load(servicer))
+            except Exception as e:
+                unsent.warning("load", "%s: load report not made or sent: %s", self.peer, e)
+
+    def _load(self, servicer: StageServicer) -> cpb.LoadReport:
+        """The load report of the stage `servicer` serves now."""
+        runtime = servicer.runtime
+        mb = runtime.job.training.microbatch_size
+        # A microbatch's work here is a Forward and a Backward (one ForwardBackward at the last
+        # stage): per-sample seconds of that, comparable to the join-time measurement.
+        calls = 1 if runtime.is_last else 2
+        ema = servicer.ema_seconds * calls if servicer.ema_seconds else None
+        return cpb.LoadReport(
+            peer=self.peer,
+            job=self.job_id,
+            stage=self.stage,
+            queue_depth=servicer.waiting,
+            in_flight=min(1, servicer.waiting),
+            ema_seconds_per_sample=ema / mb if ema else 0.0,
+            time=time.time(),
+            boundary=servicer.metrics.boundary.report(),  # what `swarm status` sums
+            activation_capacity=servicer.limits.capacity(runtime),  # trainers' windows
+        )
 
     async def _consume(self, messages: object) -> None:
         async for topic, message in messages:  # type: ignore[attr-defined]

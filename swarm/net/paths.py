@@ -24,6 +24,7 @@ __all__ = [
     "parse",
     "peer_name",
     "relay_credential",
+    "relayable",
     "relayed_address",
 ]
 
@@ -59,6 +60,16 @@ def relayed_address(peer: str, address: str, relay: str) -> str:
     if not address or not relay or "/" in relay or "@" in relay:
         raise ValueError(f"cannot relay to {address!r} through {relay!r}")
     return f"{SCHEME}{peer}@{relay}/{address}"
+
+
+def relayable(peer: str, address: str, relay: str) -> str | None:
+    """`relayed_address`, or None where none can be written (a peer id or relay with '@' or
+    '/', no address): what a peer announces is any token holder's to send, and a lookup that
+    raised ended whatever read it (every job's stall watch read every peer's)."""
+    try:
+        return relayed_address(peer, address, relay)
+    except ValueError:
+        return None
 
 
 def parse(address: str) -> Path:

@@ -142,6 +142,17 @@ async def test_a_relay_that_does_not_carry_the_call_leaves_the_peer_unreachable(
         assert "through relay relay.example:7000" in report.detail
 
 
+async def test_a_peer_id_no_relayed_address_can_name_is_unreachable_through_its_relay() -> None:
+    """'@' in the announced peer id: no relayed address can be written for it. The check raised
+    out (a traceback logged each time the peer announced, and no report); it is the relay
+    path's failure, said."""
+    async with checking(FakeDialer()) as c:
+        c.checker.announced(announce("a@b", "192.168.1.20:5000", relay="relay.example:7000"))
+        report = await c.report()
+        assert report.reachability == cpb.REACHABILITY_UNREACHABLE
+        assert "no relayed address for peer id 'a@b'" in report.detail, report.detail
+
+
 async def test_another_peer_answering_at_the_address_is_not_the_peer() -> None:
     async with checking(FakeDialer({"10.0.0.1:5000": "b"})) as c:
         c.checker.announced(announce("a", "10.0.0.1:5000"))

@@ -316,3 +316,27 @@ def test_a_members_speed_that_is_no_speed_is_unknown() -> None:
         reg.announce(peer(name, cpb.PEER_STATE_SERVING, stage=1, speeds=(2.0, bad)))
     speeds = {r.peer: r.throughput for r in reg.members("j", 2)[1]}
     assert speeds == {"a": 0.0, "b": 0.0, "c": 0.0, "d": 3.0}, speeds
+
+
+@pytest.mark.parametrize(
+    ("name", "relay", "address"),
+    [("a@b", "relay.example:7000", "h:1"), ("a", "r:1/x", "h:1"), ("a", "relay.example:7000", "")],
+    ids=["@ in its id", "/ in its relay", "no address"],
+)
+def test_an_announcement_no_relayed_address_can_be_written_for_is_dialled_as_announced(
+    name: str, relay: str, address: str
+) -> None:
+    """Any token holder may announce a peer whose id or relay cannot make a relayed address (or
+    with no address): the registry's lookups raised ValueError, and every running job's stall
+    watch reads every peer's (`domains`) each second, so every job's attempt ended, again at
+    each attempt while the announcement was held. It is dialled at its address, as announced;
+    its calls fail, the jobs go on."""
+    reg = registry()
+    announced = peer(name, state=cpb.PEER_STATE_SERVING, stage=0, relay=relay)
+    announced.address = address
+    reg.announce(announced)
+    assert reg.domains()[name] is not None
+    assert reg.members("j", 2)[0][0].address == address
+    assert not reg.relayed(name) and reg.serving("j") == {0: address}
+    reg.reached(cpb.ReachabilityReport(peer=name, reachability=cpb.REACHABILITY_RELAYED))
+    assert reg.members("j", 2)[0][0].address == address

@@ -517,3 +517,51 @@ async def test_a_cancel_reaches_a_peer_while_it_fetches_the_jobs_checkpoint(
     finally:
         consuming.cancel()
         executor.shutdown()
+
+
+async def test_a_load_report_that_cannot_be_made_once_stops_no_report_after_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reading what the activation cache holds reads the device's claims (files: an OSError
+    there, a full descriptor table). Raised out of the report loop, it ended the agent's task
+    group: the peer process, and every stage it served. It is said, and the next report goes."""
+    agent, _, executor = _agent(monkeypatch)
+    sent: list[cpb.LoadReport] = []
+
+    async def publish(topic: str, message: Any, retain: bool = False) -> None:
+        if isinstance(message, cpb.LoadReport):
+            sent.append(message)
+
+    failures = [OSError(24, "Too many open files")]
+
+    def capacity(runtime: Any) -> int:
+        if failures:
+            raise failures.pop()
+        return 8
+
+    runtime = SimpleNamespace(job=SimpleNamespace(training=SimpleNamespace(microbatch_size=2)))
+    runtime.is_last = False
+    agent.running.servicer = SimpleNamespace(  # type: ignore[misc]
+        runtime=runtime,
+        ema_seconds=0.5,
+        waiting=0,
+        metrics=SimpleNamespace(boundary=SimpleNamespace(report=cpb.BoundaryTraffic)),
+        limits=SimpleNamespace(capacity=capacity),
+    )
+    monkeypatch.setattr(agent.bus, "publish", publish)
+    agent.state, agent.stage, agent.job_id, agent.load_period_s = (
+        cpb.PEER_STATE_SERVING,
+        0,
+        "j",
+        0.01,
+    )
+    reporting = asyncio.create_task(agent._report_load())
+    try:
+        await wait_until(lambda: bool(sent) or reporting.done(), "a load report sent", timeout_s=5)
+        assert not reporting.done(), reporting.exception()
+        assert sent[0].activation_capacity == 8
+        assert "load report not made or sent: [Errno 24] Too many open files" in caplog.text
+    finally:
+        reporting.cancel()
+        await asyncio.gather(reporting, return_exceptions=True)
+        executor.shutdown()
