@@ -358,8 +358,8 @@ def sealed(root: Path) -> list[int]:
             continue  # deleted since the glob (pruned)
         except OSError as e:
             log.warning("checkpoint %s cannot be read, passed over: %s", manifest.parent.name, e)
-        except (ValueError, KeyError):
-            continue  # a foreign file is not a checkpoint
+        except (ValueError, KeyError, TypeError):
+            continue  # a foreign file is not a checkpoint (a list, a number, a null step)
     return sorted(steps)
 
 

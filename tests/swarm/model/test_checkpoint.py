@@ -208,3 +208,14 @@ def test_a_checkpoint_of_the_torch_save_format_is_still_read(tmp_path: Path) -> 
     torch.save(state, tmp_path / "step-00000003" / "stage-0.pt")
     back = checkpoint.load_stage(tmp_path, 3, 0)
     assert all(torch.equal(back[k], v) for k, v in state.items()) and back.keys() == state.keys()
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "7", '{"step": null}', "not json", "{}"])
+def test_a_foreign_manifest_is_no_checkpoint(tmp_path: Path, text: str) -> None:
+    """Whatever else wrote a manifest into the job's checkpoint folder: passed over. A list, a
+    number or a null step raised TypeError, out of every stall watch's look at the job's last
+    checkpoint and each attempt's start, so the job's attempts kept failing."""
+    _, root = _sealed(tmp_path, 1)
+    (root / "step-00000009").mkdir()
+    (root / "step-00000009" / "manifest.json").write_text(text)
+    assert checkpoint.sealed(root) == [1]
